@@ -1,0 +1,1 @@
+//! The conformance suite every store passes (feature `test-util`).

@@ -1,0 +1,146 @@
+//! The response a completed record keeps and replays.
+
+use bytes::Bytes;
+
+/// A response as idem stores it: framework-neutral, so that the same record replays
+/// through any adapter.
+///
+/// Headers keep their order and their repeats (two `Set-Cookie` fields stay two
+/// fields). Names are stored lower-case, as HTTP/2 and the `http` crates spell them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status code.
+    pub status: u16,
+    /// Every header field, in order, repeats kept.
+    pub headers: Vec<Header>,
+    /// The body, byte for byte. Empty when `replayable` is false.
+    pub body: Bytes,
+    /// Whether the body was kept. A body over the stored-body limit is sent to the
+    /// first client but not kept; a retry then gets a problem answer instead of a
+    /// replay (and never a second execution).
+    pub replayable: bool,
+}
+
+/// One header field: a lower-case name and its value's raw bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Header {
+    /// The field name, lower-case.
+    pub name: String,
+    /// The field value, as sent (not necessarily UTF-8).
+    pub value: Bytes,
+}
+
+/// The header that marks a replayed answer.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+impl Header {
+    /// A header field; the name is lower-cased.
+    pub fn new(name: impl AsRef<str>, value: impl Into<Bytes>) -> Self {
+        Self {
+            name: name.as_ref().to_ascii_lowercase(),
+            value: value.into(),
+        }
+    }
+}
+
+impl StoredResponse {
+    /// A replayable response.
+    pub fn new(status: u16, headers: Vec<Header>, body: impl Into<Bytes>) -> Self {
+        Self {
+            status,
+            headers,
+            body: body.into(),
+            replayable: true,
+        }
+    }
+
+    /// A response whose body was too large to keep: status and headers only.
+    pub fn without_body(status: u16, headers: Vec<Header>) -> Self {
+        Self {
+            status,
+            headers,
+            body: Bytes::new(),
+            replayable: false,
+        }
+    }
+
+    /// The values of every field named `name` (case-insensitive), in order.
+    pub fn header_values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.headers
+            .iter()
+            .filter(move |h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value.as_ref())
+    }
+
+    /// Encodes the header list into one byte string, for stores that keep it in a
+    /// single column. Each name and value is prefixed by its length (u32, big-endian).
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let size = self
+            .headers
+            .iter()
+            .map(|h| 8 + h.name.len() + h.value.len())
+            .sum();
+        let mut out = Vec::with_capacity(size);
+        for h in &self.headers {
+            for part in [h.name.as_bytes(), h.value.as_ref()] {
+                out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+                out.extend_from_slice(part);
+            }
+        }
+        out
+    }
+
+    /// Decodes what [`encode_headers`](Self::encode_headers) wrote; `None` if the
+    /// bytes are not such an encoding.
+    pub fn decode_headers(mut bytes: &[u8]) -> Option<Vec<Header>> {
+        fn part<'a>(bytes: &mut &'a [u8]) -> Option<&'a [u8]> {
+            let (len, rest) = bytes.split_first_chunk::<4>()?;
+            let len = u32::from_be_bytes(*len) as usize;
+            if rest.len() < len {
+                return None;
+            }
+            let (value, rest) = rest.split_at(len);
+            *bytes = rest;
+            Some(value)
+        }
+        let mut headers = Vec::new();
+        while !bytes.is_empty() {
+            let name = std::str::from_utf8(part(&mut bytes)?).ok()?.to_owned();
+            let value = Bytes::copy_from_slice(part(&mut bytes)?);
+            headers.push(Header { name, value });
+        }
+        Some(headers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_encoding_round_trips_repeats_and_binary_values() {
+        let response = StoredResponse::new(
+            201,
+            vec![
+                Header::new("Set-Cookie", "a=1"),
+                Header::new("set-cookie", "b=2"),
+                Header::new("x-bin", Bytes::from_static(&[0, 255, 10, 13])),
+                Header::new("x-empty", ""),
+            ],
+            "{}",
+        );
+        let decoded = StoredResponse::decode_headers(&response.encode_headers());
+        assert_eq!(decoded, Some(response.headers.clone()));
+        assert_eq!(
+            response.header_values("SET-COOKIE").collect::<Vec<_>>(),
+            vec![b"a=1".as_ref(), b"b=2".as_ref()]
+        );
+    }
+
+    #[test]
+    fn truncated_header_encoding_is_rejected() {
+        let response = StoredResponse::new(200, vec![Header::new("a", "bc")], "");
+        let bytes = response.encode_headers();
+        assert_eq!(StoredResponse::decode_headers(&bytes[..bytes.len() - 1]), None);
+    }
+}

@@ -1,0 +1,150 @@
+//! The `Store` trait: where records live, each step atomic.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, StoredResponse};
+
+mod memory;
+
+pub use memory::{MemoryStore, MemoryStoreBuilder};
+
+/// The future a store step returns: `Send`, so one trait serves Tower and actix.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// A source error, boxed.
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// Where records live.
+///
+/// A store makes each step of the state machine atomic; it decides nothing. The
+/// engine ([`crate::Engine`]) calls it. Every store, ours and third parties', must
+/// pass the conformance suite in [`crate::conformance`] (feature `test-util`).
+///
+/// Times are the store's own: a database store compares with the database's clock,
+/// so that application instances with skewed clocks still agree on when a lease
+/// lapsed. Durations (`lease`, `retention`) are relative to that clock.
+///
+/// The trait is object-safe: `Arc<dyn Store>` is a store.
+pub trait Store: Send + Sync + 'static {
+    /// Claims `(scope, key)` in one atomic step.
+    ///
+    /// An absent record, an expired one and one whose lease has lapsed all count as
+    /// new: the store writes an in-progress record owned by `request.owner`, with
+    /// `lease_until = now + lease` and `expires_at = now + retention`, and answers
+    /// [`ClaimOutcome::Claimed`]. Otherwise it answers what it found, without
+    /// changing it. Of any number of concurrent claims of a new record, exactly one
+    /// is granted.
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome>;
+
+    /// Extends the claim's lease to `now + lease`. Refused with
+    /// [`StoreError::StaleOwner`] unless `claim.owner` holds the record in progress.
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()>;
+
+    /// Completes the record with `response`, kept until `now + retention`. Refused
+    /// with [`StoreError::StaleOwner`] unless `claim.owner` holds the record in
+    /// progress.
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()>;
+
+    /// Deletes the in-progress record so that the next request runs the handler
+    /// again. Refused with [`StoreError::StaleOwner`] unless `claim.owner` holds it.
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()>;
+
+    /// The record of `(scope, key)`, if present and not expired. Reads the primary.
+    fn load<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey)
+    -> StoreFuture<'a, Option<Record>>;
+
+    /// Deletes up to `batch` expired records (completed ones past `expires_at`, and
+    /// in-progress ones past both `expires_at` and their lease) and answers how many
+    /// it deleted. Cleanup jobs call it until it answers less than `batch`.
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64>;
+
+    /// Resolves when the record of `(scope, key)` may have changed from in progress
+    /// (completed, released, lapsed), or after `poll` at the latest. The engine
+    /// calls it in wait mode between claims. The default sleeps for `poll`; stores
+    /// that can be notified (the in-memory store, PostgreSQL's `LISTEN`) resolve
+    /// sooner.
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        let _ = (scope, key);
+        Box::pin(async move {
+            tokio::time::sleep(poll).await;
+            Ok(())
+        })
+    }
+}
+
+/// Why a store step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The caller's claim is no longer held: its lease lapsed and another request
+    /// claimed the record, or the record was released or completed.
+    #[error("the claim is no longer held by this owner")]
+    StaleOwner,
+    /// The store is at capacity with in-progress records and cannot take a claim.
+    #[error("the store is full of in-progress records")]
+    Full,
+    /// A stored record could not be read back.
+    #[error("a stored record is corrupt: {0}")]
+    Corrupt(String),
+    /// The store could not be reached or failed.
+    #[error("the store is unavailable")]
+    Unavailable(#[source] BoxError),
+}
+
+impl StoreError {
+    /// A failure of the backend, keeping its cause.
+    pub fn unavailable(source: impl Into<BoxError>) -> Self {
+        Self::Unavailable(source.into())
+    }
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        (**self).claim(request)
+    }
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+        (**self).renew(claim, lease)
+    }
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        (**self).complete(claim, response, retention)
+    }
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        (**self).release(claim)
+    }
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>> {
+        (**self).load(scope, key)
+    }
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        (**self).delete_expired(batch)
+    }
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        (**self).changed(scope, key, poll)
+    }
+}
