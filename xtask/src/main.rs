@@ -1,1 +1,35 @@
-fn main() {}
+//! Project tasks: `cargo xtask ci | e2e | bench | demo`.
+//!
+//! One binary, a module per task, few dependencies (after rust-analyzer's xtask).
+
+use std::process::ExitCode;
+
+mod ci;
+mod shell;
+
+const USAGE: &str = "\
+usage: cargo xtask <task>
+
+tasks:
+  ci      formatting, clippy (warnings denied), docs (warnings denied) and every test
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci::run(&args[1..]),
+        Some("-h" | "--help" | "help") => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown task `{other}`\n\n{USAGE}")),
+        None => Err(USAGE.to_owned()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("xtask: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
