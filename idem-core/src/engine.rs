@@ -169,7 +169,12 @@ impl Engine {
     /// In wait mode ([`InProgress::Wait`]) a request whose key is in progress
     /// waits here, up to the bound, for the record to complete (then replays it)
     /// or be released (then claims it).
-    pub async fn begin(&self, scope: Scope, key: IdempotencyKey, fingerprint: Fingerprint) -> Begin {
+    pub async fn begin(
+        &self,
+        scope: Scope,
+        key: IdempotencyKey,
+        fingerprint: Fingerprint,
+    ) -> Begin {
         let policy = self.policy();
         let deadline = match policy.in_progress {
             InProgress::Wait { up_to } => Some(Instant::now() + up_to),
@@ -198,10 +203,14 @@ impl Engine {
                         settled: false,
                     });
                 }
-                ClaimOutcome::Completed { fingerprint, .. } if fingerprint != request.fingerprint => {
+                ClaimOutcome::Completed { fingerprint, .. }
+                    if fingerprint != request.fingerprint =>
+                {
                     return self.mismatch(&request);
                 }
-                ClaimOutcome::InProgress { fingerprint, .. } if fingerprint != request.fingerprint => {
+                ClaimOutcome::InProgress { fingerprint, .. }
+                    if fingerprint != request.fingerprint =>
+                {
                     return self.mismatch(&request);
                 }
                 ClaimOutcome::Completed { response, .. } => {
@@ -220,8 +229,7 @@ impl Engine {
                     let retry_after = match (policy.in_progress, deadline) {
                         (_, Some(deadline)) if now < deadline => {
                             let wait = poll.min(deadline - now);
-                            let changed =
-                                self.store().changed(&request.scope, &request.key, wait);
+                            let changed = self.store().changed(&request.scope, &request.key, wait);
                             match tokio::time::timeout(wait, changed).await {
                                 Ok(Err(error)) => return self.store_failed(&request, error),
                                 Ok(Ok(())) | Err(_) => {}
@@ -436,4 +444,295 @@ pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::{Fingerprint, IdempotencyKey, MemoryStore, ProblemKind, Record, StoreFuture};
+
+    fn fp(n: u8) -> Fingerprint {
+        Fingerprint::from_bytes([n; 32])
+    }
+
+    fn key(k: &str) -> IdempotencyKey {
+        IdempotencyKey::new(k).unwrap()
+    }
+
+    fn ok(status: u16, body: &'static str) -> StoredResponse {
+        StoredResponse::new(
+            status,
+            vec![Header::new("x-a", "1"), Header::new("x-a", "2")],
+            body,
+        )
+    }
+
+    fn expect_execute(begin: Begin) -> Execution {
+        match begin {
+            Begin::Execute(e) => e,
+            other => panic!("expected Execute, got {other:?}"),
+        }
+    }
+
+    fn expect_problem(begin: Begin) -> Problem {
+        match begin {
+            Begin::Reject(p) => p,
+            other => panic!("expected Reject, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn completed_request_replays_with_marker_header() {
+        let engine = Engine::new(MemoryStore::new(), Policy::required());
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        assert_eq!(
+            exec.finish(&ok(201, "made")).await.unwrap(),
+            Finished::Completed
+        );
+
+        let Begin::Replay(replay) = engine.begin(scope, key("k"), fp(1)).await else {
+            panic!("expected a replay")
+        };
+        assert_eq!(replay.status, 201);
+        assert_eq!(&replay.body[..], b"made");
+        let names: Vec<_> = replay
+            .headers
+            .iter()
+            .map(|h| (h.name.as_str(), &h.value[..]))
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                ("x-a", &b"1"[..]),
+                ("x-a", &b"2"[..]),
+                ("idempotent-replayed", &b"true"[..])
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn different_fingerprint_is_key_reused_in_both_states() {
+        let engine = Engine::new(MemoryStore::new(), Policy::required());
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        let p = expect_problem(engine.begin(scope.clone(), key("k"), fp(2)).await);
+        assert_eq!((p.kind, p.status), (ProblemKind::KeyReused, 422));
+        exec.finish(&ok(200, "")).await.unwrap();
+        let p = expect_problem(engine.begin(scope, key("k"), fp(2)).await);
+        assert_eq!((p.kind, p.status), (ProblemKind::KeyReused, 422));
+    }
+
+    #[tokio::test]
+    async fn in_progress_is_conflict_with_retry_after() {
+        let engine = Engine::new(MemoryStore::new(), Policy::required());
+        let scope = Scope::new("s");
+        let _exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        let p = expect_problem(engine.begin(scope, key("k"), fp(1)).await);
+        assert_eq!((p.kind, p.status), (ProblemKind::RequestInProgress, 409));
+        assert_eq!(p.retry_after, Some(Duration::from_secs(1)));
+    }
+
+    #[tokio::test]
+    async fn released_statuses_let_the_retry_run_again() {
+        let engine = Engine::new(MemoryStore::new(), Policy::required());
+        let scope = Scope::new("s");
+        for status in [500, 503, 408, 425, 429] {
+            let k = key(&format!("k{status}"));
+            let exec = expect_execute(engine.begin(scope.clone(), k.clone(), fp(1)).await);
+            assert_eq!(
+                exec.finish(&ok(status, "")).await.unwrap(),
+                Finished::Released
+            );
+            expect_execute(engine.begin(scope.clone(), k, fp(1)).await);
+        }
+    }
+
+    #[tokio::test]
+    async fn failed_and_dropped_executions_release_their_claim() {
+        let engine = Engine::new(MemoryStore::new(), Policy::required());
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("a"), fp(1)).await);
+        let p = exec.fail().await;
+        assert_eq!((p.kind, p.status), (ProblemKind::HandlerFailed, 500));
+        expect_execute(engine.begin(scope.clone(), key("a"), fp(1)).await);
+
+        drop(expect_execute(
+            engine.begin(scope.clone(), key("b"), fp(1)).await,
+        ));
+        // The release runs on a spawned task; give it a turn.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+            if engine
+                .store()
+                .load(&scope, &key("b"))
+                .await
+                .unwrap()
+                .is_none()
+            {
+                break;
+            }
+        }
+        expect_execute(engine.begin(scope, key("b"), fp(1)).await);
+    }
+
+    #[tokio::test]
+    async fn unreplayable_response_answers_response_not_stored() {
+        let engine = Engine::new(MemoryStore::new(), Policy::required());
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        exec.finish(&StoredResponse::without_body(200, vec![]))
+            .await
+            .unwrap();
+        let p = expect_problem(engine.begin(scope, key("k"), fp(1)).await);
+        assert_eq!((p.kind, p.status), (ProblemKind::ResponseNotStored, 410));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_mode_replays_once_the_first_request_completes() {
+        let policy = Policy::required().in_progress(InProgress::Wait {
+            up_to: Duration::from_secs(5),
+        });
+        let engine = Engine::new(MemoryStore::new(), policy);
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        let waiter = tokio::spawn({
+            let engine = engine.clone();
+            let scope = scope.clone();
+            async move { engine.begin(scope, key("k"), fp(1)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        exec.finish(&ok(201, "done")).await.unwrap();
+        match waiter.await.unwrap() {
+            Begin::Replay(r) => assert_eq!(&r.body[..], b"done"),
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_mode_gives_up_with_conflict_after_its_bound() {
+        let policy = Policy::required().in_progress(InProgress::Wait {
+            up_to: Duration::from_millis(300),
+        });
+        let engine = Engine::new(MemoryStore::new(), policy);
+        let scope = Scope::new("s");
+        let _exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        let p = expect_problem(engine.begin(scope, key("k"), fp(1)).await);
+        assert_eq!((p.kind, p.status), (ProblemKind::RequestInProgress, 409));
+        assert_eq!(p.retry_after, Some(Duration::from_secs(1)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_is_renewed_while_a_slow_handler_runs() {
+        let policy = Policy::required().lease(Duration::from_millis(300));
+        let engine = Engine::new(MemoryStore::new(), policy);
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        let probe = tokio::spawn({
+            let engine = engine.clone();
+            let scope = scope.clone();
+            async move {
+                // Well past the lease: without renewal this would claim the record.
+                tokio::time::sleep(Duration::from_millis(1_000)).await;
+                engine.begin(scope, key("k"), fp(1)).await
+            }
+        });
+        let out = exec
+            .run(async {
+                tokio::time::sleep(Duration::from_millis(2_000)).await;
+                7
+            })
+            .await;
+        assert_eq!(out, 7);
+        let p = expect_problem(probe.await.unwrap());
+        assert_eq!(p.kind, ProblemKind::RequestInProgress);
+        assert_eq!(
+            exec.finish(&ok(200, "")).await.unwrap(),
+            Finished::Completed
+        );
+    }
+
+    struct FailingStore;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("connection refused")]
+    struct Refused;
+
+    impl Store for FailingStore {
+        fn claim<'a>(&'a self, _: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+            Box::pin(async { Err(StoreError::unavailable(Refused)) })
+        }
+        fn renew<'a>(&'a self, _: &'a Claim, _: Duration) -> StoreFuture<'a, ()> {
+            Box::pin(async { Err(StoreError::unavailable(Refused)) })
+        }
+        fn complete<'a>(
+            &'a self,
+            _: &'a Claim,
+            _: &'a StoredResponse,
+            _: Duration,
+        ) -> StoreFuture<'a, ()> {
+            Box::pin(async { Err(StoreError::unavailable(Refused)) })
+        }
+        fn release<'a>(&'a self, _: &'a Claim) -> StoreFuture<'a, ()> {
+            Box::pin(async { Err(StoreError::unavailable(Refused)) })
+        }
+        fn load<'a>(
+            &'a self,
+            _: &'a Scope,
+            _: &'a IdempotencyKey,
+        ) -> StoreFuture<'a, Option<Record>> {
+            Box::pin(async { Err(StoreError::unavailable(Refused)) })
+        }
+        fn delete_expired(&self, _: usize) -> StoreFuture<'_, u64> {
+            Box::pin(async { Err(StoreError::unavailable(Refused)) })
+        }
+    }
+
+    #[tokio::test]
+    async fn store_failure_fails_closed_by_default_and_open_on_request() {
+        let engine = Engine::new(FailingStore, Policy::required());
+        let p = expect_problem(engine.begin(Scope::new("s"), key("k"), fp(1)).await);
+        assert_eq!((p.kind, p.status), (ProblemKind::StoreUnavailable, 503));
+        assert_eq!(p.retry_after, Some(Duration::from_secs(5)));
+        assert!(
+            !p.detail.contains("refused"),
+            "the answer leaks nothing internal"
+        );
+
+        let engine = Engine::new(
+            FailingStore,
+            Policy::required().on_store_failure(OnStoreFailure::FailOpen),
+        );
+        assert!(matches!(
+            engine.begin(Scope::new("s"), key("k"), fp(1)).await,
+            Begin::Unguarded
+        ));
+    }
+
+    #[test]
+    fn admit_covers_methods_and_keys() {
+        let engine = Engine::new(FailingStore, Policy::required());
+        assert!(matches!(
+            engine.admit("GET", [&b"k"[..]]),
+            Admission::PassThrough
+        ));
+        assert!(matches!(
+            engine.admit("POST", [&b"k"[..]]),
+            Admission::Keyed(_)
+        ));
+        match engine.admit("POST", std::iter::empty()) {
+            Admission::Reject(p) => assert_eq!((p.kind, p.status), (ProblemKind::MissingKey, 400)),
+            other => panic!("{other:?}"),
+        }
+        match engine.admit("PATCH", [&b"a"[..], &b"b"[..]]) {
+            Admission::Reject(p) => assert_eq!((p.kind, p.status), (ProblemKind::InvalidKey, 400)),
+            other => panic!("{other:?}"),
+        }
+        let optional = Engine::new(FailingStore, Policy::optional());
+        assert!(matches!(
+            optional.admit("POST", std::iter::empty()),
+            Admission::PassThrough
+        ));
+    }
 }
