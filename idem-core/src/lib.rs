@@ -19,7 +19,9 @@ pub use fingerprint::{
     BodyMode, Fingerprint, FingerprintBuilder, FingerprintSpec, HeaderSource, RequestHead,
 };
 pub use key::{IdempotencyKey, KEY_HEADER, KeyError, MAX_KEY_LEN, Redacted};
-pub use policy::{InProgress, KeyRequirement, OnStoreFailure, Policy, ProblemStatuses, StatusFilter};
+pub use policy::{
+    InProgress, KeyRequirement, OnStoreFailure, Policy, ProblemStatuses, StatusFilter,
+};
 pub use problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Problem, ProblemKind};
 pub use record::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
 pub use response::{Header, REPLAYED_HEADER, StoredResponse};

@@ -137,7 +137,9 @@ impl ProblemStatuses {
 impl StatusFilter {
     /// CONTRACT §5: every status below 500 except 408, 425 and 429.
     pub fn contract() -> Self {
-        Self(Arc::new(|status| status < 500 && !matches!(status, 408 | 425 | 429)))
+        Self(Arc::new(|status| {
+            status < 500 && !matches!(status, 408 | 425 | 429)
+        }))
     }
 
     /// A filter of the application's own.

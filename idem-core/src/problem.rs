@@ -151,7 +151,10 @@ mod tests {
             r.header_values("content-type").collect::<Vec<_>>(),
             vec![b"application/problem+json".as_ref()]
         );
-        assert_eq!(r.header_values("retry-after").collect::<Vec<_>>(), vec![b"2".as_ref()]);
+        assert_eq!(
+            r.header_values("retry-after").collect::<Vec<_>>(),
+            vec![b"2".as_ref()]
+        );
         let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
         assert_eq!(
             body,
@@ -169,7 +172,10 @@ mod tests {
         let p = Problem::new(ProblemKind::RequestInProgress, 409, "")
             .with_retry_after(Duration::from_millis(200));
         let r = p.to_response();
-        assert_eq!(r.header_values("retry-after").collect::<Vec<_>>(), vec![b"1".as_ref()]);
+        assert_eq!(
+            r.header_values("retry-after").collect::<Vec<_>>(),
+            vec![b"1".as_ref()]
+        );
     }
 
     #[test]

@@ -141,6 +141,9 @@ mod tests {
     fn truncated_header_encoding_is_rejected() {
         let response = StoredResponse::new(200, vec![Header::new("a", "bc")], "");
         let bytes = response.encode_headers();
-        assert_eq!(StoredResponse::decode_headers(&bytes[..bytes.len() - 1]), None);
+        assert_eq!(
+            StoredResponse::decode_headers(&bytes[..bytes.len() - 1]),
+            None
+        );
     }
 }

@@ -59,8 +59,11 @@ pub trait Store: Send + Sync + 'static {
     fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()>;
 
     /// The record of `(scope, key)`, if present and not expired. Reads the primary.
-    fn load<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey)
-    -> StoreFuture<'a, Option<Record>>;
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>>;
 
     /// Deletes up to `batch` expired records (completed ones past `expires_at`, and
     /// in-progress ones past both `expires_at` and their lease) and answers how many
