@@ -5,6 +5,8 @@
 use std::process::ExitCode;
 
 mod ci;
+mod demo;
+mod example;
 mod shell;
 
 const USAGE: &str = "\
@@ -12,12 +14,14 @@ usage: cargo xtask <task>
 
 tasks:
   ci      formatting, clippy (warnings denied), docs (warnings denied) and every test
+  demo    the experiment that motivates idem, against payments-axum
 ";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(&args[1..]),
+        Some("demo") => demo::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             print!("{USAGE}");
             Ok(())

@@ -1,0 +1,163 @@
+//! `cargo xtask demo`: the experiment that motivates idem, for a newcomer.
+//!
+//! Starts payments-axum (or, with `--actix`, payments-actix) on its embedded
+//! default store, then: the same deposit
+//! delivered three times without a key and with one; 100 parallel charges with one
+//! key. Prints what happened as a small table.
+
+use std::collections::BTreeMap;
+
+use serde_json::{Value, json};
+
+use crate::example::{Example, Server};
+
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    let example = match args.first().map(String::as_str) {
+        None | Some("--axum") => Example::Axum,
+        Some("--actix") => Example::Actix,
+        Some(other) => {
+            return Err(format!(
+                "demo takes --axum (default) or --actix, not {other}"
+            ));
+        }
+    };
+    let binary = example.build(false)?;
+    let dir = std::env::temp_dir().join(format!("idem-demo-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let server = Server::start(&binary, &dir, &[])?;
+    println!("{} is {}", example.package(), server.base);
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
+    let rows = runtime.block_on(experiment(&server.base));
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+    let rows = rows?;
+    print_table(&rows);
+    Ok(())
+}
+
+struct Row {
+    experiment: &'static str,
+    expected: String,
+    observed: String,
+}
+
+async fn experiment(base: &str) -> Result<Vec<Row>, String> {
+    let client = reqwest::Client::new();
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let mut rows = Vec::new();
+
+    // 1. One deposit, delivered three times (a broker redelivers), without a key.
+    let account = format!("demo-nokey-{run}");
+    for _ in 0..3 {
+        post(&client, base, &account, "deposits", None).await?;
+    }
+    let (balance, operations) = account_state(&client, base, &account).await?;
+    rows.push(Row {
+        experiment: "deposit of 100 delivered 3x, no key",
+        expected: "balance 100 (1 operation)".into(),
+        observed: format!("balance {balance} ({operations} operations)"),
+    });
+
+    // 2. The same, with one Idempotency-Key.
+    let account = format!("demo-key-{run}");
+    let key = format!("deposit-{run}");
+    let mut replays = 0;
+    for _ in 0..3 {
+        let (_, replayed, _) = post(&client, base, &account, "deposits", Some(&key)).await?;
+        replays += usize::from(replayed);
+    }
+    let (balance, operations) = account_state(&client, base, &account).await?;
+    rows.push(Row {
+        experiment: "deposit of 100 delivered 3x, one key",
+        expected: "balance 100 (1 operation)".into(),
+        observed: format!("balance {balance} ({operations} operation, {replays} replays)"),
+    });
+
+    // 3. 100 parallel charges with one key.
+    let account = format!("demo-storm-{run}");
+    let key = format!("charge-{run}");
+    let answers = futures_util::future::join_all(
+        (0..100).map(|_| post(&client, base, &account, "charges", Some(&key))),
+    )
+    .await;
+    let mut statuses: BTreeMap<u16, usize> = BTreeMap::new();
+    let mut bodies = std::collections::BTreeSet::new();
+    for answer in answers {
+        let (status, _, body) = answer?;
+        *statuses.entry(status).or_default() += 1;
+        if status == 201 {
+            bodies.insert(body);
+        }
+    }
+    let (balance, operations) = account_state(&client, base, &account).await?;
+    let statuses: Vec<String> = statuses.iter().map(|(s, n)| format!("{n}x {s}")).collect();
+    rows.push(Row {
+        experiment: "100 parallel charges of 100, one key",
+        expected: "balance 100 (1 operation)".into(),
+        observed: format!(
+            "balance {balance} ({operations} operation); answers {}; {} distinct 201 bodies",
+            statuses.join(", "),
+            bodies.len()
+        ),
+    });
+    Ok(rows)
+}
+
+async fn post(
+    client: &reqwest::Client,
+    base: &str,
+    account: &str,
+    what: &str,
+    key: Option<&str>,
+) -> Result<(u16, bool, String), String> {
+    let mut request = client
+        .post(format!("{base}/accounts/{account}/{what}"))
+        .bearer_auth("demo")
+        .json(&json!({"amount": 100, "currency": "EUR"}));
+    if let Some(key) = key {
+        request = request.header("Idempotency-Key", key);
+    }
+    let response = request.send().await.map_err(|e| e.to_string())?;
+    let status = response.status().as_u16();
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let body = response.text().await.map_err(|e| e.to_string())?;
+    Ok((status, replayed, body))
+}
+
+async fn account_state(
+    client: &reqwest::Client,
+    base: &str,
+    account: &str,
+) -> Result<(i64, i64), String> {
+    let body: Value = client
+        .get(format!("{base}/accounts/{account}"))
+        .bearer_auth("demo")
+        .send()
+        .await
+        .map_err(|e| e.to_string())?
+        .json()
+        .await
+        .map_err(|e| e.to_string())?;
+    let field = |name: &str| {
+        body[name]
+            .as_i64()
+            .ok_or_else(|| format!("account answer without `{name}`: {body}"))
+    };
+    Ok((field("balance")?, field("operations")?))
+}
+
+fn print_table(rows: &[Row]) {
+    let w0 = rows.iter().map(|r| r.experiment.len()).max().unwrap_or(0);
+    let w1 = rows.iter().map(|r| r.expected.len()).max().unwrap_or(0);
+    println!();
+    println!("{:w0$} | {:w1$} | observed", "experiment", "a user expects");
+    println!(
+        "{}-+-{}-+-{}",
+        "-".repeat(w0),
+        "-".repeat(w1),
+        "-".repeat(40)
+    );
+    for r in rows {
+        println!("{:w0$} | {:w1$} | {}", r.experiment, r.expected, r.observed);
+    }
+}

@@ -1,0 +1,89 @@
+//! The payments examples as real processes on 127.0.0.1.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use crate::shell::{self, cargo, workspace_root};
+
+/// A payments example binary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Example {
+    Axum,
+    Actix,
+}
+
+impl Example {
+    pub(crate) fn package(self) -> &'static str {
+        match self {
+            Self::Axum => "payments-axum",
+            Self::Actix => "payments-actix",
+        }
+    }
+
+    /// Builds the binary and answers its path; `release` for measurements.
+    pub(crate) fn build(self, release: bool) -> Result<PathBuf, String> {
+        let mut args = vec!["build", "-q", "-p", self.package()];
+        if release {
+            args.push("--release");
+        }
+        shell::run(&format!("cargo {}", args.join(" ")), &mut cargo(&args))?;
+        let profile = if release { "release" } else { "debug" };
+        Ok(workspace_root()
+            .join("target")
+            .join(profile)
+            .join(self.package()))
+    }
+}
+
+/// A running example; killed when dropped.
+pub(crate) struct Server {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub(crate) base: String,
+}
+
+impl Server {
+    /// Starts `binary` in `dir` with `args`, and waits for its `listening on` line.
+    pub(crate) fn start(binary: &Path, dir: &Path, args: &[&str]) -> Result<Self, String> {
+        let mut child = Command::new(binary)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("could not start {}: {e}", binary.display()))?;
+        let stdout = child.stdout.take().ok_or_else(|| "no stdout".to_owned())?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(first)) = lines.next() {
+                let _ = tx.send(first);
+            }
+            // Keep draining so the server never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let mut server = Self {
+            child,
+            base: String::new(),
+        };
+        let first = rx
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|_| format!("{} printed no `listening on` line", binary.display()))?;
+        let base = first
+            .strip_prefix("listening on ")
+            .ok_or_else(|| format!("unexpected first line: {first:?}"))?;
+        server.base = base.trim_end_matches('/').to_owned();
+        Ok(server)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
