@@ -1,1 +1,11 @@
-//! Work in progress.
+#![doc = include_str!("../README.md")]
+
+mod capture;
+mod edge;
+mod extract;
+mod middleware;
+
+pub use extract::IdempotencyInfo;
+pub use middleware::Idempotency;
+#[doc(hidden)]
+pub use middleware::IdempotencyMiddleware;

@@ -1,0 +1,103 @@
+//! The edge between actix-web's `http` 0.2 types and the core's own: the only
+//! place where one is turned into the other.
+
+use actix_web::HttpResponse;
+use actix_web::body::BoxBody;
+use actix_web::http::StatusCode;
+use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
+use idem_core::{Header, HeaderSource, StoredResponse};
+
+/// A request's headers, as the fingerprint looks them up.
+pub(crate) struct RequestHeaders<'a>(pub(crate) &'a HeaderMap);
+
+impl HeaderSource for RequestHeaders<'_> {
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.0.get(name).map(HeaderValue::as_bytes)
+    }
+}
+
+/// Every header field of a response, repeats kept in order.
+///
+/// actix-web keeps headers in a hash map: the values of one name keep their order,
+/// while the order between names is the map's, both here and on the wire.
+pub(crate) fn stored_headers(headers: &HeaderMap) -> Vec<Header> {
+    headers
+        .iter()
+        .map(|(name, value)| Header::new(name.as_str(), bytes_of(value)))
+        .collect()
+}
+
+/// The status as the core counts it.
+pub(crate) fn stored_status(status: StatusCode) -> u16 {
+    status.as_u16()
+}
+
+/// A stored answer (a replay or a problem) as an actix-web response.
+pub(crate) fn into_http_response(stored: StoredResponse) -> HttpResponse<BoxBody> {
+    let status = StatusCode::from_u16(stored.status).unwrap_or_else(|_| {
+        tracing::error!(target: "idem", status = stored.status, "a stored status is not a valid HTTP status; answering 500");
+        StatusCode::INTERNAL_SERVER_ERROR
+    });
+    let mut response = HttpResponse::with_body(status, BoxBody::new(stored.body));
+    let headers = response.headers_mut();
+    for header in stored.headers {
+        match (
+            HeaderName::from_bytes(header.name.as_bytes()),
+            HeaderValue::from_maybe_shared(header.value),
+        ) {
+            (Ok(name), Ok(value)) => headers.append(name, value),
+            _ => {
+                tracing::warn!(target: "idem", header = %header.name, "a stored header is not valid HTTP; it is left out");
+            }
+        }
+    }
+    response
+}
+
+fn bytes_of(value: &HeaderValue) -> bytes::Bytes {
+    bytes::Bytes::copy_from_slice(value.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_response_round_trips_repeated_headers() {
+        let stored = StoredResponse::new(
+            201,
+            vec![
+                Header::new("set-cookie", "a=1"),
+                Header::new("set-cookie", "b=2"),
+                Header::new("content-type", "application/json"),
+            ],
+            "{}",
+        );
+        let response = into_http_response(stored);
+        assert_eq!(response.status(), StatusCode::CREATED);
+        let mut headers = stored_headers(response.headers());
+        headers.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!(
+            headers,
+            vec![
+                Header::new("content-type", "application/json"),
+                Header::new("set-cookie", "a=1"),
+                Header::new("set-cookie", "b=2"),
+            ]
+        );
+    }
+
+    #[test]
+    fn invalid_stored_header_is_left_out() {
+        let stored = StoredResponse::new(
+            200,
+            vec![Header::new("bad name", "x"), Header::new("x-ok", "y")],
+            "",
+        );
+        let response = into_http_response(stored);
+        assert_eq!(
+            stored_headers(response.headers()),
+            vec![Header::new("x-ok", "y")]
+        );
+    }
+}
