@@ -8,6 +8,7 @@ mod policy;
 mod problem;
 mod record;
 mod response;
+pub mod retry;
 mod scope;
 pub mod store;
 
