@@ -230,9 +230,9 @@ impl Engine {
                         (_, Some(deadline)) if now < deadline => {
                             let wait = poll.min(deadline - now);
                             let changed = self.store().changed(&request.scope, &request.key, wait);
-                            match tokio::time::timeout(wait, changed).await {
-                                Ok(Err(error)) => return self.store_failed(&request, error),
-                                Ok(Ok(())) | Err(_) => {}
+                            // A timeout only means "look again".
+                            if let Ok(Err(error)) = tokio::time::timeout(wait, changed).await {
+                                return self.store_failed(&request, error);
                             }
                             poll = (poll * 2).min(Duration::from_millis(200));
                             // A fresh owner for the next attempt: tokens are never reused.
