@@ -22,7 +22,8 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 ///
 /// A store makes each step of the state machine atomic; it decides nothing. The
 /// engine ([`crate::Engine`]) calls it. Every store, ours and third parties', must
-/// pass the conformance suite in [`crate::conformance`] (feature `test-util`).
+/// pass the conformance suite in the `conformance` module (feature
+/// `test-util`).
 ///
 /// Times are the store's own: a database store compares with the database's clock,
 /// so that application instances with skewed clocks still agree on when a lease
