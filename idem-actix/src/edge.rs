@@ -1,11 +1,34 @@
 //! The edge between actix-web's `http` 0.2 types and the core's own: the only
 //! place where one is turned into the other.
 
-use actix_web::HttpResponse;
+use std::fmt;
+
 use actix_web::body::BoxBody;
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
-use idem_core::{Header, HeaderSource, StoredResponse};
+use actix_web::{HttpResponse, ResponseError};
+use idem_core::{Header, HeaderSource, Problem, StoredResponse};
+
+/// A problem answered as an actix-web error, where no request is left to answer
+/// it with (the handler panicked with it).
+#[derive(Debug)]
+pub(crate) struct ProblemError(pub(crate) Problem);
+
+impl fmt::Display for ProblemError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.0.kind.slug(), self.0.detail)
+    }
+}
+
+impl ResponseError for ProblemError {
+    fn status_code(&self) -> StatusCode {
+        status_code(self.0.status)
+    }
+
+    fn error_response(&self) -> HttpResponse<BoxBody> {
+        into_http_response(self.0.to_response())
+    }
+}
 
 /// A request's headers, as the fingerprint looks them up.
 pub(crate) struct RequestHeaders<'a>(pub(crate) &'a HeaderMap);
@@ -34,11 +57,8 @@ pub(crate) fn stored_status(status: StatusCode) -> u16 {
 
 /// A stored answer (a replay or a problem) as an actix-web response.
 pub(crate) fn into_http_response(stored: StoredResponse) -> HttpResponse<BoxBody> {
-    let status = StatusCode::from_u16(stored.status).unwrap_or_else(|_| {
-        tracing::error!(target: "idem", status = stored.status, "a stored status is not a valid HTTP status; answering 500");
-        StatusCode::INTERNAL_SERVER_ERROR
-    });
-    let mut response = HttpResponse::with_body(status, BoxBody::new(stored.body));
+    let mut response =
+        HttpResponse::with_body(status_code(stored.status), BoxBody::new(stored.body));
     let headers = response.headers_mut();
     for header in stored.headers {
         match (
@@ -52,6 +72,13 @@ pub(crate) fn into_http_response(stored: StoredResponse) -> HttpResponse<BoxBody
         }
     }
     response
+}
+
+fn status_code(status: u16) -> StatusCode {
+    StatusCode::from_u16(status).unwrap_or_else(|_| {
+        tracing::error!(target: "idem", status, "a stored status is not a valid HTTP status; answering 500");
+        StatusCode::INTERNAL_SERVER_ERROR
+    })
 }
 
 fn bytes_of(value: &HeaderValue) -> bytes::Bytes {

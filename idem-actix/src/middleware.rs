@@ -22,7 +22,9 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use crate::capture::{Captured, capture};
-use crate::edge::{RequestHeaders, into_http_response, stored_headers, stored_status};
+use crate::edge::{
+    ProblemError, RequestHeaders, into_http_response, stored_headers, stored_status,
+};
 use crate::extract::IdempotencyInfo;
 
 /// Makes a resource or scope safe to retry: wraps it so that requests with the same
@@ -341,7 +343,6 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
 {
-    let http_request = request.request().clone();
     let (sender, receiver) = oneshot::channel();
     // Spawned, not awaited here: actix drops this future when the client
     // disconnects, and the handler must not be cancelled with it.
@@ -355,12 +356,9 @@ where
     );
     match receiver.await {
         Ok(answer) => answer,
-        Err(_) => {
-            // The worker is shutting down and dropped the task; the claim is
-            // released by the execution's drop.
-            let response = into_http_response(engine.handler_failed().to_response());
-            Ok(ServiceResponse::new(http_request, response).map_into_right_body())
-        }
+        // The worker is shutting down and dropped the task; the execution's drop
+        // released the claim.
+        Err(_) => Err(ProblemError(engine.handler_failed()).into()),
     }
 }
 
@@ -387,7 +385,8 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
 {
-    let http_request = request.request().clone();
+    // No clone of the request is kept while the service runs: actix's router needs
+    // it unshared.
     let limit = execution.stored_body_limit();
     let handler = async move {
         let response = match service.call(request).await {
@@ -427,8 +426,9 @@ where
         }
         Err(_panic) => {
             tracing::error!(target: "idem", "the handler panicked");
-            let problem = execution.fail().await;
-            return Ok(problem_response(http_request, &problem));
+            // The request went down with the handler: the problem travels as an
+            // error, which actix answers with its response.
+            return Err(ProblemError(execution.fail().await).into());
         }
     };
     let status = stored_status(head.status());
