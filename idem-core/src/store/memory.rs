@@ -1,31 +1,183 @@
 //! The in-memory store.
 
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime};
 
-use super::{Store, StoreFuture};
-use crate::{Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, StoredResponse};
+use bytes::Bytes;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{Store, StoreError, StoreFuture};
+use crate::{
+    Claim, ClaimOutcome, ClaimRequest, Fingerprint, Header, IdempotencyKey, OwnerToken, Record,
+    RecordState, Scope, StoredResponse,
+};
 
 /// Records in this process's memory: sharded, bounded by record count and bytes.
+///
+/// The store suits a single application instance, tests and development: its records
+/// are lost on restart and not shared between processes (use a database store for
+/// that). Cloning it is cheap; clones share the same records.
+///
+/// # Bounds and eviction
+///
+/// The store holds at most [`max_records`](MemoryStoreBuilder::max_records) records
+/// and [`max_bytes`](MemoryStoreBuilder::max_bytes) bytes, counted as the key, the
+/// scope, every header name and value and the body of each record, plus
+/// [`RECORD_OVERHEAD`](Self::RECORD_OVERHEAD) bytes per record. When a claim or a
+/// completion needs room, the store first drops expired records, then evicts
+/// completed records, oldest completion first. It never evicts a record in
+/// progress: when in-progress records alone fill it, a claim answers
+/// [`StoreError::Full`]. A response too large to fit even after every completed
+/// record is evicted is kept without its body (`replayable: false`), so a retry gets
+/// a problem answer rather than a second execution.
+///
+/// # Time
+///
+/// The store runs on Tokio's clock ([`tokio::time::Instant`]), so tests may pause
+/// and advance it. Records report times as [`SystemTime`]s. A lease is live while
+/// `now < lease_until`; a record is expired when `now >= expires_at` (and, in
+/// progress, its lease has lapsed too). Expired records count as absent and are
+/// removed when next touched or by [`Store::delete_expired`]. Durations beyond a
+/// century count as a century.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idem_core::{
+///     ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, Scope,
+///     Store, StoredResponse,
+/// };
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = MemoryStore::builder().max_records(10_000).max_bytes(64 << 20).build();
+/// let request = ClaimRequest {
+///     scope: Scope::new("tenant-1"),
+///     key: IdempotencyKey::new("order-42")?,
+///     fingerprint: Fingerprint::from_bytes([7; 32]),
+///     owner: OwnerToken::random(),
+///     lease: Duration::from_secs(30),
+///     retention: Duration::from_secs(86_400),
+/// };
+/// let ClaimOutcome::Claimed(claim) = store.claim(&request).await? else {
+///     panic!("a new key is claimed");
+/// };
+/// let response = StoredResponse::new(201, vec![], "{}");
+/// store.complete(&claim, &response, request.retention).await?;
+///
+/// let again = ClaimRequest { owner: OwnerToken::random(), ..request };
+/// assert!(matches!(
+///     store.claim(&again).await?,
+///     ClaimOutcome::Completed { response: stored, .. } if stored == response
+/// ));
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct MemoryStore {
-    _todo: (),
+    inner: Arc<Inner>,
 }
 
 /// Configures a [`MemoryStore`].
+///
+/// ```
+/// let store = idem_core::MemoryStore::builder()
+///     .max_records(100_000)
+///     .max_bytes(128 * 1024 * 1024)
+///     .shards(32)
+///     .build();
+/// assert!(store.is_empty());
+/// ```
 #[must_use]
+#[derive(Clone, Debug)]
 pub struct MemoryStoreBuilder {
-    _todo: (),
+    max_records: usize,
+    max_bytes: usize,
+    shards: usize,
 }
 
 impl MemoryStore {
-    /// A store with the default bounds.
+    /// The bytes each record counts on top of its key, scope, headers and body: an
+    /// estimate of its map slot, its index entries and its allocations.
+    pub const RECORD_OVERHEAD: usize = 256;
+
+    /// A store with the default bounds: 1,000,000 records, 512 MiB, 16 shards.
     pub fn new() -> Self {
-        todo!()
+        Self::builder().build()
     }
 
     /// Configures bounds and sharding.
     pub fn builder() -> MemoryStoreBuilder {
-        todo!()
+        MemoryStoreBuilder {
+            max_records: 1_000_000,
+            max_bytes: 512 * 1024 * 1024,
+            shards: 16,
+        }
+    }
+
+    /// How many records the store holds, counting expired ones not yet removed.
+    pub fn len(&self) -> usize {
+        self.inner.records.load(Ordering::Acquire)
+    }
+
+    /// Whether the store holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes the store's records count against
+    /// [`max_bytes`](MemoryStoreBuilder::max_bytes).
+    pub fn used_bytes(&self) -> usize {
+        self.inner.bytes.load(Ordering::Acquire)
+    }
+}
+
+impl MemoryStoreBuilder {
+    /// The most records the store holds (default 1,000,000).
+    pub fn max_records(mut self, max_records: usize) -> Self {
+        self.max_records = max_records;
+        self
+    }
+
+    /// The most bytes the store's records count (default 512 MiB); see
+    /// [`MemoryStore`] for what a record counts.
+    pub fn max_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// How many independently locked shards hold the records (default 16; at
+    /// least 1). More shards mean less contention between concurrent requests.
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// The store.
+    pub fn build(self) -> MemoryStore {
+        let shards = (0..self.shards.max(1))
+            .map(|_| Mutex::new(Shard::default()))
+            .collect();
+        MemoryStore {
+            inner: Arc::new(Inner {
+                shards,
+                hasher: RandomState::new(),
+                max_records: self.max_records,
+                max_bytes: self.max_bytes,
+                records: AtomicUsize::new(0),
+                bytes: AtomicUsize::new(0),
+                sequence: AtomicU64::new(0),
+                clock: Clock::new(),
+            }),
+        }
     }
 }
 
@@ -35,32 +187,572 @@ impl Default for MemoryStore {
     }
 }
 
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("records", &self.len())
+            .field("bytes", &self.used_bytes())
+            .field("max_records", &self.inner.max_records)
+            .field("max_bytes", &self.inner.max_bytes)
+            .field("shards", &self.inner.shards.len())
+            .finish()
+    }
+}
+
 impl Store for MemoryStore {
-    fn claim<'a>(&'a self, _request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
-        todo!()
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        Box::pin(std::future::ready(self.inner.claim(request)))
     }
-    fn renew<'a>(&'a self, _claim: &'a Claim, _lease: Duration) -> StoreFuture<'a, ()> {
-        todo!()
+
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(std::future::ready(self.inner.renew(claim, lease)))
     }
+
     fn complete<'a>(
         &'a self,
-        _claim: &'a Claim,
-        _response: &'a StoredResponse,
-        _retention: Duration,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
     ) -> StoreFuture<'a, ()> {
-        todo!()
+        Box::pin(std::future::ready(
+            self.inner.complete(claim, response, retention),
+        ))
     }
-    fn release<'a>(&'a self, _claim: &'a Claim) -> StoreFuture<'a, ()> {
-        todo!()
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        Box::pin(std::future::ready(self.inner.release(claim)))
     }
+
     fn load<'a>(
         &'a self,
-        _scope: &'a Scope,
-        _key: &'a IdempotencyKey,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
     ) -> StoreFuture<'a, Option<Record>> {
-        todo!()
+        Box::pin(std::future::ready(Ok(self.inner.load(scope, key))))
     }
-    fn delete_expired(&self, _batch: usize) -> StoreFuture<'_, u64> {
-        todo!()
+
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        Box::pin(std::future::ready(Ok(self.inner.delete_expired(batch))))
+    }
+
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let record_key = RecordKey::new(scope, key);
+            let Some((notify, _)) = self.inner.watch(&record_key, None) else {
+                return Ok(());
+            };
+            let mut notified = pin!(notify.notified());
+            notified.as_mut().enable();
+            // The record may have changed between the first look and `enable`: look
+            // again now that no wake-up can be lost.
+            let Some((_, lease_until)) = self.inner.watch(&record_key, Some(&notify)) else {
+                return Ok(());
+            };
+            // Wake at the lapse of the lease too: the record then counts as new.
+            let wait = poll.min(lease_until.saturating_duration_since(Instant::now()));
+            // Elapsing is an answer too: the caller looks at the record again.
+            let _elapsed = tokio::time::timeout(wait, notified).await;
+            Ok(())
+        })
+    }
+}
+
+/// Durations are clamped to a century so that instants never overflow.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: RandomState,
+    max_records: usize,
+    max_bytes: usize,
+    records: AtomicUsize,
+    bytes: AtomicUsize,
+    /// Orders insertions and completions across shards: the oldest completion is
+    /// the one with the smallest number.
+    sequence: AtomicU64,
+    clock: Clock,
+}
+
+/// Maps Tokio instants to wall-clock times, from one reading of both.
+struct Clock {
+    instant: Instant,
+    system: SystemTime,
+}
+
+#[derive(Default)]
+struct Shard {
+    records: HashMap<RecordKey, Entry>,
+    /// Every record, by `(expires_at, sequence)`: cleanup walks it from the front.
+    by_expiry: BTreeMap<(Instant, u64), RecordKey>,
+    /// Completed records, by `sequence`: eviction takes the front.
+    by_completion: BTreeMap<u64, RecordKey>,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct RecordKey {
+    scope: Scope,
+    key: IdempotencyKey,
+}
+
+struct Entry {
+    fingerprint: Fingerprint,
+    state: EntryState,
+    expires_at: Instant,
+    /// When the entry was written; its place in the shard's indexes.
+    sequence: u64,
+    /// What the entry counts against `max_bytes`.
+    size: usize,
+}
+
+enum EntryState {
+    InProgress {
+        owner: OwnerToken,
+        lease_until: Instant,
+        /// Wakes the requests waiting in `changed` when the record leaves this state.
+        changed: Arc<Notify>,
+    },
+    Completed {
+        response: StoredResponse,
+    },
+}
+
+impl Inner {
+    fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let record_key = RecordKey::new(&request.scope, &request.key);
+        let shard_index = self.shard_of(&record_key);
+        let size = entry_size(&record_key, None);
+        loop {
+            let now = Instant::now();
+            {
+                let mut shard = self.lock(shard_index);
+                let replaced = match shard.records.get(&record_key) {
+                    Some(entry) if !entry.is_expired(now) => match &entry.state {
+                        EntryState::InProgress { lease_until, .. } if now < *lease_until => {
+                            return Ok(ClaimOutcome::InProgress {
+                                fingerprint: entry.fingerprint,
+                                lease_until: self.clock.system_time(*lease_until),
+                            });
+                        }
+                        EntryState::Completed { response } => {
+                            return Ok(ClaimOutcome::Completed {
+                                fingerprint: entry.fingerprint,
+                                response: response.clone(),
+                            });
+                        }
+                        // The lease lapsed: the record counts as new.
+                        EntryState::InProgress { .. } => Some(entry.size),
+                    },
+                    Some(entry) => Some(entry.size),
+                    None => None,
+                };
+                let records_needed = usize::from(replaced.is_none());
+                let bytes_needed = size.saturating_sub(replaced.unwrap_or(0));
+                if self.reserve(records_needed, bytes_needed) {
+                    if let Some(old) = shard.remove(&record_key) {
+                        self.unreserve(0, old.size.saturating_sub(size));
+                    }
+                    let entry = Entry {
+                        fingerprint: request.fingerprint,
+                        state: EntryState::InProgress {
+                            owner: request.owner,
+                            lease_until: later(now, request.lease),
+                            changed: Arc::new(Notify::new()),
+                        },
+                        expires_at: later(now, request.retention),
+                        sequence: self.next_sequence(),
+                        size,
+                    };
+                    shard.insert(record_key, entry);
+                    return Ok(ClaimOutcome::Claimed(request.to_claim()));
+                }
+            }
+            if !self.evict_one(now) {
+                return Err(StoreError::Full);
+            }
+        }
+    }
+
+    fn renew(&self, claim: &Claim, lease: Duration) -> Result<(), StoreError> {
+        let record_key = RecordKey::new(&claim.scope, &claim.key);
+        let now = Instant::now();
+        let mut shard = self.lock(self.shard_of(&record_key));
+        match shard.records.get_mut(&record_key) {
+            Some(entry) if entry.is_held_by(claim.owner, now) => {
+                if let EntryState::InProgress { lease_until, .. } = &mut entry.state {
+                    *lease_until = later(now, lease);
+                }
+                Ok(())
+            }
+            _ => Err(StoreError::StaleOwner),
+        }
+    }
+
+    fn complete(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let record_key = RecordKey::new(&claim.scope, &claim.key);
+        let shard_index = self.shard_of(&record_key);
+        // Copied, so that the bytes counted are the bytes held (a `Bytes` slice may
+        // keep a larger buffer alive).
+        let mut response = owned_copy(response);
+        let mut size = entry_size(&record_key, Some(&response));
+        let mut squeezed = false;
+        loop {
+            let now = Instant::now();
+            {
+                let mut shard = self.lock(shard_index);
+                let old_size = match shard.records.get(&record_key) {
+                    Some(entry) if entry.is_held_by(claim.owner, now) => entry.size,
+                    _ => return Err(StoreError::StaleOwner),
+                };
+                let needed = size.saturating_sub(old_size);
+                // Squeezed, the response is kept even over the bound: dropping it
+                // would run the handler again on a retry.
+                if squeezed {
+                    self.bytes.fetch_add(needed, Ordering::AcqRel);
+                }
+                if squeezed || self.reserve(0, needed) {
+                    let fingerprint = match shard.remove(&record_key) {
+                        Some(old) => old.fingerprint,
+                        None => claim.fingerprint,
+                    };
+                    self.unreserve(0, old_size.saturating_sub(size));
+                    let entry = Entry {
+                        fingerprint,
+                        state: EntryState::Completed { response },
+                        expires_at: later(now, retention),
+                        sequence: self.next_sequence(),
+                        size,
+                    };
+                    shard.insert(record_key, entry);
+                    return Ok(());
+                }
+            }
+            // The record being completed is in progress, so it is never evicted here.
+            if !self.evict_one(now) {
+                tracing::warn!(
+                    target: "idem",
+                    scope = %claim.scope,
+                    key = %claim.key.redacted(),
+                    bytes = response.body.len(),
+                    "the in-memory store is full; the response is kept without its body",
+                );
+                response = StoredResponse::without_body(response.status, response.headers);
+                size = entry_size(&record_key, Some(&response));
+                squeezed = true;
+            }
+        }
+    }
+
+    fn release(&self, claim: &Claim) -> Result<(), StoreError> {
+        let record_key = RecordKey::new(&claim.scope, &claim.key);
+        let now = Instant::now();
+        let mut shard = self.lock(self.shard_of(&record_key));
+        match shard.records.get(&record_key) {
+            Some(entry) if entry.is_held_by(claim.owner, now) => {
+                if let Some(old) = shard.remove(&record_key) {
+                    self.unreserve(1, old.size);
+                }
+                Ok(())
+            }
+            _ => Err(StoreError::StaleOwner),
+        }
+    }
+
+    fn load(&self, scope: &Scope, key: &IdempotencyKey) -> Option<Record> {
+        let record_key = RecordKey::new(scope, key);
+        let now = Instant::now();
+        let mut shard = self.lock(self.shard_of(&record_key));
+        let entry = shard.records.get(&record_key)?;
+        if entry.is_expired(now) {
+            if let Some(old) = shard.remove(&record_key) {
+                self.unreserve(1, old.size);
+            }
+            return None;
+        }
+        let state = match &entry.state {
+            EntryState::InProgress {
+                owner, lease_until, ..
+            } => RecordState::InProgress {
+                owner: *owner,
+                lease_until: self.clock.system_time(*lease_until),
+            },
+            EntryState::Completed { response } => RecordState::Completed {
+                response: response.clone(),
+            },
+        };
+        Some(Record {
+            scope: record_key.scope,
+            key: record_key.key,
+            fingerprint: entry.fingerprint,
+            state,
+            expires_at: self.clock.system_time(entry.expires_at),
+        })
+    }
+
+    fn delete_expired(&self, batch: usize) -> u64 {
+        let now = Instant::now();
+        let mut deleted = 0;
+        for index in 0..self.shards.len() {
+            if deleted >= batch {
+                break;
+            }
+            let (records, bytes) = self.lock(index).remove_expired(now, batch - deleted);
+            self.unreserve(records, bytes);
+            deleted += records;
+        }
+        deleted as u64
+    }
+
+    /// The notifier and lease of the record while it is in progress with a live
+    /// lease; `None` once it is not (or, given `same`, is no longer the same claim).
+    fn watch(
+        &self,
+        record_key: &RecordKey,
+        same: Option<&Arc<Notify>>,
+    ) -> Option<(Arc<Notify>, Instant)> {
+        let now = Instant::now();
+        let shard = self.lock(self.shard_of(record_key));
+        match &shard.records.get(record_key)?.state {
+            EntryState::InProgress {
+                lease_until,
+                changed,
+                ..
+            } if now < *lease_until && same.is_none_or(|same| Arc::ptr_eq(same, changed)) => {
+                Some((Arc::clone(changed), *lease_until))
+            }
+            _ => None,
+        }
+    }
+
+    /// Frees room for one record: removes an expired record if any, else evicts the
+    /// completed record completed first. `false` when there is nothing to remove.
+    fn evict_one(&self, now: Instant) -> bool {
+        // A few attempts, because another request may take the chosen record first.
+        for _ in 0..3 {
+            let mut oldest: Option<(u64, usize)> = None;
+            for index in 0..self.shards.len() {
+                let mut shard = self.lock(index);
+                let (records, bytes) = shard.remove_expired(now, 1);
+                if records > 0 {
+                    drop(shard);
+                    self.unreserve(records, bytes);
+                    return true;
+                }
+                if let Some((&sequence, _)) = shard.by_completion.first_key_value()
+                    && oldest.is_none_or(|(oldest, _)| sequence < oldest)
+                {
+                    oldest = Some((sequence, index));
+                }
+            }
+            let Some((_, index)) = oldest else {
+                return false;
+            };
+            let mut shard = self.lock(index);
+            let evicted = shard
+                .by_completion
+                .first_key_value()
+                .map(|(_, record_key)| record_key.clone())
+                .and_then(|record_key| shard.remove(&record_key));
+            drop(shard);
+            if let Some(entry) = evicted {
+                self.unreserve(1, entry.size);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Takes room for `records` more records and `bytes` more bytes, if both fit.
+    fn reserve(&self, records: usize, bytes: usize) -> bool {
+        let grow = |limit: usize, by: usize| {
+            move |used: usize| used.checked_add(by).filter(|&total| total <= limit)
+        };
+        if self
+            .records
+            .fetch_update(
+                Ordering::AcqRel,
+                Ordering::Acquire,
+                grow(self.max_records, records),
+            )
+            .is_err()
+        {
+            return false;
+        }
+        if self
+            .bytes
+            .fetch_update(
+                Ordering::AcqRel,
+                Ordering::Acquire,
+                grow(self.max_bytes, bytes),
+            )
+            .is_err()
+        {
+            self.records.fetch_sub(records, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    fn unreserve(&self, records: usize, bytes: usize) {
+        self.records.fetch_sub(records, Ordering::AcqRel);
+        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    fn next_sequence(&self) -> u64 {
+        self.sequence.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn shard_of(&self, record_key: &RecordKey) -> usize {
+        // The modulo keeps the value below the shard count, so the cast back is exact.
+        (self.hasher.hash_one(record_key) % self.shards.len() as u64) as usize
+    }
+
+    fn lock(&self, index: usize) -> MutexGuard<'_, Shard> {
+        // Shard updates do not panic halfway, so a poisoned shard is still consistent.
+        self.shards[index]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Shard {
+    fn insert(&mut self, record_key: RecordKey, entry: Entry) {
+        self.by_expiry
+            .insert((entry.expires_at, entry.sequence), record_key.clone());
+        if matches!(entry.state, EntryState::Completed { .. }) {
+            self.by_completion
+                .insert(entry.sequence, record_key.clone());
+        }
+        self.records.insert(record_key, entry);
+    }
+
+    /// Removes the record from the map and the indexes, and wakes its waiters.
+    fn remove(&mut self, record_key: &RecordKey) -> Option<Entry> {
+        let entry = self.records.remove(record_key)?;
+        self.by_expiry.remove(&(entry.expires_at, entry.sequence));
+        match &entry.state {
+            EntryState::Completed { .. } => {
+                self.by_completion.remove(&entry.sequence);
+            }
+            EntryState::InProgress { changed, .. } => changed.notify_waiters(),
+        }
+        Some(entry)
+    }
+
+    /// Removes up to `limit` expired records; answers how many and their bytes.
+    fn remove_expired(&mut self, now: Instant, limit: usize) -> (usize, usize) {
+        let expired: Vec<RecordKey> = self
+            .by_expiry
+            .range(..=(now, u64::MAX))
+            .filter(|(_, record_key)| {
+                self.records
+                    .get(*record_key)
+                    .is_some_and(|entry| entry.is_expired(now))
+            })
+            .take(limit)
+            .map(|(_, record_key)| record_key.clone())
+            .collect();
+        let mut bytes = 0;
+        for record_key in &expired {
+            if let Some(entry) = self.remove(record_key) {
+                bytes += entry.size;
+            }
+        }
+        (expired.len(), bytes)
+    }
+}
+
+impl Entry {
+    /// Expired records count as absent. One in progress also needs its lease lapsed:
+    /// a handler that renews its lease past the retention keeps its record.
+    fn is_expired(&self, now: Instant) -> bool {
+        now >= self.expires_at
+            && match &self.state {
+                EntryState::InProgress { lease_until, .. } => now >= *lease_until,
+                EntryState::Completed { .. } => true,
+            }
+    }
+
+    /// Whether `owner` holds the record in progress. An owner whose lease lapsed
+    /// still holds it until another request claims it or it expires: the token
+    /// fences, and no other request ran the handler meanwhile.
+    fn is_held_by(&self, owner: OwnerToken, now: Instant) -> bool {
+        !self.is_expired(now)
+            && matches!(&self.state, EntryState::InProgress { owner: holder, .. } if *holder == owner)
+    }
+}
+
+impl RecordKey {
+    fn new(scope: &Scope, key: &IdempotencyKey) -> Self {
+        Self {
+            scope: scope.clone(),
+            key: key.clone(),
+        }
+    }
+}
+
+impl Clock {
+    fn new() -> Self {
+        Self {
+            instant: Instant::now(),
+            system: SystemTime::now(),
+        }
+    }
+
+    fn system_time(&self, at: Instant) -> SystemTime {
+        let mapped = if at >= self.instant {
+            self.system
+                .checked_add(at.saturating_duration_since(self.instant))
+        } else {
+            self.system
+                .checked_sub(self.instant.saturating_duration_since(at))
+        };
+        mapped.unwrap_or(self.system)
+    }
+}
+
+/// `now + duration`, clamped to a century.
+fn later(now: Instant, duration: Duration) -> Instant {
+    now.checked_add(duration.min(FOREVER)).unwrap_or(now)
+}
+
+/// What a record counts against `max_bytes`.
+fn entry_size(record_key: &RecordKey, response: Option<&StoredResponse>) -> usize {
+    let response = response.map_or(0, |response| {
+        let headers: usize = response
+            .headers
+            .iter()
+            .map(|h| size_of::<Header>() + h.name.len() + h.value.len())
+            .sum();
+        headers + response.body.len()
+    });
+    MemoryStore::RECORD_OVERHEAD
+        + record_key.scope.as_str().len()
+        + record_key.key.as_str().len()
+        + response
+}
+
+fn owned_copy(response: &StoredResponse) -> StoredResponse {
+    StoredResponse {
+        status: response.status,
+        headers: response
+            .headers
+            .iter()
+            .map(|h| Header {
+                name: h.name.clone(),
+                value: Bytes::copy_from_slice(&h.value),
+            })
+            .collect(),
+        body: Bytes::copy_from_slice(&response.body),
+        replayable: response.replayable,
     }
 }
