@@ -325,7 +325,10 @@ mod tests {
         let answer = app.handle(request("status=200&body_bytes=40000")).await;
         assert_eq!(answer.status, 200);
         let sizes: Vec<usize> = answer.body.iter().map(Bytes::len).collect();
-        assert_eq!(sizes, vec![CHUNK_BYTES, CHUNK_BYTES, 40000 - 2 * CHUNK_BYTES]);
+        assert_eq!(
+            sizes,
+            vec![CHUNK_BYTES, CHUNK_BYTES, 40000 - 2 * CHUNK_BYTES]
+        );
         assert_eq!(answer.body.concat(), pattern(40000));
     }
 

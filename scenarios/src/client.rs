@@ -166,10 +166,7 @@ async fn read(response: reqwest::Response, call: &Call) -> Answer {
         .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
         .collect();
     let body = response.bytes().await.unwrap_or_else(|error| {
-        panic!(
-            "the body of {} {} failed: {error}",
-            call.method, call.path
-        )
+        panic!("the body of {} {} failed: {error}", call.method, call.path)
     });
     Answer {
         status,
@@ -288,13 +285,19 @@ impl Answer {
 /// Asserts that `answer` is a fresh handler answer (not a replay) with `status`.
 pub(crate) fn assert_executed(answer: &Answer, status: u16) {
     assert_eq!(answer.status, status, "unexpected answer: {answer:?}");
-    assert!(!answer.is_replay(), "a first answer is marked replayed: {answer:?}");
+    assert!(
+        !answer.is_replay(),
+        "a first answer is marked replayed: {answer:?}"
+    );
 }
 
 /// Asserts that `replay` is `first` replayed: the same status and body byte for
 /// byte, every header of `first` in the same order, plus `Idempotent-Replayed: true`.
 pub(crate) fn assert_replay_of(replay: &Answer, first: &Answer) {
-    assert!(!first.is_replay(), "the first answer is marked replayed: {first:?}");
+    assert!(
+        !first.is_replay(),
+        "the first answer is marked replayed: {first:?}"
+    );
     assert!(replay.is_replay(), "not marked as a replay: {replay:?}");
     assert_eq!(replay.status, first.status, "replayed status");
     assert_eq!(replay.body, first.body, "replayed body");
@@ -322,10 +325,16 @@ pub(crate) fn assert_problem(answer: &Answer, status: u16, slug: &str) -> serde_
         "problem type {kind:?} does not end in /{slug}: {json}"
     );
     assert!(
-        json["title"].as_str().is_some_and(|title| !title.is_empty()),
+        json["title"]
+            .as_str()
+            .is_some_and(|title| !title.is_empty()),
         "problem without title: {json}"
     );
-    assert_eq!(json["status"], serde_json::json!(status), "problem status: {json}");
+    assert_eq!(
+        json["status"],
+        serde_json::json!(status),
+        "problem status: {json}"
+    );
     assert!(json["detail"].is_string(), "problem without detail: {json}");
     json
 }

@@ -6,9 +6,7 @@ use serde_json::json;
 
 use crate::Target;
 use crate::app::{LIMITED_BYTES, pattern};
-use crate::client::{
-    Call, Client, Executions, assert_executed, assert_problem, assert_replay_of,
-};
+use crate::client::{Call, Client, Executions, assert_executed, assert_problem, assert_replay_of};
 
 pub(crate) async fn first_request_runs_the_handler(target: Target) {
     let client = Client::new(&target);
@@ -62,7 +60,10 @@ pub(crate) async fn different_request_with_the_same_key_is_key_reused(target: Ta
     let first = client.send(&call).await;
     assert_executed(&first, 201);
     for (what, other) in [
-        ("body", Call::post("/required", "reused-1", r#"{"amount":6}"#)),
+        (
+            "body",
+            Call::post("/required", "reused-1", r#"{"amount":6}"#),
+        ),
         (
             "query",
             Call::post("/required?status=200", "reused-1", r#"{"amount":5}"#),
@@ -119,10 +120,7 @@ pub(crate) async fn released_statuses_run_again(target: Target) {
             "the retry of a {status} runs the handler again"
         );
     }
-    assert_eq!(
-        client.executions().await.started,
-        2 * statuses.len() as u64
-    );
+    assert_eq!(client.executions().await.started, 2 * statuses.len() as u64);
 }
 
 pub(crate) async fn panicking_handler_is_a_500_problem_and_runs_again(target: Target) {
@@ -141,9 +139,7 @@ pub(crate) async fn panicking_handler_is_a_500_problem_and_runs_again(target: Ta
         );
     }
     // The app is unharmed.
-    let fine = client
-        .send(&Call::post("/required", "panic-2", "{}"))
-        .await;
+    let fine = client.send(&Call::post("/required", "panic-2", "{}")).await;
     assert_executed(&fine, 201);
 }
 
@@ -170,7 +166,10 @@ pub(crate) async fn request_body_over_the_limit_is_rejected(target: Target) {
         .send(&Call::post("/limited", "large-3", "").body(at_limit.clone()))
         .await;
     assert_executed(&answer, 201);
-    assert_eq!(answer.json()["body"], json!(String::from_utf8_lossy(&at_limit)));
+    assert_eq!(
+        answer.json()["body"],
+        json!(String::from_utf8_lossy(&at_limit))
+    );
     assert_eq!(client.executions().await.started, 1);
 }
 
@@ -195,9 +194,7 @@ pub(crate) async fn streamed_request_body_is_forwarded_intact(target: Target) {
     assert_eq!(client.executions().await.started, 1);
 }
 
-pub(crate) async fn response_over_the_stored_body_limit_is_sent_but_not_replayed(
-    target: Target,
-) {
+pub(crate) async fn response_over_the_stored_body_limit_is_sent_but_not_replayed(target: Target) {
     let client = Client::new(&target);
     let large = 100_000;
     let call = Call::post(

@@ -45,9 +45,7 @@ pub(crate) async fn valid_key_forms_name_the_same_record(target: Target) {
         assert_replay_of(&answer, &first);
     }
     let longest = "k".repeat(255);
-    let answer = client
-        .send(&Call::post("/required", &longest, "{}"))
-        .await;
+    let answer = client.send(&Call::post("/required", &longest, "{}")).await;
     assert_executed(&answer, 201);
     assert_eq!(client.executions().await.started, 2);
 }
@@ -103,7 +101,9 @@ pub(crate) async fn uncovered_methods_pass_through(target: Target) {
         .await;
     assert_executed(&answer, 201);
     // PATCH is covered.
-    let patch = Call::new("PATCH", "/required").key("uncovered-2").body("{}");
+    let patch = Call::new("PATCH", "/required")
+        .key("uncovered-2")
+        .body("{}");
     let first = client.send(&patch).await;
     assert_executed(&first, 201);
     assert_replay_of(&client.send(&patch).await, &first);

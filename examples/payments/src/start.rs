@@ -1,0 +1,159 @@
+//! Start-up: the command line, the store it names, the listener.
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use idem_core::{MemoryStore, Store};
+
+/// The command line of both payments services (CONTRACT §8).
+///
+/// ```
+/// use clap::Parser;
+/// use payments::{Options, StoreUrl};
+///
+/// let options = Options::try_parse_from(["payments", "--listen", "127.0.0.1:0", "--store", "memory"])?;
+/// assert_eq!(options.store_url()?, StoreUrl::Memory);
+/// assert_eq!(options.provider_latency().as_millis(), 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug, Parser)]
+#[command(about = "A payments service that is safe to retry: Idempotency-Key handling with idem")]
+pub struct Options {
+    /// The address to listen on; port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    pub listen: String,
+    /// The idempotency store: `memory`, `sqlite://PATH` or `postgres://…`.
+    /// Default: `DATABASE_URL`, else `memory` (until the SQLite store lands; see
+    /// the crate docs).
+    #[arg(long, env = "DATABASE_URL")]
+    pub store: Option<String>,
+    /// The simulated payment provider's latency inside a charge, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub provider_latency_ms: u64,
+}
+
+/// A store named on the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// `memory`: the in-memory store (records are lost on exit).
+    Memory,
+    /// `sqlite://PATH`.
+    Sqlite(String),
+    /// `postgres://…` or `postgresql://…`, the whole URL.
+    Postgres(String),
+}
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The `--store` / `DATABASE_URL` value names no known store.
+    #[error("unknown store {0:?}: expected `memory`, `sqlite://PATH` or `postgres://…`")]
+    UnknownStore(String),
+    /// The store is named correctly but not part of this build yet.
+    #[error(
+        "the {kind} store is not available yet (it comes with the idem-diesel crate); start with `--store memory`"
+    )]
+    StoreNotBuilt {
+        /// `SQLite` or `PostgreSQL`.
+        kind: &'static str,
+    },
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address given.
+        addr: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Options {
+    /// The options of this process's command line; prints help or an error and
+    /// exits when they are wrong.
+    pub fn from_command_line() -> Self {
+        Self::parse()
+    }
+
+    /// The store named by `--store` or `DATABASE_URL`; [`StoreUrl::Memory`] when
+    /// neither is given.
+    pub fn store_url(&self) -> Result<StoreUrl, StartError> {
+        match &self.store {
+            None => Ok(StoreUrl::Memory),
+            Some(url) => StoreUrl::parse(url),
+        }
+    }
+
+    /// The simulated provider latency.
+    pub fn provider_latency(&self) -> Duration {
+        Duration::from_millis(self.provider_latency_ms)
+    }
+
+    /// Binds the listen address (a non-blocking std listener, for any runtime).
+    pub fn bind(&self) -> Result<TcpListener, StartError> {
+        let failed = |source| StartError::Listen {
+            addr: self.listen.clone(),
+            source,
+        };
+        let listener = TcpListener::bind(&self.listen).map_err(failed)?;
+        listener.set_nonblocking(true).map_err(failed)?;
+        Ok(listener)
+    }
+}
+
+impl StoreUrl {
+    /// Parses a store URL.
+    ///
+    /// ```
+    /// use payments::StoreUrl;
+    ///
+    /// assert_eq!(StoreUrl::parse("sqlite://payments.db")?, StoreUrl::Sqlite("payments.db".into()));
+    /// assert!(StoreUrl::parse("redis://localhost").is_err());
+    /// # Ok::<(), payments::StartError>(())
+    /// ```
+    pub fn parse(url: &str) -> Result<Self, StartError> {
+        if url == "memory" {
+            Ok(Self::Memory)
+        } else if let Some(path) = url.strip_prefix("sqlite://") {
+            Ok(Self::Sqlite(path.to_owned()))
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Self::Postgres(url.to_owned()))
+        } else {
+            Err(StartError::UnknownStore(url.to_owned()))
+        }
+    }
+
+    /// Opens the store.
+    pub async fn open(&self) -> Result<Arc<dyn Store>, StartError> {
+        match self {
+            Self::Memory => Ok(Arc::new(MemoryStore::new())),
+            // Wiring in idem-diesel's stores is one arm each.
+            Self::Sqlite(_) => Err(StartError::StoreNotBuilt { kind: "SQLite" }),
+            Self::Postgres(_) => Err(StartError::StoreNotBuilt { kind: "PostgreSQL" }),
+        }
+    }
+}
+
+/// The first line the services print on stdout.
+///
+/// ```
+/// let addr = "127.0.0.1:3000".parse().unwrap();
+/// assert_eq!(payments::listening_line(addr), "listening on http://127.0.0.1:3000");
+/// ```
+pub fn listening_line(addr: SocketAddr) -> String {
+    format!("listening on http://{addr}")
+}
+
+/// Logs to stderr (stdout's first line belongs to [`listening_line`]), filtered
+/// by `RUST_LOG` (default `info`).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // A second initialisation (in tests) keeps the first subscriber.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
