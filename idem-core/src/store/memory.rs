@@ -756,3 +756,348 @@ fn owned_copy(response: &StoredResponse) -> StoredResponse {
         replayable: response.replayable,
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(10);
+    const RETENTION: Duration = Duration::from_secs(60);
+
+    fn request(key: &str) -> ClaimRequest {
+        ClaimRequest {
+            scope: Scope::new("s"),
+            key: IdempotencyKey::new(key).unwrap(),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            owner: OwnerToken::random(),
+            lease: LEASE,
+            retention: RETENTION,
+        }
+    }
+
+    async fn claim(store: &MemoryStore, key: &str) -> Claim {
+        match store.claim(&request(key)).await.unwrap() {
+            ClaimOutcome::Claimed(claim) => claim,
+            other => panic!("{key} was not claimed: {other:?}"),
+        }
+    }
+
+    async fn state(store: &MemoryStore, key: &str) -> Option<RecordState> {
+        let key = IdempotencyKey::new(key).unwrap();
+        let record = store.load(&Scope::new("s"), &key).await.unwrap();
+        record.map(|record| record.state)
+    }
+
+    async fn is_completed(store: &MemoryStore, key: &str) -> bool {
+        matches!(state(store, key).await, Some(RecordState::Completed { .. }))
+    }
+
+    async fn is_in_progress(store: &MemoryStore, key: &str) -> bool {
+        matches!(
+            state(store, key).await,
+            Some(RecordState::InProgress { .. })
+        )
+    }
+
+    fn body(len: usize) -> StoredResponse {
+        StoredResponse::new(200, vec![], vec![b'x'; len])
+    }
+
+    /// What a record of scope `s` and a one-character key counts, in progress.
+    const CLAIMED: usize = MemoryStore::RECORD_OVERHEAD + 2;
+
+    #[tokio::test]
+    async fn eviction_takes_the_oldest_completion_first() {
+        let store = MemoryStore::builder().max_records(3).shards(4).build();
+        let (a, b, c) = (
+            claim(&store, "a").await,
+            claim(&store, "b").await,
+            claim(&store, "c").await,
+        );
+        // Completed in the order c, a, b: the claims' order does not count.
+        for claim in [&c, &a, &b] {
+            store.complete(claim, &body(1), RETENTION).await.unwrap();
+        }
+        claim(&store, "d").await;
+        assert_eq!(state(&store, "c").await, None, "c completed first");
+        claim(&store, "e").await;
+        assert_eq!(state(&store, "a").await, None, "a completed second");
+        assert!(is_completed(&store, "b").await);
+        assert!(is_in_progress(&store, "d").await);
+        assert!(is_in_progress(&store, "e").await);
+        assert_eq!(store.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_store_full_of_claims_answers_full() {
+        let store = MemoryStore::builder().max_records(2).build();
+        let a = claim(&store, "a").await;
+        claim(&store, "b").await;
+        assert!(matches!(
+            store.claim(&request("c")).await,
+            Err(StoreError::Full)
+        ));
+        assert!(
+            is_in_progress(&store, "a").await,
+            "claims are never evicted"
+        );
+        assert!(
+            is_in_progress(&store, "b").await,
+            "claims are never evicted"
+        );
+
+        store.complete(&a, &body(1), RETENTION).await.unwrap();
+        claim(&store, "c").await;
+        assert_eq!(
+            state(&store, "a").await,
+            None,
+            "the completed record made room"
+        );
+        assert!(is_in_progress(&store, "b").await);
+        assert_eq!(store.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn bytes_bound_evicts_completed_records() {
+        let completed = CLAIMED + 1000;
+        // Room for two completed records and one claim.
+        let store = MemoryStore::builder()
+            .max_bytes(2 * completed + CLAIMED)
+            .build();
+        for key in ["a", "b"] {
+            let claim = claim(&store, key).await;
+            store
+                .complete(&claim, &body(1000), RETENTION)
+                .await
+                .unwrap();
+        }
+        let c = claim(&store, "c").await;
+        assert_eq!(
+            store.used_bytes(),
+            2 * completed + CLAIMED,
+            "a claim fits exactly"
+        );
+
+        store.complete(&c, &body(1000), RETENTION).await.unwrap();
+        assert_eq!(
+            state(&store, "a").await,
+            None,
+            "the oldest completion made room"
+        );
+        assert!(is_completed(&store, "b").await);
+        assert!(is_completed(&store, "c").await);
+        assert_eq!(store.used_bytes(), 2 * completed);
+    }
+
+    #[tokio::test]
+    async fn claims_fill_the_byte_bound() {
+        let store = MemoryStore::builder().max_bytes(2 * CLAIMED).build();
+        claim(&store, "a").await;
+        claim(&store, "b").await;
+        assert!(matches!(
+            store.claim(&request("c")).await,
+            Err(StoreError::Full)
+        ));
+        assert_eq!(store.used_bytes(), 2 * CLAIMED);
+    }
+
+    #[tokio::test]
+    async fn a_response_larger_than_the_store_is_kept_without_body() {
+        let store = MemoryStore::builder().max_bytes(CLAIMED + 500).build();
+        let a = claim(&store, "a").await;
+        let headers = vec![Header::new("location", "/charges/1")];
+        let response = StoredResponse::new(201, headers.clone(), vec![7; 1000]);
+        store.complete(&a, &response, RETENTION).await.unwrap();
+        assert_eq!(
+            state(&store, "a").await,
+            Some(RecordState::Completed {
+                response: StoredResponse::without_body(201, headers)
+            }),
+            "a retry is told the response was not kept, and never runs the handler again"
+        );
+    }
+
+    #[tokio::test]
+    async fn bytes_count_key_scope_headers_and_body() {
+        let store = MemoryStore::new();
+        let a = claim(&store, "a").await;
+        assert_eq!(
+            store.used_bytes(),
+            MemoryStore::RECORD_OVERHEAD + "s".len() + "a".len()
+        );
+        let response = StoredResponse::new(
+            201,
+            vec![
+                Header::new("set-cookie", "a=1"),
+                Header::new("set-cookie", "b=2"),
+            ],
+            "body",
+        );
+        store.complete(&a, &response, RETENTION).await.unwrap();
+        let headers = 2 * (size_of::<Header>() + "set-cookie".len() + "a=1".len());
+        assert_eq!(store.used_bytes(), CLAIMED + headers + "body".len());
+
+        let b = claim(&store, "b").await;
+        assert_eq!(store.len(), 2);
+        store.release(&b).await.unwrap();
+        assert_eq!(store.used_bytes(), CLAIMED + headers + "body".len());
+        assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leases_lapse_and_records_expire_on_the_tokio_clock() {
+        let store = MemoryStore::new();
+        let first = claim(&store, "a").await;
+        tokio::time::advance(LEASE - Duration::from_millis(1)).await;
+        assert!(matches!(
+            store.claim(&request("a")).await.unwrap(),
+            ClaimOutcome::InProgress { .. }
+        ));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let second = claim(&store, "a").await;
+        assert!(matches!(
+            store.renew(&first, LEASE).await,
+            Err(StoreError::StaleOwner)
+        ));
+
+        store.complete(&second, &body(3), RETENTION).await.unwrap();
+        tokio::time::advance(RETENTION - Duration::from_millis(1)).await;
+        assert!(is_completed(&store, "a").await);
+        assert_eq!(store.len(), 1);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(store.len(), 1, "expiry is lazy");
+        assert_eq!(state(&store, "a").await, None);
+        assert_eq!((store.len(), store.used_bytes()), (0, 0), "load removed it");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lapsed_owner_not_yet_replaced_may_still_complete() {
+        let store = MemoryStore::new();
+        let claim = claim(&store, "a").await;
+        tokio::time::advance(2 * LEASE).await;
+        store.renew(&claim, LEASE).await.unwrap();
+        store.complete(&claim, &body(1), RETENTION).await.unwrap();
+        assert!(is_completed(&store, "a").await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_records_make_room_before_completed_ones() {
+        let store = MemoryStore::builder().max_records(2).build();
+        let a = claim(&store, "a").await;
+        store.complete(&a, &body(1), RETENTION).await.unwrap();
+        let b = claim(&store, "b").await;
+        store
+            .complete(&b, &body(1), Duration::from_secs(1))
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        claim(&store, "c").await;
+        assert!(
+            is_completed(&store, "a").await,
+            "the expired b made room, not a"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delete_expired_takes_records_in_expiry_order() {
+        let store = MemoryStore::builder().shards(1).build();
+        for (key, retention) in [("a", 3), ("b", 1), ("c", 2)] {
+            let claim = claim(&store, key).await;
+            let retention = Duration::from_secs(retention);
+            store.complete(&claim, &body(1), retention).await.unwrap();
+        }
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let held = || {
+            let shard = store.inner.lock(0);
+            let mut keys: Vec<String> = shard
+                .records
+                .keys()
+                .map(|k| k.key.as_str().to_owned())
+                .collect();
+            keys.sort();
+            keys
+        };
+        for remaining in [&["a", "c"][..], &["a"], &[]] {
+            assert_eq!(store.delete_expired(1).await.unwrap(), 1);
+            assert_eq!(held(), remaining);
+        }
+        assert_eq!(store.delete_expired(1).await.unwrap(), 0);
+        assert_eq!((store.len(), store.used_bytes()), (0, 0));
+    }
+
+    /// Runs `changed` for key `a` in the background; answers how long it took.
+    fn watch(store: &MemoryStore, poll: Duration) -> tokio::task::JoinHandle<Duration> {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let start = Instant::now();
+            let key = IdempotencyKey::new("a").unwrap();
+            store.changed(&Scope::new("s"), &key, poll).await.unwrap();
+            start.elapsed()
+        })
+    }
+
+    const POLL: Duration = Duration::from_secs(3600);
+
+    #[tokio::test(start_paused = true)]
+    async fn changed_wakes_when_the_record_completes() {
+        let store = MemoryStore::new();
+        let claim = claim(&store, "a").await;
+        let waiter = watch(&store, POLL);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        store.complete(&claim, &body(1), RETENTION).await.unwrap();
+        assert_eq!(waiter.await.unwrap(), Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn changed_wakes_when_the_record_is_released() {
+        let store = MemoryStore::new();
+        let claim = claim(&store, "a").await;
+        let waiter = watch(&store, POLL);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        store.release(&claim).await.unwrap();
+        assert_eq!(waiter.await.unwrap(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn changed_wakes_when_the_lease_lapses() {
+        let store = MemoryStore::new();
+        claim(&store, "a").await;
+        assert_eq!(watch(&store, POLL).await.unwrap(), LEASE);
+        assert_eq!(
+            watch(&store, POLL).await.unwrap(),
+            Duration::ZERO,
+            "lapsed: at once"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn changed_waits_at_most_poll() {
+        let store = MemoryStore::new();
+        claim(&store, "a").await;
+        let poll = Duration::from_secs(3);
+        assert_eq!(watch(&store, poll).await.unwrap(), poll);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn changed_answers_at_once_unless_in_progress() {
+        let store = MemoryStore::new();
+        assert_eq!(watch(&store, POLL).await.unwrap(), Duration::ZERO, "absent");
+        let claim = claim(&store, "a").await;
+        store.complete(&claim, &body(1), RETENTION).await.unwrap();
+        assert_eq!(
+            watch(&store, POLL).await.unwrap(),
+            Duration::ZERO,
+            "completed"
+        );
+    }
+
+    #[tokio::test]
+    async fn clones_share_records() {
+        let store = MemoryStore::new();
+        let clone = store.clone();
+        claim(&store, "a").await;
+        assert!(is_in_progress(&clone, "a").await);
+        assert_eq!(clone.len(), 1);
+    }
+}
