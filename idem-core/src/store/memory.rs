@@ -46,6 +46,11 @@ use crate::{
 /// removed when next touched or by [`Store::delete_expired`]. Durations beyond a
 /// century count as a century.
 ///
+/// An owner whose lease lapsed still holds its record until another request claims
+/// it (or it expires): its renewal, completion and release are accepted, because no
+/// other request ran the handler meanwhile, and [`Store::load`] reports the record
+/// in progress with a `lease_until` in the past.
+///
 /// # Example
 ///
 /// ```
@@ -976,6 +981,10 @@ mod tests {
         let store = MemoryStore::new();
         let claim = claim(&store, "a").await;
         tokio::time::advance(2 * LEASE).await;
+        assert!(
+            is_in_progress(&store, "a").await,
+            "load still shows the lapsed claim"
+        );
         store.renew(&claim, LEASE).await.unwrap();
         store.complete(&claim, &body(1), RETENTION).await.unwrap();
         assert!(is_completed(&store, "a").await);
