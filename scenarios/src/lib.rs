@@ -109,7 +109,8 @@ where
 macro_rules! scenario_tests {
     // The one list of cases: name and store.
     (@cases [$($mode:tt)*]) => {
-        $crate::scenario_tests!(@emit [$($mode)*]
+        // Braces: the expansion is items in a test file, an expression in `cases`.
+        $crate::scenario_tests!{@emit [$($mode)*]
             first_request_runs_the_handler: UnderTest,
             replay_is_byte_identical: UnderTest,
             repeated_set_cookie_headers_replay_intact: UnderTest,
@@ -134,7 +135,7 @@ macro_rules! scenario_tests {
             handler_slower_than_its_lease_runs_once: UnderTest,
             scopes_are_isolated: UnderTest,
             failing_store_fails_closed: Failing,
-        )
+        }
     };
     (@emit [list] $($case:ident: $store:ident,)*) => {
         ::std::vec![$(
