@@ -1,1 +1,24 @@
-//! Work in progress.
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod cleanup;
+mod error;
+mod row;
+mod table;
+mod wait;
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+#[cfg(feature = "test-util")]
+pub mod testing;
+
+pub use cleanup::{Cleanup, Sweep, SweepGuard, SweepLock, SweepReport};
+pub use error::SetupError;
+pub use table::DEFAULT_TABLE;
+
+#[cfg(feature = "postgres")]
+pub use postgres::{PgPool, PgStore, PgStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqlitePool, SqliteStore, SqliteStoreBuilder};

@@ -1,0 +1,262 @@
+//! The cleanup job: deletes expired records in batches, one runner at a time.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Store, StoreError, StoreFuture};
+
+/// Deletes expired records, in batches, for as long as the application runs.
+///
+/// A sweep calls [`Store::delete_expired`] until a batch comes back short,
+/// pausing between batches so that the deletes leave room for requests. Then the
+/// job sleeps for its interval and sweeps again. When a [`SweepLock`] is set (as
+/// [`PgStore::cleanup`](crate::PgStore::cleanup) does), a sweep runs only in the
+/// instance that takes the lock; the others skip it. An error ends the sweep, not
+/// the job: it is logged with its cause, reported, and the next interval sweeps
+/// again.
+///
+/// Every sweep is logged (`tracing`, target `idem_diesel::cleanup`) and handed to
+/// the [`on_report`](Self::on_report) callback, if any.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_diesel::{PgStore, SweepReport};
+///
+/// # async fn run(store: PgStore) {
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// let cleanup = store
+///     .cleanup()
+///     .batch_size(5_000)
+///     .pause(Duration::from_millis(20))
+///     .interval(Duration::from_secs(300))
+///     .on_report(|report| {
+///         if let SweepReport::Swept(sweep) = report {
+///             println!("deleted {} expired records", sweep.deleted);
+///         }
+///     });
+/// let job = tokio::spawn(cleanup.run(async {
+///     let _ = stopped.await;
+/// }));
+/// // … serve requests; at shutdown:
+/// let _ = stop.send(());
+/// let deleted_in_total = job.await.unwrap_or(0);
+/// # }
+/// ```
+#[must_use]
+pub struct Cleanup<S> {
+    store: S,
+    lock: Option<Arc<dyn SweepLock>>,
+    batch_size: usize,
+    pause: Duration,
+    interval: Duration,
+    on_report: Option<Arc<OnReport>>,
+}
+
+/// The callback of [`Cleanup::on_report`].
+type OnReport = dyn Fn(&SweepReport) + Send + Sync;
+
+/// Makes sure one cleanup runner at a time sweeps a table, across processes.
+pub trait SweepLock: Send + Sync + 'static {
+    /// Takes the lock if it is free; `Ok(None)` when another runner holds it.
+    /// The lock is held until the guard is dropped.
+    fn try_lock(&self) -> StoreFuture<'_, Option<SweepGuard>>;
+}
+
+/// Proof that a runner holds a [`SweepLock`]; dropping it releases the lock.
+#[must_use = "the lock is released when the guard is dropped"]
+pub struct SweepGuard {
+    _held: Box<dyn Send>,
+}
+
+/// What one sweep did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SweepReport {
+    /// The sweep ran to the end.
+    Swept(Sweep),
+    /// Another runner holds the sweep lock, so this one did nothing.
+    Skipped,
+    /// The sweep stopped at an error; what it deleted before is counted.
+    Failed {
+        /// What the sweep did before the error.
+        swept: Sweep,
+        /// The error, with its cause.
+        error: StoreError,
+    },
+}
+
+/// How much one sweep deleted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sweep {
+    /// Records deleted.
+    pub deleted: u64,
+    /// Batches run (calls of [`Store::delete_expired`]).
+    pub batches: u64,
+}
+
+impl<S: Store> Cleanup<S> {
+    /// A job over `store`: batches of 1 000, 10 ms apart, a sweep every 60 s, and
+    /// no lock (every runner sweeps).
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            lock: None,
+            batch_size: 1_000,
+            pause: Duration::from_millis(10),
+            interval: Duration::from_secs(60),
+            on_report: None,
+        }
+    }
+
+    /// Sweeps only while holding `lock`, so that one runner sweeps at a time.
+    pub fn lock(mut self, lock: impl SweepLock) -> Self {
+        self.lock = Some(Arc::new(lock));
+        self
+    }
+
+    /// How many records one statement deletes (at least 1; default 1 000).
+    pub fn batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size.max(1);
+        self
+    }
+
+    /// The pause between two batches of a sweep (default 10 ms).
+    pub fn pause(mut self, pause: Duration) -> Self {
+        self.pause = pause;
+        self
+    }
+
+    /// The time from the end of one sweep to the start of the next (default 60 s).
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// Called with the report of every sweep, after it is logged.
+    pub fn on_report(mut self, on_report: impl Fn(&SweepReport) + Send + Sync + 'static) -> Self {
+        self.on_report = Some(Arc::new(on_report));
+        self
+    }
+
+    /// Sweeps now, once: takes the lock (if one is set), deletes batches until one
+    /// comes back short, and reports what it did. The report is logged and handed
+    /// to the callback, as in [`run`](Self::run).
+    pub async fn sweep(&self) -> SweepReport {
+        let report = self.sweep_unreported().await;
+        self.report(&report);
+        report
+    }
+
+    /// Sweeps at once and then every interval, until `shutdown` resolves; answers
+    /// how many records it deleted in all. A sweep under way when `shutdown`
+    /// resolves is abandoned between two statements' answers (each batch is one
+    /// atomic statement, so nothing is half done).
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> u64 {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut total = 0;
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return total,
+                report = self.sweep() => total += match report {
+                    SweepReport::Swept(sweep) | SweepReport::Failed { swept: sweep, .. } => sweep.deleted,
+                    SweepReport::Skipped => 0,
+                },
+            }
+            tokio::select! {
+                () = &mut shutdown => return total,
+                () = tokio::time::sleep(self.interval) => {}
+            }
+        }
+    }
+
+    async fn sweep_unreported(&self) -> SweepReport {
+        let _guard = match &self.lock {
+            None => None,
+            Some(lock) => match lock.try_lock().await {
+                Ok(Some(guard)) => Some(guard),
+                Ok(None) => return SweepReport::Skipped,
+                Err(error) => {
+                    return SweepReport::Failed {
+                        swept: Sweep::default(),
+                        error,
+                    };
+                }
+            },
+        };
+        let batch = u64::try_from(self.batch_size).unwrap_or(u64::MAX);
+        let mut swept = Sweep::default();
+        loop {
+            match self.store.delete_expired(self.batch_size).await {
+                Ok(deleted) => {
+                    swept.batches += 1;
+                    swept.deleted += deleted;
+                    if deleted < batch {
+                        return SweepReport::Swept(swept);
+                    }
+                }
+                Err(error) => return SweepReport::Failed { swept, error },
+            }
+            tokio::time::sleep(self.pause).await;
+        }
+    }
+
+    fn report(&self, report: &SweepReport) {
+        match report {
+            SweepReport::Swept(Sweep {
+                deleted: 0,
+                batches,
+            }) => {
+                tracing::debug!(deleted = 0, batches, "no expired idempotency records");
+            }
+            SweepReport::Swept(Sweep { deleted, batches }) => {
+                tracing::info!(deleted, batches, "expired idempotency records deleted");
+            }
+            SweepReport::Skipped => {
+                tracing::debug!("idempotency cleanup skipped: another runner holds the lock");
+            }
+            SweepReport::Failed {
+                swept: Sweep { deleted, batches },
+                error,
+            } => {
+                tracing::warn!(
+                    deleted,
+                    batches,
+                    error = error as &(dyn std::error::Error + 'static),
+                    "idempotency cleanup failed; it will sweep again at the next interval"
+                );
+            }
+        }
+        if let Some(on_report) = &self.on_report {
+            on_report(report);
+        }
+    }
+}
+
+impl<S> fmt::Debug for Cleanup<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cleanup")
+            .field("locked", &self.lock.is_some())
+            .field("batch_size", &self.batch_size)
+            .field("pause", &self.pause)
+            .field("interval", &self.interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SweepGuard {
+    /// A guard that holds the lock as long as it keeps `held` (a connection that
+    /// holds a session lock, say).
+    pub fn new(held: impl Send + 'static) -> Self {
+        Self {
+            _held: Box::new(held),
+        }
+    }
+}
+
+impl fmt::Debug for SweepGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SweepGuard")
+    }
+}

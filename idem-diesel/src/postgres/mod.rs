@@ -1,0 +1,507 @@
+//! The PostgreSQL store.
+
+mod statements;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text, Uuid as SqlUuid};
+use diesel::{OptionalExtension, QueryResult, QueryableByName};
+use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, PoolableConnection, RecyclingMethod,
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use idem_core::store::BoxError;
+use idem_core::{
+    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, Store, StoreError,
+    StoreFuture, StoredResponse,
+};
+
+use crate::cleanup::{Cleanup, SweepGuard, SweepLock};
+use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
+use crate::table::{DEFAULT_TABLE, Table};
+use crate::{SetupError, wait};
+use statements::Statements;
+
+/// A bb8 pool of diesel-async PostgreSQL connections, as [`PgStore`] uses.
+pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
+
+/// The migrations that create the default table, `idem_records`.
+const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
+
+/// Advisory lock classes (the first key of `pg_advisory_lock(int, int)`), so that
+/// idem's locks do not collide with the application's own.
+const MIGRATION_LOCK_CLASS: i32 = 0x6964_6d01;
+const SWEEP_LOCK_CLASS: i32 = 0x6964_6d02;
+
+/// How often a claim statement is run again when it met a concurrent change (see
+/// `Statements::claim`). Each run takes a fresh snapshot, so a second run almost
+/// always settles it.
+const CLAIM_ATTEMPTS: usize = 5;
+
+/// Records in a PostgreSQL table, shared by every application instance that
+/// connects to the database.
+///
+/// Each store step is one statement and one round trip: the claim is a single
+/// `INSERT … ON CONFLICT … DO UPDATE … WHERE …` inside a CTE that also returns
+/// the record it found; `complete`, `renew` and `release` check the owner token in
+/// their `WHERE` clause. Times are the database's (`now()`), so instances with
+/// skewed clocks agree on when a lease lapsed.
+///
+/// Cheap to clone: clones share the pool.
+///
+/// ```no_run
+/// use idem_diesel::PgStore;
+///
+/// # async fn run() -> Result<(), idem_diesel::SetupError> {
+/// let store = PgStore::connect("postgres://app@db.internal/app").await?;
+/// store.migrate().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PgStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    table: Table,
+    statements: Statements,
+    connection_timeout: Duration,
+}
+
+/// Configures a [`PgStore`]: its table, its schema, and the pool it builds.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_diesel::PgStore;
+///
+/// # async fn run() -> Result<(), idem_diesel::SetupError> {
+/// let store = PgStore::builder()
+///     .schema("idem")
+///     .table("payment_keys")
+///     .max_connections(20)
+///     .connection_timeout(Duration::from_secs(2))
+///     .connect("postgres://app@db.internal/app")
+///     .await?;
+/// store.migrate().await?; // creates the schema and the table if missing
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct PgStoreBuilder {
+    schema: Option<String>,
+    table: String,
+    max_connections: u32,
+    connection_timeout: Duration,
+}
+
+/// The claim statement met concurrent changes on every attempt.
+#[derive(Debug, thiserror::Error)]
+#[error("the claim kept meeting concurrent changes to the record ({CLAIM_ATTEMPTS} attempts)")]
+struct ClaimContended;
+
+/// A dedicated connection could not be opened in time.
+#[derive(Debug, thiserror::Error)]
+#[error("no database connection within {0:?}")]
+struct ConnectTimedOut(Duration);
+
+#[derive(QueryableByName)]
+struct LockRow {
+    #[diesel(sql_type = Bool)]
+    locked: bool,
+}
+
+impl PgStore {
+    /// Connects to `url` with the default table (`idem_records`) and pool.
+    ///
+    /// Fails if the database cannot be reached. Call [`migrate`](Self::migrate)
+    /// once before use.
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        Self::builder().connect(url).await
+    }
+
+    /// A store over a pool the application already has, with the default table.
+    ///
+    /// The pool's own settings apply. Give it a short `connection_timeout` (the
+    /// store's builder uses 3 s), so that an outage is answered quickly rather than
+    /// after bb8's default of 30 s.
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self::with_table(pool, Table::default(), DEFAULT_CONNECTION_TIMEOUT)
+    }
+
+    /// Configures the table, the schema and the pool.
+    pub fn builder() -> PgStoreBuilder {
+        PgStoreBuilder {
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+            max_connections: 10,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+        }
+    }
+
+    fn with_table(pool: PgPool, table: Table, connection_timeout: Duration) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                statements: Statements::new(&table),
+                pool,
+                table,
+                connection_timeout,
+            }),
+        }
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The SQL that creates this store's schema (if configured), table and
+    /// cleanup index, for applications that run their own migration tool.
+    /// Every statement is `IF NOT EXISTS`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idem_diesel::SetupError> {
+    /// use idem_diesel::{PgPool, PgStore};
+    /// use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    ///
+    /// // Building a pool does not connect.
+    /// let pool: PgPool = bb8::Pool::builder()
+    ///     .build_unchecked(AsyncDieselConnectionManager::new("postgres://localhost/app"));
+    /// let store = PgStore::builder().schema("idem").build(pool)?;
+    /// let ddl = store.ddl();
+    /// assert!(ddl.starts_with(r#"CREATE SCHEMA IF NOT EXISTS "idem";"#));
+    /// assert!(ddl.contains(r#"CREATE TABLE IF NOT EXISTS "idem"."idem_records""#));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn ddl(&self) -> String {
+        let table = &self.inner.table;
+        match table.schema() {
+            Some(schema) => format!(
+                "CREATE SCHEMA IF NOT EXISTS \"{schema}\";\n{}",
+                table.postgres_ddl()
+            ),
+            None => table.postgres_ddl(),
+        }
+    }
+
+    /// Creates or upgrades the table. Safe to call from every instance at startup:
+    /// concurrent calls wait on an advisory lock.
+    ///
+    /// For the default table (`idem_records`, no schema) this runs the embedded
+    /// diesel migrations, recorded in `__diesel_schema_migrations`. A migration
+    /// cannot be templated, so for any other name it runs [`ddl`](Self::ddl)
+    /// instead, in one transaction; every statement there is `IF NOT EXISTS`.
+    pub async fn migrate(&self) -> Result<(), SetupError> {
+        let failed = |source: BoxError| SetupError::Migrate {
+            table: self.inner.table.display(),
+            source,
+        };
+        if self.inner.table.is_default() {
+            let connection = self
+                .dedicated_connection()
+                .await
+                .map_err(|e| failed(e.into()))?;
+            // diesel's migration harness is synchronous: drive it from a blocking
+            // thread, which works under both runtime flavours (a current-thread
+            // runtime keeps driving the connection while it awaits the task).
+            tokio::task::spawn_blocking(move || run_migrations(connection))
+                .await
+                .map_err(|e| failed(e.into()))?
+                .map_err(failed)
+        } else {
+            // Several statements in one simple query run as one implicit
+            // transaction, which the transaction-scoped lock serializes.
+            let sql = format!(
+                "SELECT pg_advisory_xact_lock({MIGRATION_LOCK_CLASS}, 0);\n{}",
+                self.ddl()
+            );
+            let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
+            connection
+                .batch_execute(&sql)
+                .await
+                .map_err(|e| failed(e.into()))
+        }
+    }
+
+    /// A cleanup job for this store's table, of which one runner at a time
+    /// sweeps across every instance (see [`SweepLock`]).
+    pub fn cleanup(&self) -> Cleanup<PgStore> {
+        Cleanup::new(self.clone()).lock(self.clone())
+    }
+
+    async fn connection(
+        &self,
+    ) -> Result<
+        bb8::PooledConnection<'_, AsyncDieselConnectionManager<AsyncPgConnection>>,
+        StoreError,
+    > {
+        self.inner.pool.get().await.map_err(StoreError::unavailable)
+    }
+
+    /// A connection outside the pool, for session-scoped advisory locks.
+    async fn dedicated_connection(&self) -> Result<AsyncPgConnection, StoreError> {
+        let timeout = self.inner.connection_timeout;
+        match tokio::time::timeout(timeout, self.inner.pool.dedicated_connection()).await {
+            Ok(connection) => connection.map_err(StoreError::unavailable),
+            Err(_) => Err(StoreError::unavailable(ConnectTimedOut(timeout))),
+        }
+    }
+
+    async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let mut connection = self.connection().await?;
+        diesel::sql_query(&self.inner.statements.in_progress)
+            .bind::<Text, _>(scope.as_str())
+            .bind::<Text, _>(key.as_str())
+            .get_result::<InProgressRow>(&mut *connection)
+            .await
+            .map(|row| row.in_progress)
+            .map_err(StoreError::unavailable)
+    }
+}
+
+impl PgStoreBuilder {
+    /// The table's name (default `idem_records`): ASCII letters, digits and
+    /// underscores, at most 52 characters.
+    pub fn table(mut self, name: impl Into<String>) -> Self {
+        self.table = name.into();
+        self
+    }
+
+    /// The table's schema (default: the connection's `search_path`, usually
+    /// `public`). [`PgStore::migrate`] creates it if missing.
+    pub fn schema(mut self, name: impl Into<String>) -> Self {
+        self.schema = Some(name.into());
+        self
+    }
+
+    /// The most connections the pool opens (default 10). Ignored by
+    /// [`build`](Self::build).
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How long a store step waits for a connection before it fails with
+    /// `StoreError::Unavailable` (default 3 s). The pool does not retry a failed
+    /// connection attempt, so an unreachable database is answered at once, with
+    /// its cause.
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Builds a pool for `url` and checks that it connects.
+    pub async fn connect(self, url: &str) -> Result<PgStore, SetupError> {
+        let table = self.validated_table()?;
+        let mut config = ManagerConfig::default();
+        config.recycling_method = RecyclingMethod::CustomFunction(Box::new(refuse_closed));
+        let manager = AsyncDieselConnectionManager::new_with_config(url, config);
+        let pool = bb8::Pool::builder()
+            .max_size(self.max_connections)
+            .connection_timeout(self.connection_timeout)
+            .retry_connection(false)
+            .build(manager)
+            .await
+            .map_err(|e| SetupError::Connect(e.into()))?;
+        drop(
+            pool.get()
+                .await
+                .map_err(|e| SetupError::Connect(e.into()))?,
+        );
+        Ok(PgStore::with_table(pool, table, self.connection_timeout))
+    }
+
+    /// A store over a pool the application already has.
+    pub fn build(self, pool: PgPool) -> Result<PgStore, SetupError> {
+        let table = self.validated_table()?;
+        Ok(PgStore::with_table(pool, table, self.connection_timeout))
+    }
+
+    fn validated_table(&self) -> Result<Table, SetupError> {
+        Table::new(self.schema.as_deref(), &self.table)
+    }
+}
+
+/// The connection timeout of pools the store builds.
+const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The pool's check on checkout: refuses a connection whose socket has closed
+/// (after a database restart, say), without the round trip of a `SELECT 1`.
+fn refuse_closed(
+    connection: &mut AsyncPgConnection,
+) -> Pin<Box<dyn Future<Output = QueryResult<()>> + Send + '_>> {
+    let closed = PoolableConnection::is_broken(connection);
+    Box::pin(async move {
+        if closed {
+            Err(DieselError::DatabaseError(
+                DatabaseErrorKind::ClosedConnection,
+                Box::new("the connection is closed".to_owned()),
+            ))
+        } else {
+            Ok(())
+        }
+    })
+}
+
+/// Runs the embedded migrations under a session-scoped advisory lock, which the
+/// connection releases when it closes at the end.
+fn run_migrations(connection: AsyncPgConnection) -> Result<(), BoxError> {
+    use diesel::connection::SimpleConnection;
+
+    let mut connection: AsyncConnectionWrapper<AsyncPgConnection> = connection.into();
+    SimpleConnection::batch_execute(
+        &mut connection,
+        &format!("SELECT pg_advisory_lock({MIGRATION_LOCK_CLASS}, 0)"),
+    )?;
+    connection.run_pending_migrations(MIGRATIONS)?;
+    Ok(())
+}
+
+impl Store for PgStore {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        Box::pin(async move {
+            let mut connection = self.connection().await?;
+            for _ in 0..CLAIM_ATTEMPTS {
+                let row = diesel::sql_query(&self.inner.statements.claim)
+                    .bind::<Text, _>(request.scope.as_str())
+                    .bind::<Text, _>(request.key.as_str())
+                    .bind::<Binary, _>(&request.fingerprint.as_bytes()[..])
+                    .bind::<SqlUuid, _>(request.owner.as_uuid())
+                    .bind::<BigInt, _>(duration_micros(request.lease))
+                    .bind::<BigInt, _>(duration_micros(request.retention))
+                    .get_result::<ClaimRow>(&mut *connection)
+                    .await
+                    .optional()
+                    .map_err(StoreError::unavailable)?;
+                match row {
+                    Some(row) if row.claimed => {
+                        return Ok(ClaimOutcome::Claimed(request.to_claim()));
+                    }
+                    Some(row) => return row.record.into_found(),
+                    None => continue,
+                }
+            }
+            Err(StoreError::unavailable(ClaimContended))
+        })
+    }
+
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let mut connection = self.connection().await?;
+            let rows = diesel::sql_query(&self.inner.statements.renew)
+                .bind::<Text, _>(claim.scope.as_str())
+                .bind::<Text, _>(claim.key.as_str())
+                .bind::<SqlUuid, _>(claim.owner.as_uuid())
+                .bind::<BigInt, _>(duration_micros(lease))
+                .execute(&mut *connection)
+                .await;
+            fenced(rows)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let mut connection = self.connection().await?;
+            let rows = diesel::sql_query(&self.inner.statements.complete)
+                .bind::<Text, _>(claim.scope.as_str())
+                .bind::<Text, _>(claim.key.as_str())
+                .bind::<SqlUuid, _>(claim.owner.as_uuid())
+                .bind::<Integer, _>(i32::from(response.status))
+                .bind::<Binary, _>(response.encode_headers())
+                .bind::<Binary, _>(&response.body[..])
+                .bind::<Bool, _>(response.replayable)
+                .bind::<BigInt, _>(duration_micros(retention))
+                .execute(&mut *connection)
+                .await;
+            fenced(rows)
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let mut connection = self.connection().await?;
+            let rows = diesel::sql_query(&self.inner.statements.release)
+                .bind::<Text, _>(claim.scope.as_str())
+                .bind::<Text, _>(claim.key.as_str())
+                .bind::<SqlUuid, _>(claim.owner.as_uuid())
+                .execute(&mut *connection)
+                .await;
+            fenced(rows)
+        })
+    }
+
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>> {
+        Box::pin(async move {
+            let mut connection = self.connection().await?;
+            let row = diesel::sql_query(&self.inner.statements.load)
+                .bind::<Text, _>(scope.as_str())
+                .bind::<Text, _>(key.as_str())
+                .get_result::<RecordRow>(&mut *connection)
+                .await
+                .optional()
+                .map_err(StoreError::unavailable)?;
+            row.map(|row| row.into_record(scope, key)).transpose()
+        })
+    }
+
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        Box::pin(async move {
+            let mut connection = self.connection().await?;
+            let deleted = diesel::sql_query(&self.inner.statements.delete_expired)
+                .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
+                .execute(&mut *connection)
+                .await
+                .map_err(StoreError::unavailable)?;
+            Ok(u64::try_from(deleted).unwrap_or(u64::MAX))
+        })
+    }
+
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(wait::until_settled(poll, move || {
+            self.in_progress(scope, key)
+        }))
+    }
+}
+
+/// One sweep at a time per table, across every instance: a session-scoped
+/// `pg_try_advisory_lock` on a connection of its own, outside the pool, keyed by
+/// the table's name. The lock is held for the whole sweep and released when the
+/// sweep drops the guard and its connection closes, or when the process dies.
+impl SweepLock for PgStore {
+    fn try_lock(&self) -> StoreFuture<'_, Option<SweepGuard>> {
+        Box::pin(async move {
+            let mut connection = self.dedicated_connection().await?;
+            let row = diesel::sql_query("SELECT pg_try_advisory_lock($1, hashtext($2)) AS locked")
+                .bind::<Integer, _>(SWEEP_LOCK_CLASS)
+                .bind::<Text, _>(self.inner.table.display())
+                .get_result::<LockRow>(&mut connection)
+                .await
+                .map_err(StoreError::unavailable)?;
+            Ok(row.locked.then(|| SweepGuard::new(connection)))
+        })
+    }
+}

@@ -1,0 +1,492 @@
+//! The SQLite store.
+
+mod statements;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use diesel::connection::SimpleConnection;
+use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text};
+use diesel::{
+    ConnectionError, ConnectionResult, OptionalExtension, QueryResult, RunQueryDsl,
+    SqliteConnection,
+};
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
+};
+use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+use diesel_async::{AsyncConnection, SimpleAsyncConnection};
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use idem_core::store::BoxError;
+use idem_core::{
+    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, Store, StoreError,
+    StoreFuture, StoredResponse,
+};
+
+use crate::cleanup::Cleanup;
+use crate::row::{InProgressRow, RecordRow, fenced, micros_after, micros_since_epoch};
+use crate::table::{DEFAULT_TABLE, Table};
+use crate::{SetupError, wait};
+use statements::Statements;
+
+/// A diesel-async connection to SQLite: diesel's synchronous connection, run on
+/// Tokio's blocking threads.
+type Connection = SyncConnectionWrapper<SqliteConnection>;
+
+/// A bb8 pool of SQLite connections, as [`SqliteStore`] uses.
+pub type SqlitePool = bb8::Pool<AsyncDieselConnectionManager<Connection>>;
+
+/// The migrations that create the default table, `idem_records`.
+const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
+
+/// Records in a SQLite file: embedded, and kept across restarts.
+///
+/// Each store step runs as one task on a blocking thread, inside one
+/// `BEGIN IMMEDIATE` transaction where it takes more than one statement: SQLite
+/// cannot put an upsert inside a CTE, so a claim that finds a live record reads
+/// it with a second statement in the same transaction. The file is opened in WAL
+/// mode, so reads do not wait for writes; writes take turns, waiting up to the
+/// busy timeout.
+///
+/// Times are this machine's clock, since every connection to the file is local.
+///
+/// ```no_run
+/// use idem_diesel::SqliteStore;
+///
+/// # async fn run() -> Result<(), idem_diesel::SetupError> {
+/// let store = SqliteStore::connect("sqlite://payments.db").await?;
+/// store.migrate().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: SqlitePool,
+    table: Table,
+    statements: Arc<Statements>,
+}
+
+/// Configures a [`SqliteStore`]: its table and the pool it builds.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct SqliteStoreBuilder {
+    table: String,
+    max_connections: u32,
+    connection_timeout: Duration,
+    busy_timeout: Duration,
+}
+
+/// What a claim found, read inside its transaction.
+enum ClaimStep {
+    Claimed,
+    Found(RecordRow),
+}
+
+/// A claim wrote nothing and found no live record: impossible inside one
+/// immediate transaction, unless the table was changed by hand.
+#[derive(Debug, thiserror::Error)]
+#[error("the claim neither wrote nor found a record")]
+struct ClaimVanished;
+
+impl SqliteStore {
+    /// Opens (creating if missing) the database at `url` with the default table
+    /// (`idem_records`) and pool.
+    ///
+    /// `url` is `sqlite://PATH` (`sqlite://payments.db` is relative,
+    /// `sqlite:///var/lib/app/idem.db` absolute), `sqlite:PATH`, a `file:` URI,
+    /// or a plain path. Call [`migrate`](Self::migrate) once before use.
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        Self::builder().connect(url).await
+    }
+
+    /// A store over a pool the application already has, with the default table.
+    ///
+    /// Open its connections with a busy timeout (`PRAGMA busy_timeout`), or
+    /// concurrent writes fail at once with "database is locked".
+    pub fn from_pool(pool: SqlitePool) -> Self {
+        Self::with_table(pool, Table::default())
+    }
+
+    /// Configures the table and the pool.
+    pub fn builder() -> SqliteStoreBuilder {
+        SqliteStoreBuilder {
+            table: DEFAULT_TABLE.to_owned(),
+            max_connections: 4,
+            connection_timeout: Duration::from_secs(3),
+            busy_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn with_table(pool: SqlitePool, table: Table) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                statements: Arc::new(Statements::new(&table)),
+                pool,
+                table,
+            }),
+        }
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.inner.pool
+    }
+
+    /// The SQL that creates this store's table and cleanup index, for
+    /// applications that run their own migration tool. Every statement is
+    /// `IF NOT EXISTS`.
+    pub fn ddl(&self) -> String {
+        self.inner.table.sqlite_ddl()
+    }
+
+    /// Creates or upgrades the table, in one immediate transaction (so that
+    /// processes sharing the file take turns).
+    ///
+    /// For the default table (`idem_records`) this runs the embedded diesel
+    /// migrations, recorded in `__diesel_schema_migrations`. A migration cannot be
+    /// templated, so for any other name it runs [`ddl`](Self::ddl) instead; every
+    /// statement there is `IF NOT EXISTS`.
+    pub async fn migrate(&self) -> Result<(), SetupError> {
+        let failed = |source: BoxError| SetupError::Migrate {
+            table: self.inner.table.display(),
+            source,
+        };
+        let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
+        let outcome = if self.inner.table.is_default() {
+            connection
+                .spawn_blocking(|c| {
+                    Ok(c.immediate_transaction(|c| c.run_pending_migrations(MIGRATIONS).map(drop)))
+                })
+                .await
+        } else {
+            let ddl = self.ddl();
+            connection
+                .spawn_blocking(move |c| {
+                    Ok(c.immediate_transaction(|c| c.batch_execute(&ddl))
+                        .map_err(BoxError::from))
+                })
+                .await
+        };
+        outcome.map_err(|e| failed(e.into()))?.map_err(failed)
+    }
+
+    /// A cleanup job for this store's table. SQLite writers take turns anyway,
+    /// so it takes no lock.
+    pub fn cleanup(&self) -> Cleanup<SqliteStore> {
+        Cleanup::new(self.clone())
+    }
+
+    async fn connection(
+        &self,
+    ) -> Result<bb8::PooledConnection<'_, AsyncDieselConnectionManager<Connection>>, StoreError>
+    {
+        self.inner.pool.get().await.map_err(StoreError::unavailable)
+    }
+
+    /// Runs `task` on a pooled connection, on a blocking thread.
+    async fn run<R: Send + 'static>(
+        &self,
+        task: impl FnOnce(&mut SqliteConnection, &Statements) -> QueryResult<R> + Send + 'static,
+    ) -> Result<R, StoreError> {
+        let statements = Arc::clone(&self.inner.statements);
+        let mut connection = self.connection().await?;
+        connection
+            .spawn_blocking(move |c| task(c, &statements))
+            .await
+            .map_err(StoreError::unavailable)
+    }
+
+    async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let (scope, key) = (scope.clone(), key.clone());
+        let now = now_micros();
+        self.run(move |c, sql| {
+            diesel::sql_query(&sql.in_progress)
+                .bind::<Text, _>(scope.as_str())
+                .bind::<Text, _>(key.as_str())
+                .bind::<BigInt, _>(now)
+                .get_result::<InProgressRow>(c)
+                .map(|row| row.in_progress)
+        })
+        .await
+    }
+}
+
+impl SqliteStoreBuilder {
+    /// The table's name (default `idem_records`): ASCII letters, digits and
+    /// underscores, at most 52 characters.
+    pub fn table(mut self, name: impl Into<String>) -> Self {
+        self.table = name.into();
+        self
+    }
+
+    /// The most connections the pool opens (default 4). Ignored by
+    /// [`build`](Self::build).
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How long a store step waits for a pooled connection (default 3 s).
+    /// Ignored by [`build`](Self::build).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// How long a write waits for another connection's write to finish before it
+    /// fails with "database is locked" (default 5 s). Ignored by
+    /// [`build`](Self::build).
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Opens the database at `url` (see [`SqliteStore::connect`]), creating the
+    /// file if missing, and checks that it opens.
+    pub async fn connect(self, url: &str) -> Result<SqliteStore, SetupError> {
+        let table = Table::new(None, &self.table)?;
+        let busy_ms = self.busy_timeout.as_millis();
+        let mut config = ManagerConfig::<Connection>::default();
+        config.custom_setup = Box::new(move |url| establish(url, busy_ms));
+        // The file is local: a connection does not go stale, so it is not pinged.
+        config.recycling_method = RecyclingMethod::Fast;
+        let manager = AsyncDieselConnectionManager::new_with_config(database_path(url), config);
+        let pool = bb8::Pool::builder()
+            .max_size(self.max_connections)
+            .connection_timeout(self.connection_timeout)
+            .retry_connection(false)
+            .build(manager)
+            .await
+            .map_err(|e| SetupError::Connect(e.into()))?;
+        drop(
+            pool.get()
+                .await
+                .map_err(|e| SetupError::Connect(e.into()))?,
+        );
+        Ok(SqliteStore::with_table(pool, table))
+    }
+
+    /// A store over a pool the application already has.
+    pub fn build(self, pool: SqlitePool) -> Result<SqliteStore, SetupError> {
+        Ok(SqliteStore::with_table(
+            pool,
+            Table::new(None, &self.table)?,
+        ))
+    }
+}
+
+/// The path diesel opens for `url`: the `sqlite:` scheme removed, so that the
+/// rest is a plain path (diesel would read `sqlite://` as a `file:` URI, where
+/// `?` and `#` in a file name mean something else).
+fn database_path(url: &str) -> &str {
+    url.strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .unwrap_or(url)
+}
+
+/// Opens a connection: waits on locks instead of failing at once, and uses WAL
+/// so that readers do not wait for writers.
+fn establish(
+    url: &str,
+    busy_ms: u128,
+) -> Pin<Box<dyn Future<Output = ConnectionResult<Connection>> + Send + '_>> {
+    Box::pin(async move {
+        let mut connection = Connection::establish(url).await?;
+        connection
+            .batch_execute(&format!(
+                "PRAGMA busy_timeout = {busy_ms};
+                 PRAGMA journal_mode = WAL;
+                 PRAGMA synchronous = NORMAL;"
+            ))
+            .await
+            .map_err(ConnectionError::CouldntSetupConfiguration)?;
+        Ok(connection)
+    })
+}
+
+fn now_micros() -> i64 {
+    micros_since_epoch(SystemTime::now())
+}
+
+impl Store for SqliteStore {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        Box::pin(async move {
+            let (scope, key) = (request.scope.clone(), request.key.clone());
+            let fingerprint = *request.fingerprint.as_bytes();
+            let owner = request.owner.as_uuid();
+            let now = now_micros();
+            let lease_until = micros_after(now, request.lease);
+            let expires_at = micros_after(now, request.retention);
+            let step = self
+                .run(move |c, sql| {
+                    c.immediate_transaction(|c| {
+                        let written = diesel::sql_query(&sql.claim)
+                            .bind::<Text, _>(scope.as_str())
+                            .bind::<Text, _>(key.as_str())
+                            .bind::<Binary, _>(&fingerprint[..])
+                            .bind::<Binary, _>(&owner.as_bytes()[..])
+                            .bind::<BigInt, _>(lease_until)
+                            .bind::<BigInt, _>(expires_at)
+                            .bind::<BigInt, _>(now)
+                            .execute(c)?;
+                        if written > 0 {
+                            return Ok(Some(ClaimStep::Claimed));
+                        }
+                        diesel::sql_query(&sql.found)
+                            .bind::<Text, _>(scope.as_str())
+                            .bind::<Text, _>(key.as_str())
+                            .bind::<BigInt, _>(now)
+                            .get_result::<RecordRow>(c)
+                            .optional()
+                            .map(|row| row.map(ClaimStep::Found))
+                    })
+                })
+                .await?;
+            match step {
+                Some(ClaimStep::Claimed) => Ok(ClaimOutcome::Claimed(request.to_claim())),
+                Some(ClaimStep::Found(row)) => row.into_found(),
+                None => Err(StoreError::unavailable(ClaimVanished)),
+            }
+        })
+    }
+
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let (scope, key) = (claim.scope.clone(), claim.key.clone());
+            let owner = claim.owner.as_uuid();
+            let lease_until = micros_after(now_micros(), lease);
+            let rows = self
+                .run(move |c, sql| {
+                    diesel::sql_query(&sql.renew)
+                        .bind::<Text, _>(scope.as_str())
+                        .bind::<Text, _>(key.as_str())
+                        .bind::<Binary, _>(&owner.as_bytes()[..])
+                        .bind::<BigInt, _>(lease_until)
+                        .execute(c)
+                })
+                .await?;
+            fenced(Ok(rows))
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let (scope, key) = (claim.scope.clone(), claim.key.clone());
+            let owner = claim.owner.as_uuid();
+            let status = i32::from(response.status);
+            let headers = response.encode_headers();
+            let body = response.body.clone();
+            let replayable = response.replayable;
+            let expires_at = micros_after(now_micros(), retention);
+            let rows = self
+                .run(move |c, sql| {
+                    diesel::sql_query(&sql.complete)
+                        .bind::<Text, _>(scope.as_str())
+                        .bind::<Text, _>(key.as_str())
+                        .bind::<Binary, _>(&owner.as_bytes()[..])
+                        .bind::<Integer, _>(status)
+                        .bind::<Binary, _>(&headers[..])
+                        .bind::<Binary, _>(&body[..])
+                        .bind::<Bool, _>(replayable)
+                        .bind::<BigInt, _>(expires_at)
+                        .execute(c)
+                })
+                .await?;
+            fenced(Ok(rows))
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let (scope, key) = (claim.scope.clone(), claim.key.clone());
+            let owner = claim.owner.as_uuid();
+            let rows = self
+                .run(move |c, sql| {
+                    diesel::sql_query(&sql.release)
+                        .bind::<Text, _>(scope.as_str())
+                        .bind::<Text, _>(key.as_str())
+                        .bind::<Binary, _>(&owner.as_bytes()[..])
+                        .execute(c)
+                })
+                .await?;
+            fenced(Ok(rows))
+        })
+    }
+
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>> {
+        Box::pin(async move {
+            let (owned_scope, owned_key) = (scope.clone(), key.clone());
+            let now = now_micros();
+            let row = self
+                .run(move |c, sql| {
+                    diesel::sql_query(&sql.load)
+                        .bind::<Text, _>(owned_scope.as_str())
+                        .bind::<Text, _>(owned_key.as_str())
+                        .bind::<BigInt, _>(now)
+                        .get_result::<RecordRow>(c)
+                        .optional()
+                })
+                .await?;
+            row.map(|row| row.into_record(scope, key)).transpose()
+        })
+    }
+
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        Box::pin(async move {
+            let now = now_micros();
+            let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+            let deleted = self
+                .run(move |c, sql| {
+                    diesel::sql_query(&sql.delete_expired)
+                        .bind::<BigInt, _>(now)
+                        .bind::<BigInt, _>(batch)
+                        .execute(c)
+                })
+                .await?;
+            Ok(u64::try_from(deleted).unwrap_or(u64::MAX))
+        })
+    }
+
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(wait::until_settled(poll, move || {
+            self.in_progress(scope, key)
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::database_path;
+
+    #[test]
+    fn urls_become_paths() {
+        assert_eq!(database_path("sqlite://payments.db"), "payments.db");
+        assert_eq!(
+            database_path("sqlite:///var/lib/idem.db"),
+            "/var/lib/idem.db"
+        );
+        assert_eq!(database_path("sqlite:payments.db"), "payments.db");
+        assert_eq!(database_path("/tmp/a.db"), "/tmp/a.db");
+        assert_eq!(database_path("file:a.db?mode=rwc"), "file:a.db?mode=rwc");
+    }
+}

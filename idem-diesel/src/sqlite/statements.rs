@@ -1,0 +1,105 @@
+//! The SQL of each store step on SQLite, for one table.
+//!
+//! SQLite has no server clock: "now" is the application's clock, bound as
+//! microseconds since the Unix epoch, like every time column. Every connection
+//! to the file is in this process or on this machine, so they share that clock.
+
+use crate::row::{COMPLETED, IN_PROGRESS};
+use crate::table::Table;
+
+/// The statements of every store step, with the table name spliced in.
+#[derive(Debug)]
+pub(super) struct Statements {
+    /// `?1` scope, `?2` key, `?3` fingerprint, `?4` owner, `?5` lease until,
+    /// `?6` expires at, `?7` now → 1 row written if claimed, else 0.
+    pub(super) claim: String,
+    /// `?1` scope, `?2` key, `?3` now → the live record that kept a claim out.
+    pub(super) found: String,
+    /// `?1` scope, `?2` key, `?3` owner, `?4` lease until → rows updated.
+    pub(super) renew: String,
+    /// `?1` scope, `?2` key, `?3` owner, `?4` status, `?5` headers, `?6` body,
+    /// `?7` replayable, `?8` expires at → rows updated.
+    pub(super) complete: String,
+    /// `?1` scope, `?2` key, `?3` owner → rows deleted.
+    pub(super) release: String,
+    /// `?1` scope, `?2` key, `?3` now → zero or one `RecordRow`.
+    pub(super) load: String,
+    /// `?1` now, `?2` batch size → rows deleted.
+    pub(super) delete_expired: String,
+    /// `?1` scope, `?2` key, `?3` now → one `InProgressRow`.
+    pub(super) in_progress: String,
+}
+
+/// The columns of a `RecordRow`, read from the row alias `r`.
+const RECORD_COLUMNS: &str = "r.fingerprint, r.state, r.owner, r.lease_until, \
+    r.status, r.headers, r.body, r.replayable, r.expires_at";
+
+impl Statements {
+    pub(super) fn new(table: &Table) -> Self {
+        let t = table.sql();
+        // As on PostgreSQL: new when completed and past retention, or in progress
+        // and past the lease.
+        let claimable = |now: &str| {
+            format!(
+                "(r.state = '{COMPLETED}' AND r.expires_at <= {now}) \
+                 OR (r.state = '{IN_PROGRESS}' AND r.lease_until <= {now})"
+            )
+        };
+        let expired = |now: &str| {
+            format!("r.expires_at <= {now} AND (r.state = '{COMPLETED}' OR r.lease_until <= {now})")
+        };
+        Self {
+            claim: format!(
+                "INSERT INTO {t} AS r
+                    (scope, key, fingerprint, state, owner, lease_until, expires_at, created_at)
+                 VALUES (?1, ?2, ?3, '{IN_PROGRESS}', ?4, ?5, ?6, ?7)
+                 ON CONFLICT (scope, key) DO UPDATE SET
+                    fingerprint = excluded.fingerprint,
+                    state = excluded.state,
+                    owner = excluded.owner,
+                    lease_until = excluded.lease_until,
+                    status = NULL, headers = NULL, body = NULL, replayable = NULL,
+                    expires_at = excluded.expires_at,
+                    created_at = excluded.created_at
+                 WHERE {}",
+                claimable("?7")
+            ),
+            found: format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} AS r
+                 WHERE r.scope = ?1 AND r.key = ?2 AND NOT ({})",
+                claimable("?3")
+            ),
+            renew: format!(
+                "UPDATE {t} SET lease_until = ?4
+                 WHERE scope = ?1 AND key = ?2 AND owner = ?3 AND state = '{IN_PROGRESS}'"
+            ),
+            complete: format!(
+                "UPDATE {t} SET
+                    state = '{COMPLETED}', owner = NULL, lease_until = NULL,
+                    status = ?4, headers = ?5, body = ?6, replayable = ?7, expires_at = ?8
+                 WHERE scope = ?1 AND key = ?2 AND owner = ?3 AND state = '{IN_PROGRESS}'"
+            ),
+            release: format!(
+                "DELETE FROM {t}
+                 WHERE scope = ?1 AND key = ?2 AND owner = ?3 AND state = '{IN_PROGRESS}'"
+            ),
+            load: format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} AS r
+                 WHERE r.scope = ?1 AND r.key = ?2 AND NOT ({})",
+                expired("?3")
+            ),
+            delete_expired: format!(
+                "DELETE FROM {t} WHERE rowid IN (
+                     SELECT r.rowid FROM {t} AS r WHERE {} LIMIT ?2)",
+                expired("?1")
+            ),
+            in_progress: format!(
+                "SELECT EXISTS(
+                     SELECT 1 FROM {t}
+                     WHERE scope = ?1 AND key = ?2
+                       AND state = '{IN_PROGRESS}' AND lease_until > ?3
+                 ) AS in_progress"
+            ),
+        }
+    }
+}

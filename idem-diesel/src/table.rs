@@ -1,0 +1,210 @@
+//! The table a store keeps its records in: its validated name and its DDL.
+//!
+//! The embedded migrations create the table under its default name. A store
+//! configured with another name (or, on PostgreSQL, a schema) creates its table
+//! from [`Table::postgres_ddl`] / [`Table::sqlite_ddl`] instead, because a diesel
+//! migration cannot be templated; for the default name those functions yield the
+//! migrations' `up.sql` byte for byte (a test checks it), so both paths build the
+//! same table.
+
+use crate::SetupError;
+
+/// The table name stores use unless configured otherwise.
+pub const DEFAULT_TABLE: &str = "idem_records";
+
+/// The longest table name accepted: PostgreSQL's 63-byte identifier limit minus
+/// the `_expires_at` suffix of the cleanup index.
+const MAX_TABLE_LEN: usize = 52;
+
+/// The longest schema name accepted (PostgreSQL's identifier limit).
+const MAX_SCHEMA_LEN: usize = 63;
+
+/// A validated table name, with an optional schema (PostgreSQL only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Table {
+    schema: Option<String>,
+    name: String,
+}
+
+impl Table {
+    /// The table `name` in `schema` (the connection's `search_path` when `None`).
+    pub(crate) fn new(schema: Option<&str>, name: &str) -> Result<Self, SetupError> {
+        if let Some(schema) = schema {
+            check_identifier("schema", schema, MAX_SCHEMA_LEN)?;
+        }
+        check_identifier("table", name, MAX_TABLE_LEN)?;
+        Ok(Self {
+            schema: schema.map(str::to_owned),
+            name: name.to_owned(),
+        })
+    }
+
+    /// Whether this is the table the embedded migrations create.
+    pub(crate) fn is_default(&self) -> bool {
+        self.schema.is_none() && self.name == DEFAULT_TABLE
+    }
+
+    /// The schema, if one was configured.
+    pub(crate) fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The table as SQL names it: quoted, schema-qualified when configured.
+    pub(crate) fn sql(&self) -> String {
+        match &self.schema {
+            Some(schema) => format!("\"{schema}\".\"{}\"", self.name),
+            None => format!("\"{}\"", self.name),
+        }
+    }
+
+    /// The table for people and for lock keys: `schema.name` or `name`.
+    pub(crate) fn display(&self) -> String {
+        match &self.schema {
+            Some(schema) => format!("{schema}.{}", self.name),
+            None => self.name.clone(),
+        }
+    }
+
+    /// The cleanup index's name, quoted (an index lives in its table's schema).
+    fn index(&self) -> String {
+        format!("\"{}_expires_at\"", self.name)
+    }
+
+    /// The statements that create the table and its cleanup index on PostgreSQL,
+    /// if they do not exist. Does not create the schema.
+    pub(crate) fn postgres_ddl(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+    scope       text        NOT NULL,
+    key         text        NOT NULL,
+    fingerprint bytea       NOT NULL,
+    state       text        NOT NULL CHECK (state IN ('in_progress', 'completed')),
+    owner       uuid,
+    lease_until timestamptz,
+    status      integer,
+    headers     bytea,
+    body        bytea,
+    replayable  boolean,
+    expires_at  timestamptz NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (scope, key),
+    CHECK (state <> 'in_progress' OR (owner IS NOT NULL AND lease_until IS NOT NULL)),
+    CHECK (state <> 'completed' OR (status IS NOT NULL AND headers IS NOT NULL
+                                    AND body IS NOT NULL AND replayable IS NOT NULL))
+);
+CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
+",
+            table = self.sql(),
+            index = self.index(),
+        )
+    }
+
+    /// The statements that create the table and its cleanup index on SQLite, if
+    /// they do not exist. Times are microseconds since the Unix epoch.
+    pub(crate) fn sqlite_ddl(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+    scope       TEXT    NOT NULL,
+    key         TEXT    NOT NULL,
+    fingerprint BLOB    NOT NULL,
+    state       TEXT    NOT NULL CHECK (state IN ('in_progress', 'completed')),
+    owner       BLOB,
+    lease_until INTEGER,
+    status      INTEGER,
+    headers     BLOB,
+    body        BLOB,
+    replayable  INTEGER,
+    expires_at  INTEGER NOT NULL,
+    created_at  INTEGER NOT NULL,
+    PRIMARY KEY (scope, key),
+    CHECK (state <> 'in_progress' OR (owner IS NOT NULL AND lease_until IS NOT NULL)),
+    CHECK (state <> 'completed' OR (status IS NOT NULL AND headers IS NOT NULL
+                                    AND body IS NOT NULL AND replayable IS NOT NULL))
+);
+CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
+",
+            table = self.sql(),
+            index = self.index(),
+        )
+    }
+}
+
+impl Default for Table {
+    fn default() -> Self {
+        Self {
+            schema: None,
+            name: DEFAULT_TABLE.to_owned(),
+        }
+    }
+}
+
+/// Accepts names that need no escaping: they are spliced into SQL (quoted), since
+/// identifiers cannot be bound as parameters.
+fn check_identifier(kind: &'static str, name: &str, max: usize) -> Result<(), SetupError> {
+    let mut chars = name.chars();
+    let starts_well = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let rest_plain = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if starts_well && rest_plain && name.len() <= max {
+        Ok(())
+    } else {
+        Err(SetupError::InvalidName {
+            kind,
+            name: name.to_owned(),
+            max,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    #[test]
+    fn default_postgres_ddl_is_the_embedded_migration() {
+        let migration =
+            include_str!("../migrations/postgres/2025-06-01-000000_create_idem_records/up.sql");
+        assert_eq!(Table::default().postgres_ddl(), migration);
+    }
+
+    #[test]
+    fn default_sqlite_ddl_is_the_embedded_migration() {
+        let migration =
+            include_str!("../migrations/sqlite/2025-06-01-000000_create_idem_records/up.sql");
+        assert_eq!(Table::default().sqlite_ddl(), migration);
+    }
+
+    #[test]
+    fn names_are_quoted_and_qualified() {
+        let table = Table::new(Some("billing"), "Keys_2").unwrap();
+        assert_eq!(table.sql(), "\"billing\".\"Keys_2\"");
+        assert_eq!(table.display(), "billing.Keys_2");
+        assert!(!table.is_default());
+        assert!(Table::new(None, DEFAULT_TABLE).unwrap().is_default());
+        assert!(
+            !Table::new(Some("public"), DEFAULT_TABLE)
+                .unwrap()
+                .is_default()
+        );
+    }
+
+    #[test]
+    fn names_that_would_need_escaping_are_refused() {
+        for bad in ["", "1abc", "a-b", "a\"b", "a b", "tâble", &"t".repeat(53)] {
+            let error = Table::new(None, bad).unwrap_err();
+            assert!(
+                matches!(error, SetupError::InvalidName { kind: "table", .. }),
+                "{bad:?}"
+            );
+        }
+        let error = Table::new(Some("x;drop"), "t").unwrap_err();
+        assert!(matches!(
+            error,
+            SetupError::InvalidName { kind: "schema", .. }
+        ));
+        assert!(Table::new(None, &"t".repeat(52)).is_ok());
+    }
+}
