@@ -1,46 +1,115 @@
-//! Extractors: what a handler behind [`Idempotency`](crate::Idempotency) can know
-//! about its request.
+//! Extractors: what the middleware tells the handler of a keyed request it let
+//! run. The same names and meaning as idem-axum's.
 
 use std::future::{Ready, ready};
 
 use actix_web::dev::Payload;
-use actix_web::error::ErrorInternalServerError;
-use actix_web::{Error, FromRequest, HttpMessage, HttpRequest};
+use actix_web::http::StatusCode;
+use actix_web::{FromRequest, HttpMessage, HttpRequest, ResponseError};
 use idem_core::{IdempotencyKey, Scope};
 
-/// The idempotency of the request the handler is running for: its key, its scope,
-/// and whether this is the key's first execution.
+/// What the middleware tells the handler of a keyed request it let run, in the
+/// request's extensions: the key, the scope, and whether the execution is
+/// guarded.
 ///
-/// Extracting it where the middleware did not run the handler under a key (the
-/// route is not wrapped, or its key was optional and absent) fails with `500`;
-/// take `Option<IdempotencyInfo>` on routes where the key is optional.
+/// A replayed answer never reaches the handler: the middleware sends it without
+/// calling the handler. So a handler that sees an `ExecutionInfo` with
+/// [`is_guarded`](Self::is_guarded) is *the* execution of its `(scope, key)`:
+/// while it runs, no other request with the key runs, and its answer (when the
+/// status is stored) is what every retry gets. It may still be a re-run of an
+/// earlier attempt that failed (a 5xx, a panic) and was released, so effects
+/// outside the handler's own answer should be idempotent downstream; forwarding
+/// [`key`](Self::key) to a payment provider is the usual way.
+///
+/// Requests without a key (an optional route, an uncovered method) carry no
+/// `ExecutionInfo`: extract `Option<ExecutionInfo>` there.
 ///
 /// ```
 /// use actix_web::HttpResponse;
-/// use idem_actix::IdempotencyInfo;
+/// use idem_actix::ExecutionInfo;
 ///
-/// async fn charge(info: IdempotencyInfo) -> HttpResponse {
-///     // The key can name the charge at the payment provider, so that the
-///     // provider deduplicates too.
-///     HttpResponse::Created().body(format!("charge {}", info.key.as_str()))
+/// async fn charge(execution: ExecutionInfo) -> HttpResponse {
+///     HttpResponse::Created().body(format!("charging once for key {}", execution.key().redacted()))
 /// }
+/// # let _ = actix_web::web::post().to(charge);
 /// ```
 #[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct IdempotencyInfo {
-    /// The request's key.
-    pub key: IdempotencyKey,
-    /// The scope the key belongs to.
-    pub scope: Scope,
-    /// `true` when this request holds the claim on its key, so no earlier request
-    /// with the key completed; `false` when the store failed and the route fails
-    /// open, so nothing is known about earlier requests.
-    pub first_execution: bool,
+pub struct ExecutionInfo {
+    key: IdempotencyKey,
+    scope: Scope,
+    guarded: bool,
 }
 
-impl FromRequest for IdempotencyInfo {
-    type Error = Error;
-    type Future = Ready<Result<Self, Error>>;
+/// The request's idempotency key, as the middleware parsed it.
+///
+/// Extract `Option<Key>` on routes where the key is optional.
+///
+/// ```
+/// use idem_actix::Key;
+///
+/// async fn deposit(key: Option<Key>) -> &'static str {
+///     if key.is_some() { "deposited once" } else { "deposited (no key: every delivery counts)" }
+/// }
+/// # let _ = actix_web::web::post().to(deposit);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Key(pub IdempotencyKey);
+
+/// The error of [`Key`] and [`ExecutionInfo`] when the request carries none: the
+/// handler is not behind [`Idempotency`](crate::Idempotency), or the request had
+/// no key. `500`: the route is misconfigured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "this request has no idempotency key: is the handler behind an Idempotency middleware that requires keys?"
+)]
+pub struct NoIdempotencyKey;
+
+impl ExecutionInfo {
+    pub(crate) fn new(key: IdempotencyKey, scope: Scope, guarded: bool) -> Self {
+        Self {
+            key,
+            scope,
+            guarded,
+        }
+    }
+
+    /// The same request, run without idempotency (the store failed, the route
+    /// fails open).
+    pub(crate) fn unguarded(self) -> Self {
+        Self {
+            guarded: false,
+            ..self
+        }
+    }
+
+    /// The request's key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The scope the key belongs to.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// `true` when this execution holds the claim of its `(scope, key)`; `false`
+    /// when the store failed and the route fails open
+    /// ([`OnStoreFailure::FailOpen`](idem_core::OnStoreFailure::FailOpen)): the
+    /// handler then runs unguarded, and a retry runs it again.
+    pub fn is_guarded(&self) -> bool {
+        self.guarded
+    }
+}
+
+impl ResponseError for NoIdempotencyKey {
+    fn status_code(&self) -> StatusCode {
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+}
+
+impl FromRequest for ExecutionInfo {
+    type Error = NoIdempotencyKey;
+    type Future = Ready<Result<Self, Self::Error>>;
 
     fn from_request(request: &HttpRequest, _: &mut Payload) -> Self::Future {
         ready(
@@ -48,10 +117,22 @@ impl FromRequest for IdempotencyInfo {
                 .extensions()
                 .get::<Self>()
                 .cloned()
-                .ok_or_else(|| {
-                    tracing::error!(target: "idem", "IdempotencyInfo extracted on a request the idempotency middleware did not key");
-                    ErrorInternalServerError("the request has no idempotency key")
-                }),
+                .ok_or(NoIdempotencyKey),
+        )
+    }
+}
+
+impl FromRequest for Key {
+    type Error = NoIdempotencyKey;
+    type Future = Ready<Result<Self, Self::Error>>;
+
+    fn from_request(request: &HttpRequest, _: &mut Payload) -> Self::Future {
+        ready(
+            request
+                .extensions()
+                .get::<ExecutionInfo>()
+                .map(|execution| Self(execution.key.clone()))
+                .ok_or(NoIdempotencyKey),
         )
     }
 }

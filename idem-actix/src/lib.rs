@@ -5,7 +5,7 @@ mod edge;
 mod extract;
 mod middleware;
 
-pub use extract::IdempotencyInfo;
+pub use extract::{ExecutionInfo, Key, NoIdempotencyKey};
 pub use middleware::Idempotency;
 #[doc(hidden)]
 pub use middleware::IdempotencyMiddleware;

@@ -6,6 +6,7 @@ use std::future::{Ready, ready};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix_web::body::{BoxBody, EitherBody, MessageBody};
 use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse, Transform, forward_ready};
@@ -15,8 +16,9 @@ use bytes::BytesMut;
 use futures_util::future::{FutureExt, LocalBoxFuture};
 use futures_util::stream::StreamExt;
 use idem_core::{
-    Admission, Begin, Engine, Execution, Fingerprint, KEY_HEADER, KeyRequirement, Policy, Problem,
-    RequestHead, Scope, Store, StoredResponse,
+    Admission, Begin, Engine, Execution, Fingerprint, FingerprintSpec, InProgress, KEY_HEADER,
+    KeyRequirement, OnStoreFailure, Policy, Problem, RequestHead, Scope, StatusFilter, Store,
+    StoredResponse,
 };
 use tokio::sync::oneshot;
 use tracing::Instrument;
@@ -25,7 +27,7 @@ use crate::capture::{Captured, capture};
 use crate::edge::{
     ProblemError, RequestHeaders, into_http_response, stored_headers, stored_status,
 };
-use crate::extract::IdempotencyInfo;
+use crate::extract::ExecutionInfo;
 
 /// Makes a resource or scope safe to retry: wraps it so that requests with the same
 /// `Idempotency-Key` run the handler once and replay its answer.
@@ -65,8 +67,9 @@ enum ScopeSource {
 type ScopeFn = dyn Fn(&HttpRequest) -> Option<Scope> + Send + Sync;
 
 impl Idempotency {
-    /// Idempotency over `store` with [`Policy::required`]'s defaults, every
-    /// request in [`Scope::global`].
+    /// Idempotency over `store`: keys required, POST and PATCH covered, every
+    /// limit and duration the contract's default, every request in
+    /// [`Scope::global`].
     pub fn new(store: impl Store) -> Self {
         Self::from_shared(Arc::new(store))
     }
@@ -80,31 +83,115 @@ impl Idempotency {
         }
     }
 
-    /// Replaces the whole policy (lease, retention, limits, statuses…).
+    /// Keys are required: a covered request without one is answered
+    /// `400 missing-key`. The default.
+    pub fn required(self) -> Self {
+        self.configure(|policy| policy.requirement(KeyRequirement::Required))
+    }
+
+    /// Keys are optional: a request without one passes through untouched.
+    pub fn optional(self) -> Self {
+        self.configure(|policy| policy.requirement(KeyRequirement::Optional))
+    }
+
+    /// Replaces the whole policy.
     pub fn policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
         self
     }
 
-    /// Covered requests without a key are answered `400 missing-key`.
-    pub fn required(mut self) -> Self {
-        self.policy = self.policy.requirement(KeyRequirement::Required);
-        self
-    }
-
-    /// Covered requests without a key pass through untouched.
-    pub fn optional(mut self) -> Self {
-        self.policy = self.policy.requirement(KeyRequirement::Optional);
-        self
-    }
-
-    /// Takes each request's scope from `scope`, run on the request before its body
-    /// is read. `None` answers `500 scope-unavailable` and the handler does not run.
+    /// Changes the policy with its own setters.
     ///
-    /// Scope by what the application has authenticated. Scoping by a header the
-    /// client sets, unauthenticated, is unsafe: any client could send another's
-    /// scope with a guessed key and be replayed that client's answer.
-    pub fn scope_fn<F>(mut self, scope: F) -> Self
+    /// ```
+    /// # use idem_actix::Idempotency;
+    /// # use idem_core::{MemoryStore, StatusFilter};
+    /// let idempotency = Idempotency::new(MemoryStore::new())
+    ///     .configure(|policy| policy.stored_statuses(StatusFilter::new(|status| status < 300)));
+    /// assert!(!idempotency.current_policy().stores(404));
+    /// ```
+    pub fn configure(mut self, change: impl FnOnce(Policy) -> Policy) -> Self {
+        self.policy = change(self.policy);
+        self
+    }
+
+    /// The methods covered (default POST and PATCH); other methods pass through.
+    pub fn methods<I, M>(self, methods: I) -> Self
+    where
+        I: IntoIterator<Item = M>,
+        M: AsRef<str>,
+    {
+        self.configure(|policy| policy.methods(methods))
+    }
+
+    /// How long a claim holds without renewal (default 30 s); it is renewed every
+    /// third of it while the handler runs.
+    pub fn lease(self, lease: Duration) -> Self {
+        self.configure(|policy| policy.lease(lease))
+    }
+
+    /// How long completed records are kept (default 24 h).
+    pub fn retention(self, retention: Duration) -> Self {
+        self.configure(|policy| policy.retention(retention))
+    }
+
+    /// What a request does while another with its key runs (default `409` with
+    /// `Retry-After: 1`).
+    pub fn in_progress(self, behaviour: InProgress) -> Self {
+        self.configure(|policy| policy.in_progress(behaviour))
+    }
+
+    /// Makes a request whose key is in progress wait up to `up_to` and replay the
+    /// first request's answer (past the bound, `409`).
+    pub fn wait_up_to(self, up_to: Duration) -> Self {
+        self.in_progress(InProgress::Wait { up_to })
+    }
+
+    /// The largest request body accepted (default 1 MiB); over it, `413`.
+    pub fn request_body_limit(self, bytes: usize) -> Self {
+        self.configure(|policy| policy.request_body_limit(bytes))
+    }
+
+    /// The largest response body kept for replay (default 1 MiB). A larger one is
+    /// still sent to the first client; retries get `410 response-not-stored`.
+    pub fn stored_body_limit(self, bytes: usize) -> Self {
+        self.configure(|policy| policy.stored_body_limit(bytes))
+    }
+
+    /// Which statuses are stored (default: below 500, except 408, 425, 429).
+    pub fn stored_statuses(self, filter: StatusFilter) -> Self {
+        self.configure(|policy| policy.stored_statuses(filter))
+    }
+
+    /// Fail closed (`503`, the default) or open when the store fails.
+    pub fn on_store_failure(self, mode: OnStoreFailure) -> Self {
+        self.configure(|policy| policy.on_store_failure(mode))
+    }
+
+    /// What the request fingerprint covers.
+    pub fn fingerprint(self, spec: FingerprintSpec) -> Self {
+        self.configure(|policy| policy.fingerprint(spec))
+    }
+
+    /// Scopes each request by the `T` an earlier middleware (authentication) put
+    /// in its extensions. That middleware must run first: register it on the
+    /// enclosing `App` or `web::scope`, or `wrap` it after this one on the same
+    /// resource. A request without a `T` is answered `500 scope-unavailable`: the
+    /// route is misconfigured, and answering in some other scope could show one
+    /// client another's answer.
+    pub fn scope_from_extension<T>(self) -> Self
+    where
+        T: Clone + Into<Scope> + 'static,
+    {
+        self.scope_with(|request| request.extensions().get::<T>().cloned().map(Into::into))
+    }
+
+    /// Scopes each request by what `scope` finds in it, before its body is read.
+    /// `None` is answered `500 scope-unavailable` and the handler does not run.
+    ///
+    /// Never return a raw header the client controls (an `X-Tenant-Id`): any
+    /// client could then send another's value with a guessed key and read their
+    /// answer. Return what authentication established.
+    pub fn scope_with<F>(mut self, scope: F) -> Self
     where
         F: Fn(&HttpRequest) -> Option<Scope> + Send + Sync + 'static,
     {
@@ -112,19 +199,8 @@ impl Idempotency {
         self
     }
 
-    /// Takes each request's scope from a request extension of type `T`, inserted
-    /// by the application's authentication middleware (which must run first, i.e.
-    /// be registered on an enclosing `App` or scope). A request without it is
-    /// answered `500 scope-unavailable`.
-    pub fn scope_from_extension<T>(self) -> Self
-    where
-        T: Clone + Into<Scope> + 'static,
-    {
-        self.scope_fn(|request| request.extensions().get::<T>().cloned().map(Into::into))
-    }
-
-    /// The policy applied.
-    pub fn get_policy(&self) -> &Policy {
+    /// The policy the middleware applies.
+    pub fn current_policy(&self) -> &Policy {
         &self.policy
     }
 }
@@ -239,11 +315,7 @@ where
         method = %request.method(),
         path = request.path(),
     );
-    let info = IdempotencyInfo {
-        key,
-        scope,
-        first_execution: true,
-    };
+    let info = ExecutionInfo::new(key, scope, true);
     keyed(service, engine, info, request).instrument(span).await
 }
 
@@ -251,7 +323,7 @@ where
 async fn keyed<S, B>(
     service: Rc<S>,
     engine: Engine,
-    mut info: IdempotencyInfo,
+    info: ExecutionInfo,
     mut request: ServiceRequest,
 ) -> Answer<B>
 where
@@ -266,7 +338,7 @@ where
         Err(RequestBody::Failed(error)) => return Err(error),
     };
     match engine
-        .begin(info.scope.clone(), info.key.clone(), fingerprint)
+        .begin(info.scope().clone(), info.key().clone(), fingerprint)
         .await
     {
         Begin::Execute(execution) => {
@@ -276,10 +348,9 @@ where
         Begin::Replay(stored) => Ok(stored_answer(request, stored)),
         Begin::Reject(problem) => Ok(problem_answer(request, &problem)),
         Begin::Unguarded => {
-            // The store failed and the route fails open: nothing is known about
-            // earlier executions.
-            info.first_execution = false;
-            request.extensions_mut().insert(info);
+            // The store failed and the route fails open: the handler runs
+            // unguarded.
+            request.extensions_mut().insert(info.unguarded());
             pass_through(&service, request).await
         }
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
-use idem_actix::{Idempotency, IdempotencyInfo};
+use idem_actix::{ExecutionInfo, Idempotency, Key};
 use idem_core::{InProgress, MemoryStore, Policy, Scope, Store};
 use idem_scenarios::{
     ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, routes, scenario_tests,
@@ -186,7 +186,7 @@ impl Drop for LeftSignal {
 async fn charge(
     ledger: web::Data<Ledger>,
     request: HttpRequest,
-    info: Option<IdempotencyInfo>,
+    info: Option<ExecutionInfo>,
     body: web::Bytes,
 ) -> HttpResponse {
     let execution = ledger.executions.fetch_add(1, Ordering::SeqCst) + 1;
@@ -200,10 +200,18 @@ async fn charge(
         .json(serde_json::json!({
             "execution": execution,
             "body": String::from_utf8_lossy(&body),
-            "key": info.as_ref().map(|info| info.key.as_str().to_owned()),
-            "scope": info.as_ref().map(|info| info.scope.to_string()),
-            "first": info.as_ref().map(|info| info.first_execution),
+            "key": info.as_ref().map(|info| info.key().as_str().to_owned()),
+            "scope": info.as_ref().map(|info| info.scope().to_string()),
+            "guarded": info.as_ref().map(|info| info.is_guarded()),
         }))
+}
+
+/// A body of known size, over `/sized`'s stored-body limit.
+async fn sized(ledger: web::Data<Ledger>, key: Key) -> HttpResponse {
+    ledger.executions.fetch_add(1, Ordering::SeqCst);
+    HttpResponse::Ok()
+        .insert_header(("x-key", key.0.as_str().to_owned()))
+        .body(vec![b'y'; 5000])
 }
 
 /// The scope of `/charges`: the token of `Authorization: Bearer TOKEN` (a real
@@ -230,7 +238,7 @@ fn start(store: Arc<dyn Store>) -> (Server, web::Data<Ledger>) {
         config.app_data(data.clone());
         config.service(
             web::resource("/charges")
-                .wrap(Idempotency::from_shared(store.clone()).scope_fn(bearer))
+                .wrap(Idempotency::from_shared(store.clone()).scope_with(bearer))
                 .route(web::post().to(charge)),
         );
         config.service(
@@ -257,6 +265,11 @@ fn start(store: Arc<dyn Store>) -> (Server, web::Data<Ledger>) {
                         }
                     }
                 }),
+        );
+        config.service(
+            web::resource("/sized")
+                .wrap(Idempotency::from_shared(store.clone()).stored_body_limit(1500))
+                .route(web::post().to(sized)),
         );
         config.service(
             web::resource("/guarded-by-inner")
@@ -315,7 +328,7 @@ async fn json(response: reqwest::Response) -> serde_json::Value {
 }
 
 #[tokio::test]
-async fn the_extractor_gives_the_key_the_scope_and_first_execution() {
+async fn the_extractors_give_the_key_the_scope_and_guard() {
     let (server, ledger) = start(memory());
     let send = || {
         reqwest::Client::new()
@@ -330,7 +343,7 @@ async fn the_extractor_gives_the_key_the_scope_and_first_execution() {
     assert_eq!(
         json(first).await,
         serde_json::json!({
-            "execution": 1, "body": "{\"amount\":1}", "key": "order-1", "scope": "alice", "first": true,
+            "execution": 1, "body": "{\"amount\":1}", "key": "order-1", "scope": "alice", "guarded": true,
         })
     );
     let retry = send().await.unwrap();
@@ -347,7 +360,7 @@ async fn the_extractor_gives_the_key_the_scope_and_first_execution() {
         assert_eq!(
             json(response).await,
             serde_json::json!({
-                "execution": execution, "body": "", "key": null, "scope": null, "first": null,
+                "execution": execution, "body": "", "key": null, "scope": null, "guarded": null,
             })
         );
     }
@@ -457,4 +470,28 @@ async fn a_connection_reset_mid_handler_does_not_cancel_it() {
     assert_eq!(header_values(&retry, "x-execution"), ["1"]);
     assert_eq!(ledger.executions.load(Ordering::SeqCst), 1);
     assert_eq!(ledger.finished.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_sized_body_over_the_stored_limit_is_sent_as_it_is_then_not_replayed() {
+    let (server, ledger) = start(memory());
+    let send = || {
+        reqwest::Client::new()
+            .post(server.url("/sized"))
+            .header("idempotency-key", "big")
+            .send()
+    };
+    let first = send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(header_values(&first, "content-length"), ["5000"]);
+    assert_eq!(header_values(&first, "x-key"), ["big"]);
+    assert_eq!(first.bytes().await.unwrap(), vec![b'y'; 5000]);
+
+    let retry = send().await.unwrap();
+    assert_eq!(retry.status(), 410);
+    assert_eq!(
+        json(retry).await["type"],
+        "https://idem.rs/problems/response-not-stored"
+    );
+    assert_eq!(ledger.executions.load(Ordering::SeqCst), 1);
 }
