@@ -1,1 +1,14 @@
-//! Work in progress.
+#![doc = include_str!("../README.md")]
+
+mod answer;
+mod body;
+mod extract;
+mod future;
+mod layer;
+mod service;
+
+pub use body::{RequestBody, ResponseBody};
+pub use extract::{ExecutionInfo, Key, NoIdempotencyKey};
+pub use future::ResponseFuture;
+pub use layer::IdempotencyLayer;
+pub use service::Idempotency;

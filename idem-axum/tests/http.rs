@@ -1,0 +1,390 @@
+//! idem-axum over real HTTP: the shared scenario suite against the axum build of
+//! the scenario app, then what is particular to this adapter (extractors, scope
+//! sources, plain Tower services).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::http::{HeaderValue, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use axum::{Extension, Router};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use idem_axum::{ExecutionInfo, IdempotencyLayer, Key, RequestBody};
+use idem_core::{MemoryStore, OnStoreFailure, Scope, Store};
+use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
+use tower::{ServiceBuilder, ServiceExt};
+
+// ---------------------------------------------------------------------------
+// The scenario app on axum.
+
+/// The authenticated principal (the scenario app trusts the bearer token).
+#[derive(Clone, Debug)]
+struct Principal(Scope);
+
+impl From<Principal> for Scope {
+    fn from(principal: Principal) -> Self {
+        principal.0
+    }
+}
+
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let authorization = request
+        .headers()
+        .get(AUTHORIZATION)
+        .map(HeaderValue::as_bytes);
+    let principal = Principal(idem_scenarios::principal(authorization));
+    request.extensions_mut().insert(principal);
+    next.run(request).await
+}
+
+async fn guarded(
+    State(app): State<ScenarioApp>,
+    Extension(Principal(scope)): Extension<Principal>,
+    method: Method,
+    uri: Uri,
+    body: Bytes,
+) -> Response {
+    let request = ScenarioRequest {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+        query: uri.query().unwrap_or("").to_owned(),
+        principal: scope.to_string(),
+        body,
+    };
+    send(app.handle(request).await)
+}
+
+async fn executions(State(app): State<ScenarioApp>) -> Response {
+    send(app.executions())
+}
+
+async fn open_gate(State(app): State<ScenarioApp>, Path(name): Path<String>) -> Response {
+    send(app.open_gate(&name))
+}
+
+/// The answer with its body streamed chunk by chunk.
+fn send(answer: ScenarioAnswer) -> Response {
+    let mut response = Response::builder().status(answer.status);
+    for (name, value) in answer.headers {
+        response = response.header(name, value);
+    }
+    let chunks = answer.body.into_iter().map(Ok::<_, Infallible>);
+    response
+        .body(Body::from_stream(futures_util::stream::iter(chunks)))
+        .unwrap()
+}
+
+fn scenario_router(store: &Arc<dyn Store>) -> Router {
+    let mut router = Router::new()
+        .route("/executions", get(executions))
+        .route("/gates/{name}", post(open_gate));
+    for route in idem_scenarios::routes() {
+        let idempotency = IdempotencyLayer::from_shared(Arc::clone(store))
+            .policy(route.policy)
+            .scope_from_extension::<Principal>();
+        // `any` routes have no method routes for `route_layer` to wrap.
+        router = router.route(route.path, any(guarded).layer(idempotency));
+    }
+    router
+        .layer(middleware::from_fn(authenticate))
+        .with_state(ScenarioApp::new())
+}
+
+/// Stops the server when the target is dropped.
+struct Serving(tokio::task::JoinHandle<()>);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn start(store: Arc<dyn Store>) -> Target {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = scenario_router(&store);
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    Target::new(addr, Serving(server))
+}
+
+mod scenarios {
+    use super::start;
+
+    idem_scenarios::scenario_tests!(start);
+}
+
+// ---------------------------------------------------------------------------
+// What is particular to idem-axum.
+
+fn post_with_key(uri: &str, key: Option<&str>, body: &'static str) -> Request {
+    let mut request = Request::post(uri);
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request.body(Body::from(body)).unwrap()
+}
+
+async fn read(response: Response) -> (StatusCode, Bytes) {
+    let status = response.status();
+    (
+        status,
+        response.into_body().collect().await.unwrap().to_bytes(),
+    )
+}
+
+fn problem_type(body: &[u8]) -> String {
+    let json: serde_json::Value = serde_json::from_slice(body).unwrap();
+    json["type"].as_str().unwrap().to_owned()
+}
+
+async fn describe(execution: ExecutionInfo, key: Option<Key>) -> String {
+    format!(
+        "{} {} {} {}",
+        execution.key().as_str(),
+        execution.scope(),
+        execution.is_guarded(),
+        key.map(|Key(key)| key.as_str().to_owned())
+            .unwrap_or_default()
+    )
+}
+
+async fn describe_optional(execution: Option<ExecutionInfo>, key: Option<Key>) -> String {
+    format!("{} {}", execution.is_some(), key.is_some())
+}
+
+#[tokio::test]
+async fn extractors_see_the_key_the_scope_and_the_claim() {
+    let store = MemoryStore::new();
+    let app = Router::new()
+        .route(
+            "/described",
+            post(describe).route_layer(
+                IdempotencyLayer::new(store.clone()).scope_with(|_| Some(Scope::new("tenant-7"))),
+            ),
+        )
+        .route(
+            "/optional",
+            post(describe_optional).route_layer(IdempotencyLayer::new(store).optional()),
+        );
+    let response = app
+        .clone()
+        .oneshot(post_with_key("/described", Some("\"k-1\""), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        read(response).await,
+        (StatusCode::OK, Bytes::from("k-1 tenant-7 true k-1"))
+    );
+    let unkeyed = app
+        .clone()
+        .oneshot(post_with_key("/optional", None, "{}"))
+        .await
+        .unwrap();
+    assert_eq!(read(unkeyed).await.1, "false false");
+    let keyed = app
+        .oneshot(post_with_key("/optional", Some("k-2"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(read(keyed).await.1, "true true");
+}
+
+#[tokio::test]
+async fn a_handler_without_the_layer_cannot_extract_a_key() {
+    let app = Router::new().route("/bare", post(describe));
+    let response = app
+        .oneshot(post_with_key("/bare", Some("k-1"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+}
+
+#[tokio::test]
+async fn a_request_without_a_scope_is_refused_and_not_run() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let counted = {
+        let runs = Arc::clone(&runs);
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            "ran"
+        }
+    };
+    let app = Router::new().route(
+        "/charges",
+        post(counted).route_layer(
+            IdempotencyLayer::new(MemoryStore::new()).scope_from_extension::<Principal>(),
+        ),
+    );
+    let response = app
+        .oneshot(post_with_key("/charges", Some("k-1"), "{}"))
+        .await
+        .unwrap();
+    let (status, body) = read(response).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        problem_type(&body),
+        "https://idem.rs/problems/scope-unavailable"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_fail_open_route_tells_the_handler_it_is_unguarded() {
+    let app = Router::new().route(
+        "/described",
+        post(describe).route_layer(
+            IdempotencyLayer::new(FailingStore).on_store_failure(OnStoreFailure::FailOpen),
+        ),
+    );
+    let response = app
+        .oneshot(post_with_key("/described", Some("k-1"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(read(response).await.1, "k-1  false k-1");
+}
+
+/// A plain Tower service (no axum) that counts its calls and echoes the body.
+fn counting_service(
+    runs: Arc<AtomicU64>,
+) -> impl tower::Service<
+    http::Request<RequestBody<Full<Bytes>>>,
+    Response = http::Response<Full<Bytes>>,
+    Error = &'static str,
+    Future = impl Send,
+> + Clone {
+    tower::service_fn(move |request: http::Request<RequestBody<Full<Bytes>>>| {
+        let runs = Arc::clone(&runs);
+        async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            let fail = request.uri().path() == "/fail" && run == 1;
+            let body = request.into_body().collect().await.unwrap().to_bytes();
+            if fail {
+                return Err("the service failed");
+            }
+            Ok(http::Response::builder()
+                .status(201)
+                .header("x-run", run)
+                .body(Full::new(Bytes::from(format!(
+                    "run {run}: {}",
+                    String::from_utf8_lossy(&body)
+                ))))
+                .unwrap())
+        }
+    })
+}
+
+fn plain_request(path: &str, body: &'static str) -> http::Request<Full<Bytes>> {
+    http::Request::post(path)
+        .header("idempotency-key", "plain-1")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn it_guards_a_plain_tower_service_in_a_service_builder() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(MemoryStore::new()))
+        .service(counting_service(Arc::clone(&runs)));
+    let first = service
+        .clone()
+        .oneshot(plain_request("/echo", "hello"))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 201);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    assert_eq!(
+        first.into_body().collect().await.unwrap().to_bytes(),
+        "run 1: hello"
+    );
+    let replay = service
+        .oneshot(plain_request("/echo", "hello"))
+        .await
+        .unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.headers()["x-run"], "1");
+    assert_eq!(
+        replay.into_body().collect().await.unwrap().to_bytes(),
+        "run 1: hello"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_service_error_is_returned_and_releases_the_claim() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(MemoryStore::new()))
+        .service(counting_service(Arc::clone(&runs)));
+    let failed = service.clone().oneshot(plain_request("/fail", "x")).await;
+    assert_eq!(failed.err(), Some("the service failed"));
+    let retry = service.oneshot(plain_request("/fail", "x")).await.unwrap();
+    assert_eq!(retry.status(), 201);
+    assert!(retry.headers().get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn problems_use_the_configured_statuses_and_limits() {
+    let app = Router::new().route(
+        "/small",
+        post(|| async { "ran" }).route_layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .request_body_limit(4)
+                .configure(|policy| {
+                    policy.problem_statuses(idem_core::ProblemStatuses {
+                        payload_too_large: 400,
+                        ..Default::default()
+                    })
+                }),
+        ),
+    );
+    let response = app
+        .oneshot(post_with_key("/small", Some("k-1"), "12345"))
+        .await
+        .unwrap();
+    let (status, body) = read(response).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        problem_type(&body),
+        "https://idem.rs/problems/payload-too-large"
+    );
+}
+
+#[tokio::test]
+async fn uncovered_methods_can_be_configured() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let counted = {
+        let runs = Arc::clone(&runs);
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst)
+                .to_string()
+                .into_response()
+        }
+    };
+    let app = Router::new().route(
+        "/items",
+        any(counted).layer(IdempotencyLayer::new(MemoryStore::new()).methods(["PUT"])),
+    );
+    for method in [Method::PUT, Method::PUT, Method::POST, Method::POST] {
+        let request = Request::builder()
+            .method(method)
+            .uri("/items")
+            .header("idempotency-key", "k-1")
+            .body(Body::empty())
+            .unwrap();
+        app.clone().oneshot(request).await.unwrap();
+    }
+    // One PUT ran (the second replayed), both POSTs passed through.
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
