@@ -28,7 +28,7 @@ use idem_core::{IdempotencyKey, Scope};
 /// async fn charge(execution: ExecutionInfo) -> String {
 ///     format!("charging once for key {}", execution.key().redacted())
 /// }
-/// # let _ = axum::routing::post(charge);
+/// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
 /// ```
 #[derive(Clone, Debug)]
 pub struct ExecutionInfo {
@@ -47,7 +47,7 @@ pub struct ExecutionInfo {
 /// async fn deposit(key: Option<Key>) -> &'static str {
 ///     if key.is_some() { "deposited once" } else { "deposited (no key: every delivery counts)" }
 /// }
-/// # let _ = axum::routing::post(deposit);
+/// # let _: axum::routing::MethodRouter = axum::routing::post(deposit);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Key(pub IdempotencyKey);
