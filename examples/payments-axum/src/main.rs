@@ -1,2 +1,56 @@
-//! Work in progress.
-fn main() {}
+//! `payments-axum`: the payments service on axum. See `--help`.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use payments::{Ledger, Options, Payments, StartError, init_tracing, listening_line};
+
+/// Why the service stopped.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error("the server failed")]
+    Io(#[from] std::io::Error),
+}
+
+fn main() -> ExitCode {
+    init_tracing();
+    let options = Options::from_command_line();
+    let served = tokio::runtime::Runtime::new()
+        .map_err(ServeError::from)
+        .and_then(|runtime| runtime.block_on(serve(options)));
+    match served {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let mut message = format!("payments-axum: {error}");
+            let mut source = std::error::Error::source(&error);
+            while let Some(cause) = source {
+                message.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            eprintln!("{message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(options: Options) -> Result<(), ServeError> {
+    let store = options.store_url()?.open().await?;
+    let listener = tokio::net::TcpListener::from_std(options.bind()?)?;
+    let payments = Payments::new(Ledger::new(), options.provider_latency());
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{}", listening_line(listener.local_addr()?))?;
+        stdout.flush()?;
+    }
+    axum::serve(listener, payments_axum::app(store, payments))
+        .with_graceful_shutdown(async {
+            // Without a signal handler the server runs until it is killed.
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+        .await?;
+    Ok(())
+}
