@@ -1,10 +1,11 @@
 //! The payments examples as real processes on 127.0.0.1.
 
+use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::shell::{self, cargo, workspace_root};
 
@@ -48,12 +49,49 @@ pub(crate) struct Server {
 impl Server {
     /// Starts `binary` in `dir` with `args`, and waits for its `listening on` line.
     pub(crate) fn start(binary: &Path, dir: &Path, args: &[&str]) -> Result<Self, String> {
+        Self::launch(binary, dir, args, Stdio::inherit())
+    }
+
+    /// Like [`Server::start`], with stderr appended to `log`: many servers at
+    /// once would interleave their logs on the terminal.
+    pub(crate) fn start_logged(
+        binary: &Path,
+        dir: &Path,
+        args: &[&str],
+        log: &Path,
+    ) -> Result<Self, String> {
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| format!("{}: {e}", log.display()))?;
+        Self::launch(binary, dir, args, Stdio::from(file))
+    }
+
+    /// Asks the server to stop (SIGTERM), as a supervisor would, and kills it
+    /// if it is still running after `grace`.
+    pub(crate) fn terminate(mut self, grace: Duration) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .stderr(Stdio::null())
+            .status();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Drop kills what is left.
+    }
+
+    fn launch(binary: &Path, dir: &Path, args: &[&str], stderr: Stdio) -> Result<Self, String> {
         let mut child = Command::new(binary)
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .current_dir(dir)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .map_err(|e| format!("could not start {}: {e}", binary.display()))?;
         let stdout = child.stdout.take().ok_or_else(|| "no stdout".to_owned())?;
@@ -70,9 +108,13 @@ impl Server {
             child,
             base: String::new(),
         };
-        let first = rx
-            .recv_timeout(Duration::from_secs(30))
-            .map_err(|_| format!("{} printed no `listening on` line", binary.display()))?;
+        let first = rx.recv_timeout(Duration::from_secs(30)).map_err(|_| {
+            let exit = match server.child.try_wait() {
+                Ok(Some(status)) => format!(" and exited ({status})"),
+                _ => String::new(),
+            };
+            format!("{} printed no `listening on` line{exit}", binary.display())
+        })?;
         let base = first
             .strip_prefix("listening on ")
             .ok_or_else(|| format!("unexpected first line: {first:?}"))?;

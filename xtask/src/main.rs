@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 mod ci;
 mod demo;
+mod e2e;
 mod example;
 mod shell;
 
@@ -15,6 +16,7 @@ usage: cargo xtask <task>
 tasks:
   ci      formatting, clippy (warnings denied), docs (warnings denied) and every test
   demo    the experiment that motivates idem, against payments-axum
+  e2e     both examples on every store as real processes, every scenario; a table
 ";
 
 fn main() -> ExitCode {
@@ -22,6 +24,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(&args[1..]),
         Some("demo") => demo::run(&args[1..]),
+        Some("e2e") => e2e::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             print!("{USAGE}");
             Ok(())

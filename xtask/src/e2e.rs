@@ -1,0 +1,326 @@
+//! `cargo xtask e2e`: the whole system, as users run it.
+//!
+//! Builds payments-axum and payments-actix (release), starts a throwaway
+//! PostgreSQL cluster, and runs every scenario of [`scenarios::CATALOG`]
+//! against each example on each store (memory; SQLite in a temporary
+//! directory; PostgreSQL, a fresh database per scenario) as real processes on
+//! 127.0.0.1, driven by a real HTTP client. Prints a table, scenario × example
+//! × store → pass or fail with the figure behind it, ending in the line
+//! `N passed, M failed`; exits non-zero on any failure.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use tokio::sync::Semaphore;
+
+use crate::example::Example;
+
+use self::api::Failure;
+use self::postgres::Cluster;
+use self::report::{Row, Verdict};
+use self::scenarios::{CATALOG, Scenario};
+use self::site::{Deployment, StoreKind, help_text};
+
+mod api;
+mod postgres;
+mod report;
+mod scenarios;
+mod site;
+
+const USAGE: &str = "\
+usage: cargo xtask e2e [--example axum|actix]... [--store memory|sqlite|postgres]...
+                       [--scenario NAME]... [--include-not-built]
+
+Without options: both examples, every store, every scenario that is built.";
+
+/// Scenarios at once: 2 cores, and each scenario has servers of its own.
+const SLOTS: u32 = 4;
+/// No scenario runs longer; the slowest wait out a 30 s lease.
+const SCENARIO_LIMIT: Duration = Duration::from_secs(150);
+
+struct Options {
+    examples: Vec<Example>,
+    stores: Vec<StoreKind>,
+    scenarios: Vec<String>,
+    include_not_built: bool,
+}
+
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    let options = Options::parse(args)?;
+    let started = Instant::now();
+    let root = std::env::temp_dir().join(format!(
+        "idem-e2e-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ));
+    std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+
+    // PostgreSQL starts while the examples build.
+    let starting = options.stores.contains(&StoreKind::Postgres).then(|| {
+        let dir = root.join("postgres");
+        std::thread::spawn(move || Cluster::start(&dir))
+    });
+    let builds: Vec<(Example, Result<PathBuf, String>)> = options
+        .examples
+        .iter()
+        .map(|&example| (example, example.build(true)))
+        .collect();
+    let cluster: Result<Arc<Cluster>, String> = match starting {
+        Some(thread) => thread
+            .join()
+            .unwrap_or_else(|_| Err("the cluster's thread panicked".to_owned()))
+            .map(Arc::new),
+        None => Err("not started (no --store postgres)".to_owned()),
+    };
+
+    let mut rows = Vec::new();
+    let mut deployments = Vec::new();
+    for (example, build) in builds {
+        match build {
+            Ok(binary) => {
+                let help = help_text(&binary);
+                for &store in &options.stores {
+                    deployments.push(Arc::new(Deployment::new(
+                        example,
+                        store,
+                        binary.clone(),
+                        help.clone(),
+                        &root,
+                        cluster.clone(),
+                    )));
+                }
+            }
+            Err(why) => {
+                for &store in &options.stores {
+                    let failure = Failure::new("did not build", why.clone());
+                    for (index, scenario) in options.selected(store) {
+                        rows.extend(rows_of(
+                            index,
+                            scenario,
+                            example,
+                            store,
+                            &Err(failure.clone()),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
+    let ran = runtime.block_on(async {
+        tokio::select! {
+            rows = run_all(&deployments, &options) => Ok(rows),
+            _ = tokio::signal::ctrl_c() => Err("interrupted".to_owned()),
+        }
+    });
+    // Servers are gone with their scenarios; the cluster stops here.
+    drop(runtime);
+    drop(deployments);
+    drop(cluster);
+    rows.extend(ran?);
+
+    let failed = rows.iter().any(|r| matches!(r.verdict, Verdict::Fail(_)));
+    let mut notes = vec![format!("ran in {} s", started.elapsed().as_secs())];
+    if failed {
+        notes.push(format!("server logs and stores: {}", root.display()));
+    } else {
+        let _ = std::fs::remove_dir_all(&root);
+    }
+    let totals = report::print(&mut rows, &notes);
+    if totals.failed > 0 {
+        // Not an `Err`: the last line printed stays `N passed, M failed`.
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+async fn run_all(deployments: &[Arc<Deployment>], options: &Options) -> Vec<Row> {
+    let slots = Arc::new(Semaphore::new(SLOTS as usize));
+    join_all(
+        deployments
+            .iter()
+            .map(|deployment| run_deployment(deployment.clone(), options, slots.clone())),
+    )
+    .await
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// Every selected scenario of one example on one store, once the example
+/// has shown that it starts on that store at all.
+async fn run_deployment(
+    deployment: Arc<Deployment>,
+    options: &Options,
+    slots: Arc<Semaphore>,
+) -> Vec<Row> {
+    let probe = {
+        let _slot = slots.acquire().await;
+        probe(&deployment).await
+    };
+    let mut rows = Vec::new();
+    let mut runs = Vec::new();
+    for (index, scenario) in options.selected(deployment.store) {
+        let (example, store) = (deployment.example, deployment.store);
+        match (scenario.readiness.missing(&deployment), &probe) {
+            (Some(why), _) if !options.include_not_built => {
+                rows.extend(scenario.checks.iter().enumerate().map(|(i, check)| Row {
+                    order: (index, i),
+                    check,
+                    example,
+                    store,
+                    verdict: Verdict::NotBuilt,
+                    figure: why.clone(),
+                }));
+            }
+            (_, Err(failure)) => {
+                rows.extend(rows_of(
+                    index,
+                    scenario,
+                    example,
+                    store,
+                    &Err(failure.clone()),
+                ));
+            }
+            _ => runs.push(run_scenario(
+                index,
+                scenario,
+                deployment.clone(),
+                slots.clone(),
+            )),
+        }
+    }
+    rows.extend(join_all(runs).await.into_iter().flatten());
+    rows
+}
+
+/// Starts the example on a fresh store and reads an account.
+async fn probe(deployment: &Deployment) -> Result<(), Failure> {
+    let site = deployment.site("probe").await?;
+    let instance = site.start(&[]).await?;
+    instance.api.account("probe", "probe").await.map(|_| ())
+}
+
+async fn run_scenario(
+    index: usize,
+    scenario: &'static Scenario,
+    deployment: Arc<Deployment>,
+    slots: Arc<Semaphore>,
+) -> Vec<Row> {
+    let permits = if scenario.alone { SLOTS } else { 1 };
+    let _slots = slots.acquire_many(permits).await;
+    let ran = tokio::time::timeout(SCENARIO_LIMIT, (scenario.run)(deployment.clone()))
+        .await
+        .unwrap_or_else(|_| {
+            Err(Failure::new(
+                "timed out",
+                format!("the scenario ran past {} s", SCENARIO_LIMIT.as_secs()),
+            ))
+        });
+    rows_of(index, scenario, deployment.example, deployment.store, &ran)
+}
+
+/// The scenario's rows from what it reported; a check it did not report fails.
+fn rows_of(
+    index: usize,
+    scenario: &'static Scenario,
+    example: Example,
+    store: StoreKind,
+    ran: &Result<scenarios::Checks, Failure>,
+) -> Vec<Row> {
+    scenario
+        .checks
+        .iter()
+        .enumerate()
+        .map(|(i, check)| {
+            let outcome = match ran {
+                Ok(checks) => checks
+                    .iter()
+                    .find(|(name, _)| name == check)
+                    .map(|(_, outcome)| outcome.clone())
+                    .unwrap_or_else(|| {
+                        Err(Failure::new(
+                            "not reported",
+                            "the scenario did not report it",
+                        ))
+                    }),
+                Err(failure) => Err(failure.clone()),
+            };
+            let (verdict, figure) = match outcome {
+                Ok(figure) => (Verdict::Pass, figure),
+                Err(failure) => (Verdict::Fail(failure.details), failure.figure),
+            };
+            Row {
+                order: (index, i),
+                check,
+                example,
+                store,
+                verdict,
+                figure,
+            }
+        })
+        .collect()
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Result<Self, String> {
+        let mut options = Self {
+            examples: Vec::new(),
+            stores: Vec::new(),
+            scenarios: Vec::new(),
+            include_not_built: false,
+        };
+        let mut args = args.iter().map(String::as_str);
+        while let Some(arg) = args.next() {
+            match (arg, args.clone().next()) {
+                ("--example", Some(name)) => {
+                    options.examples.push(match name {
+                        "axum" => Example::Axum,
+                        "actix" => Example::Actix,
+                        _ => return Err(format!("no example {name:?}\n\n{USAGE}")),
+                    });
+                    args.next();
+                }
+                ("--store", Some(name)) => {
+                    let store = StoreKind::ALL
+                        .into_iter()
+                        .find(|s| s.name() == name)
+                        .ok_or_else(|| format!("no store {name:?}\n\n{USAGE}"))?;
+                    options.stores.push(store);
+                    args.next();
+                }
+                ("--scenario", Some(name)) => {
+                    if !CATALOG.iter().any(|s| s.name == name) {
+                        let names: Vec<&str> = CATALOG.iter().map(|s| s.name).collect();
+                        return Err(format!(
+                            "no scenario {name:?}; there are {}",
+                            names.join(", ")
+                        ));
+                    }
+                    options.scenarios.push(name.to_owned());
+                    args.next();
+                }
+                ("--include-not-built", _) => options.include_not_built = true,
+                ("-h" | "--help", _) => return Err(USAGE.to_owned()),
+                _ => return Err(format!("unexpected {arg:?}\n\n{USAGE}")),
+            }
+        }
+        if options.examples.is_empty() {
+            options.examples = vec![Example::Axum, Example::Actix];
+        }
+        if options.stores.is_empty() {
+            options.stores = StoreKind::ALL.to_vec();
+        }
+        Ok(options)
+    }
+
+    /// The scenarios selected that apply to `store`, with their place in the catalogue.
+    fn selected(&self, store: StoreKind) -> impl Iterator<Item = (usize, &'static Scenario)> + '_ {
+        CATALOG.iter().enumerate().filter(move |(_, scenario)| {
+            scenario.stores.contains(&store)
+                && (self.scenarios.is_empty() || self.scenarios.iter().any(|n| n == scenario.name))
+        })
+    }
+}

@@ -1,0 +1,184 @@
+//! Charges still running when the client asks again or gives up; the
+//! provider latency (`--provider-latency-ms`) keeps them in flight.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+
+use super::{Checks, random_millis, unique};
+use crate::e2e::api::{Call, Failure, Outcome, effects, expect_account};
+use crate::e2e::site::Deployment;
+
+pub(super) const IN_PROGRESS: &str = "in progress → 409 Retry-After";
+pub(super) const TIMEOUTS: &str = "random client timeouts, retried";
+pub(super) const DISCONNECT: &str = "client disconnect, then retry";
+
+/// Distinct keys in the timeouts scenario; their amounts are 1..=KEYS.
+const KEYS: i64 = 40;
+
+pub(super) async fn in_progress(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let site = deployment.site("in-progress").await?;
+    let instance = site.start(&["--provider-latency-ms", "1500"]).await?;
+    let api = &instance.api;
+    let principal = &unique("carol");
+    let account = &unique("busy");
+    let call = Call::charge(principal, account, &unique("key"), 100);
+    let outcome: Outcome = async {
+        let (first, second) = tokio::join!(api.send(&call), async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            api.send(&call).await
+        });
+        let second = second?;
+        second
+            .problem(409, Some("request-in-progress"))
+            .map_err(|why| {
+                Failure::wrong(
+                    &call,
+                    "409 request-in-progress (the first is in flight)",
+                    &second,
+                    &why,
+                )
+            })?;
+        let retry_after = second.header("retry-after").ok_or_else(|| {
+            Failure::wrong(&call, "409 with Retry-After", &second, "no Retry-After")
+        })?;
+        let first = first?;
+        if first.status != 201 || first.replayed() {
+            return Err(Failure::unexpected(&call, "201, not replayed", &first));
+        }
+        let third = api.send(&call).await?;
+        third
+            .replays(&first)
+            .map_err(|why| Failure::wrong(&call, "a replay once completed", &third, &why))?;
+        expect_account(
+            api,
+            principal,
+            account,
+            effects(1, 100),
+            "a charge asked twice in flight",
+        )
+        .await?;
+        Ok(format!(
+            "409 request-in-progress, Retry-After: {retry_after}; then 201, replay; 1 operation"
+        ))
+    }
+    .await;
+    Ok(vec![(IN_PROGRESS, outcome)])
+}
+
+pub(super) async fn timeouts(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let site = deployment.site("timeouts").await?;
+    let instance = site.start(&["--provider-latency-ms", "100"]).await?;
+    let api = &instance.api;
+    let principal = &unique("dave");
+    let account = &unique("flaky");
+    let calls: Vec<(i64, Call)> = (1..=KEYS)
+        .map(|amount| {
+            (
+                amount,
+                Call::charge(principal, account, &unique("key"), amount),
+            )
+        })
+        .collect();
+    let outcome: Outcome = async {
+        // Each attempt gives up after 20..=300 ms: some before the charge
+        // starts, some while it runs, some never.
+        let settled = join_all(calls.iter().map(|(_, call)| {
+            api.settle(
+                call,
+                || Some(Duration::from_millis(random_millis(20, 300))),
+                Duration::from_secs(60),
+            )
+        }))
+        .await;
+        let (mut timeouts, mut conflicts, mut broken) = (0, 0, 0);
+        for ((amount, call), settled) in calls.iter().zip(settled) {
+            let settled = settled?;
+            let answer = &settled.answer;
+            let body = answer.json().unwrap_or_default();
+            if answer.status != 201 || body["amount"] != *amount {
+                return Err(Failure::unexpected(
+                    call,
+                    format!("201 for amount {amount}, fresh or replayed"),
+                    answer,
+                ));
+            }
+            timeouts += settled.timeouts;
+            broken += settled.broken;
+            conflicts += settled.on_the_way.get(&409).copied().unwrap_or(0);
+        }
+        let total = KEYS * (KEYS + 1) / 2;
+        expect_account(
+            api,
+            principal,
+            account,
+            effects(KEYS, total),
+            "every key settled",
+        )
+        .await?;
+        let broken = if broken > 0 {
+            format!(", {broken} broken connections")
+        } else {
+            String::new()
+        };
+        Ok(format!(
+            "{KEYS} keys → {KEYS} operations, balance {total}; \
+             {timeouts} timeouts, {conflicts} × 409 on the way{broken}"
+        ))
+    }
+    .await;
+    Ok(vec![(TIMEOUTS, outcome)])
+}
+
+pub(super) async fn disconnect(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let site = deployment.site("disconnect").await?;
+    let instance = site.start(&["--provider-latency-ms", "1500"]).await?;
+    let api = &instance.api;
+    let principal = &unique("erin");
+    let account = &unique("gone");
+    let call = Call::charge(principal, account, &unique("key"), 100);
+    let outcome: Outcome = async {
+        let gave_up = Duration::from_millis(300);
+        if let Some(answer) = api.send_within(&call, Some(gave_up)).await? {
+            return Err(Failure::unexpected(
+                &call,
+                "no answer within 300 ms (provider latency 1500 ms)",
+                &answer,
+            ));
+        }
+        let settled = api.settle(&call, || None, Duration::from_secs(30)).await?;
+        let answer = &settled.answer;
+        if answer.status != 201 || !answer.replayed() {
+            // A fresh 201 means the first charge was cancelled with its client.
+            return Err(Failure::unexpected(
+                &call,
+                "the replay of the charge the client gave up on (CONTRACT §5)",
+                answer,
+            ));
+        }
+        expect_account(
+            api,
+            principal,
+            account,
+            effects(1, 100),
+            "a disconnect and a retry",
+        )
+        .await?;
+        Ok(format!(
+            "gave up after 300 ms; retry → {}replay; 1 operation",
+            waits(&settled.on_the_way)
+        ))
+    }
+    .await;
+    Ok(vec![(DISCONNECT, outcome)])
+}
+
+/// "2 × 409, " for the answers a retry got before its final one.
+pub(super) fn waits(on_the_way: &BTreeMap<u16, u32>) -> String {
+    on_the_way
+        .iter()
+        .map(|(status, n)| format!("{n} × {status}, "))
+        .collect()
+}

@@ -1,0 +1,93 @@
+//! The process goes away and comes back on the same store: stopped cleanly
+//! after a charge, or killed in the middle of one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::in_flight::waits;
+use super::{Checks, unique};
+use crate::e2e::api::{Call, Failure, Outcome, effects, expect_account};
+use crate::e2e::site::Deployment;
+
+pub(super) const RESTART: &str = "restart, retry → replay";
+pub(super) const CRASH: &str = "SIGKILL mid-charge, restart, retry";
+
+pub(super) async fn restart(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let site = deployment.site("restart").await?;
+    let principal = &unique("grace");
+    let account = &unique("durable");
+    let call = Call::charge(principal, account, &unique("key"), 100);
+    let before = site.start(&[]).await?;
+    let first = before.api.send(&call).await?;
+    before.terminate().await;
+    let after = site.start(&[]).await?;
+    let outcome: Outcome = async {
+        if first.status != 201 {
+            return Err(Failure::unexpected(&call, "201", &first));
+        }
+        let again = after.api.send(&call).await?;
+        again.replays(&first).map_err(|why| {
+            Failure::wrong(&call, "the replay of the answer given before the restart", &again, &why)
+        })?;
+        // Whether accounts outlive the process is the example's business
+        // (CONTRACT §8 is silent); a second effect is never right.
+        let seen = after.api.account(principal, account).await?;
+        if seen.operations > 1 {
+            return Err(Failure::new(
+                format!("{} operations", seen.operations),
+                format!("request: {call}, before and after a restart\nexpected: at most 1 operation\ngot: {}", seen.operations),
+            ));
+        }
+        Ok(format!(
+            "replay after restart, {}-byte body identical; account shows {} operation(s)",
+            again.body.len(),
+            seen.operations
+        ))
+    }
+    .await;
+    Ok(vec![(RESTART, outcome)])
+}
+
+pub(super) async fn crash(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let site = deployment.site("crash").await?;
+    let principal = &unique("heidi");
+    let account = &unique("crashed");
+    let call = Call::charge(principal, account, &unique("key"), 100);
+    let doomed = site.start(&["--provider-latency-ms", "2000"]).await?;
+    let api = doomed.api.clone();
+    let killed_after = Duration::from_millis(500);
+    // The answer cannot come: the process dies while the provider "works".
+    let (_, ()) = tokio::join!(
+        api.send_within(&call, Some(Duration::from_secs(10))),
+        async {
+            tokio::time::sleep(killed_after).await;
+            doomed.kill();
+        }
+    );
+    let after = site.start(&[]).await?;
+    let outcome: Outcome = async {
+        // Up to a lease (30 s by default) may pass before the claim is void.
+        let settled = after
+            .api
+            .settle(&call, || None, Duration::from_secs(75))
+            .await?;
+        if settled.answer.status != 201 {
+            return Err(Failure::unexpected(&call, "201", &settled.answer));
+        }
+        expect_account(
+            &after.api,
+            principal,
+            account,
+            effects(1, 100),
+            "a crash mid-charge and a retry",
+        )
+        .await?;
+        Ok(format!(
+            "killed {} ms into the charge; retry → {}201; 1 operation",
+            killed_after.as_millis(),
+            waits(&settled.on_the_way)
+        ))
+    }
+    .await;
+    Ok(vec![(CRASH, outcome)])
+}

@@ -1,0 +1,290 @@
+//! Where a scenario runs: an example binary over a fresh store of one kind.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::example::{Example, Server};
+
+use super::api::{Api, Failure};
+use super::postgres::Cluster;
+
+/// A store the examples run on (`--store`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum StoreKind {
+    Memory,
+    Sqlite,
+    Postgres,
+}
+
+/// One example over one kind of store; hands each scenario a fresh store.
+pub(crate) struct Deployment {
+    pub(crate) example: Example,
+    pub(crate) store: StoreKind,
+    binary: PathBuf,
+    root: PathBuf,
+    /// The shared cluster, or why it is not there.
+    cluster: Result<Arc<Cluster>, String>,
+    sites: AtomicUsize,
+    /// The example's `--help`: which optional flags it offers.
+    help: String,
+}
+
+/// One scenario's store and directory; its servers run here, one after the
+/// other or side by side.
+pub(crate) struct Site {
+    binary: PathBuf,
+    dir: PathBuf,
+    url: String,
+    cluster: Option<Arc<Cluster>>,
+    servers: AtomicUsize,
+}
+
+/// A running example and a client of it; killed when dropped.
+pub(crate) struct Instance {
+    server: Server,
+    pub(crate) api: Api,
+}
+
+impl StoreKind {
+    pub(crate) const ALL: [Self; 3] = [Self::Memory, Self::Sqlite, Self::Postgres];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Sqlite => "sqlite",
+            Self::Postgres => "postgres",
+        }
+    }
+}
+
+impl Deployment {
+    pub(crate) fn new(
+        example: Example,
+        store: StoreKind,
+        binary: PathBuf,
+        help: String,
+        root: &Path,
+        cluster: Result<Arc<Cluster>, String>,
+    ) -> Self {
+        Self {
+            example,
+            store,
+            binary,
+            root: root.to_owned(),
+            cluster,
+            sites: AtomicUsize::new(0),
+            help,
+        }
+    }
+
+    /// Whether the example's `--help` mentions `flag`.
+    pub(crate) fn offers(&self, flag: &str) -> bool {
+        self.help
+            .split(|c: char| c.is_whitespace() || c == ',' || c == '=')
+            .any(|word| word == flag)
+    }
+
+    /// A fresh store for `scenario` (on PostgreSQL, a fresh database of the shared cluster).
+    pub(crate) async fn site(&self, scenario: &str) -> Result<Site, Failure> {
+        match (&self.cluster, self.store) {
+            (Ok(cluster), StoreKind::Postgres) => {
+                self.site_on(scenario, Some(cluster.clone())).await
+            }
+            (Err(why), StoreKind::Postgres) => Err(Failure::new(
+                "no PostgreSQL",
+                format!("the PostgreSQL cluster did not start: {why}"),
+            )),
+            _ => self.site_on(scenario, None).await,
+        }
+    }
+
+    /// A PostgreSQL cluster of the scenario's own, for scenarios that stop it.
+    pub(crate) async fn own_cluster(&self, scenario: &str) -> Result<Arc<Cluster>, Failure> {
+        let dir = self.scratch(&format!("{scenario}-cluster"));
+        blocking(move || Cluster::start(&dir)).await.map(Arc::new)
+    }
+
+    /// A fresh store for `scenario`; on PostgreSQL, a fresh database of `cluster`.
+    pub(crate) async fn site_on(
+        &self,
+        scenario: &str,
+        cluster: Option<Arc<Cluster>>,
+    ) -> Result<Site, Failure> {
+        let dir = self.scratch(scenario);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Failure::new("no directory", format!("{}: {e}", dir.display())))?;
+        let url = match self.store {
+            StoreKind::Memory => "memory".to_owned(),
+            // Relative to the server's working directory, as in the contract's default.
+            StoreKind::Sqlite => "sqlite://payments.db".to_owned(),
+            StoreKind::Postgres => {
+                let Some(cluster) = cluster.clone() else {
+                    return Err(Failure::new(
+                        "no PostgreSQL",
+                        "the PostgreSQL cluster did not start",
+                    ));
+                };
+                blocking(move || cluster.create_database()).await?
+            }
+        };
+        Ok(Site {
+            binary: self.binary.clone(),
+            dir,
+            url,
+            cluster,
+            servers: AtomicUsize::new(0),
+        })
+    }
+
+    fn scratch(&self, scenario: &str) -> PathBuf {
+        let n = self.sites.fetch_add(1, Ordering::Relaxed) + 1;
+        self.root.join(format!(
+            "{}-{}-{scenario}-{n}",
+            self.example.package(),
+            self.store.name()
+        ))
+    }
+}
+
+impl Site {
+    /// Starts the example over this site's store with extra `flags`.
+    pub(crate) async fn start(&self, flags: &[&str]) -> Result<Instance, Failure> {
+        let n = self.servers.fetch_add(1, Ordering::Relaxed) + 1;
+        let log = self.dir.join(format!("server-{n}.log"));
+        let mut args = vec!["--store".to_owned(), self.url.clone()];
+        args.extend(flags.iter().map(|f| (*f).to_owned()));
+        let (binary, dir) = (self.binary.clone(), self.dir.clone());
+        let started = {
+            let log = log.clone();
+            blocking(move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                Server::start_logged(&binary, &dir, &args, &log)
+            })
+            .await
+        };
+        let server = started.map_err(|failure| {
+            Failure::new(
+                "did not start",
+                format!(
+                    "{}\nflags: --store {} {}\nstderr: {}",
+                    failure.details,
+                    self.url,
+                    flags.join(" "),
+                    log_tail(&log)
+                ),
+            )
+        })?;
+        let api = Api::new(&server.base).map_err(|e| Failure::new("no client", e))?;
+        Ok(Instance { server, api })
+    }
+
+    /// Counts the idempotency records in the store, where the harness can see
+    /// them (`None` for the in-memory store).
+    pub(crate) async fn records(&self) -> Result<Option<i64>, Failure> {
+        const COUNT: &str = "SELECT count(*) FROM idem_records";
+        let text = if let Some(cluster) = self.cluster.clone() {
+            let url = self.url.clone();
+            blocking(move || cluster.query(&url, COUNT)).await?
+        } else if self.url.starts_with("sqlite://") {
+            let file = self.dir.join("payments.db");
+            blocking(move || {
+                let out = Command::new("sqlite3")
+                    .arg(&file)
+                    .arg(COUNT)
+                    .stdin(Stdio::null())
+                    .output()
+                    .map_err(|e| format!("sqlite3: {e}"))?;
+                if out.status.success() {
+                    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+                } else {
+                    Err(format!("sqlite3: {}", String::from_utf8_lossy(&out.stderr)))
+                }
+            })
+            .await?
+        } else {
+            return Ok(None);
+        };
+        text.parse()
+            .map(Some)
+            .map_err(|_| Failure::new("unreadable count", format!("{COUNT} answered {text:?}")))
+    }
+}
+
+impl Instance {
+    /// Kills the process at once (SIGKILL), as a crash would.
+    pub(crate) fn kill(self) {
+        drop(self.server);
+    }
+
+    /// Stops the process as a supervisor would (SIGTERM, then SIGKILL after 5 s).
+    pub(crate) async fn terminate(self) {
+        let server = self.server;
+        let _ = blocking(move || {
+            server.terminate(Duration::from_secs(5));
+            Ok(())
+        })
+        .await;
+    }
+}
+
+/// Runs blocking work (processes, pipes) off the async workers.
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, Failure> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(message)) => Err(Failure::new(first_line(&message), message)),
+        Err(e) => Err(Failure::new("harness task failed", e.to_string())),
+    }
+}
+
+fn first_line(message: &str) -> String {
+    let line = message.lines().next().unwrap_or_default();
+    line.chars().take(60).collect()
+}
+
+/// The last lines a server wrote to stderr, for failure details.
+fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = lines[lines.len().saturating_sub(8)..].join("\n  ");
+    if tail.is_empty() {
+        "(nothing)".to_owned()
+    } else {
+        format!("\n  {tail}")
+    }
+}
+
+/// `binary --help`, bounded in time: an example that ignores the flag and
+/// starts serving is killed after 5 s.
+pub(crate) fn help_text(binary: &Path) -> String {
+    let Ok(mut child) = Command::new(binary)
+        .arg("--help")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+    else {
+        return String::new();
+    };
+    let stdout = child.stdout.take();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut stdout) = stdout {
+            let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        }
+        text
+    });
+    for _ in 0..250 {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return reader.join().unwrap_or_default();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    reader.join().unwrap_or_default()
+}
