@@ -35,3 +35,13 @@ pub enum SetupError {
         source: BoxError,
     },
 }
+
+impl SetupError {
+    /// A failed first connection: the store's error, unwrapped to its cause.
+    pub(crate) fn connect(error: idem_core::StoreError) -> Self {
+        match error {
+            idem_core::StoreError::Unavailable(source) => Self::Connect(source),
+            other => Self::Connect(other.into()),
+        }
+    }
+}

@@ -3,6 +3,7 @@
 
 mod cleanup;
 mod error;
+mod pool;
 mod row;
 mod table;
 mod wait;

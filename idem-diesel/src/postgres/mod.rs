@@ -23,6 +23,7 @@ use idem_core::{
 };
 
 use crate::cleanup::{Cleanup, SweepGuard, SweepLock};
+use crate::pool::{self, ConnectFailures};
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
@@ -74,6 +75,8 @@ struct Inner {
     table: Table,
     statements: Statements,
     connection_timeout: Duration,
+    /// Set when the store built the pool (see `crate::pool`).
+    failures: Option<ConnectFailures>,
 }
 
 /// Configures a [`PgStore`]: its table, its schema, and the pool it builds.
@@ -134,7 +137,7 @@ impl PgStore {
     /// store's builder uses 3 s), so that an outage is answered quickly rather than
     /// after bb8's default of 30 s.
     pub fn from_pool(pool: PgPool) -> Self {
-        Self::with_table(pool, Table::default(), DEFAULT_CONNECTION_TIMEOUT)
+        Self::with_table(pool, Table::default(), DEFAULT_CONNECTION_TIMEOUT, None)
     }
 
     /// Configures the table, the schema and the pool.
@@ -147,13 +150,19 @@ impl PgStore {
         }
     }
 
-    fn with_table(pool: PgPool, table: Table, connection_timeout: Duration) -> Self {
+    fn with_table(
+        pool: PgPool,
+        table: Table,
+        connection_timeout: Duration,
+        failures: Option<ConnectFailures>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 statements: Statements::new(&table),
                 pool,
                 table,
                 connection_timeout,
+                failures,
             }),
         }
     }
@@ -245,7 +254,7 @@ impl PgStore {
         bb8::PooledConnection<'_, AsyncDieselConnectionManager<AsyncPgConnection>>,
         StoreError,
     > {
-        self.inner.pool.get().await.map_err(StoreError::unavailable)
+        pool::checkout(&self.inner.pool, self.inner.failures.as_ref()).await
     }
 
     /// A connection outside the pool, for session-scoped advisory locks.
@@ -306,25 +315,29 @@ impl PgStoreBuilder {
         let mut config = ManagerConfig::default();
         config.recycling_method = RecyclingMethod::CustomFunction(Box::new(refuse_closed));
         let manager = AsyncDieselConnectionManager::new_with_config(url, config);
+        let failures = ConnectFailures::new();
         let pool = bb8::Pool::builder()
             .max_size(self.max_connections)
             .connection_timeout(self.connection_timeout)
             .retry_connection(false)
+            .error_sink(failures.sink())
             .build(manager)
             .await
             .map_err(|e| SetupError::Connect(e.into()))?;
-        drop(
-            pool.get()
-                .await
-                .map_err(|e| SetupError::Connect(e.into()))?,
-        );
-        Ok(PgStore::with_table(pool, table, self.connection_timeout))
+        let store = PgStore::with_table(pool, table, self.connection_timeout, Some(failures));
+        drop(store.connection().await.map_err(SetupError::connect)?);
+        Ok(store)
     }
 
     /// A store over a pool the application already has.
     pub fn build(self, pool: PgPool) -> Result<PgStore, SetupError> {
         let table = self.validated_table()?;
-        Ok(PgStore::with_table(pool, table, self.connection_timeout))
+        Ok(PgStore::with_table(
+            pool,
+            table,
+            self.connection_timeout,
+            None,
+        ))
     }
 
     fn validated_table(&self) -> Result<Table, SetupError> {

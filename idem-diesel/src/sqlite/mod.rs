@@ -26,6 +26,7 @@ use idem_core::{
 };
 
 use crate::cleanup::Cleanup;
+use crate::pool::{self, ConnectFailures};
 use crate::row::{InProgressRow, RecordRow, fenced, micros_after, micros_since_epoch};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
@@ -70,6 +71,8 @@ struct Inner {
     pool: SqlitePool,
     table: Table,
     statements: Arc<Statements>,
+    /// Set when the store built the pool (see `crate::pool`).
+    failures: Option<ConnectFailures>,
 }
 
 /// Configures a [`SqliteStore`]: its table and the pool it builds.
@@ -110,7 +113,7 @@ impl SqliteStore {
     /// Open its connections with a busy timeout (`PRAGMA busy_timeout`), or
     /// concurrent writes fail at once with "database is locked".
     pub fn from_pool(pool: SqlitePool) -> Self {
-        Self::with_table(pool, Table::default())
+        Self::with_table(pool, Table::default(), None)
     }
 
     /// Configures the table and the pool.
@@ -123,12 +126,13 @@ impl SqliteStore {
         }
     }
 
-    fn with_table(pool: SqlitePool, table: Table) -> Self {
+    fn with_table(pool: SqlitePool, table: Table, failures: Option<ConnectFailures>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 statements: Arc::new(Statements::new(&table)),
                 pool,
                 table,
+                failures,
             }),
         }
     }
@@ -186,7 +190,7 @@ impl SqliteStore {
         &self,
     ) -> Result<bb8::PooledConnection<'_, AsyncDieselConnectionManager<Connection>>, StoreError>
     {
-        self.inner.pool.get().await.map_err(StoreError::unavailable)
+        pool::checkout(&self.inner.pool, self.inner.failures.as_ref()).await
     }
 
     /// Runs `task` on a pooled connection, on a blocking thread.
@@ -257,27 +261,24 @@ impl SqliteStoreBuilder {
         // The file is local: a connection does not go stale, so it is not pinged.
         config.recycling_method = RecyclingMethod::Fast;
         let manager = AsyncDieselConnectionManager::new_with_config(database_path(url), config);
+        let failures = ConnectFailures::new();
         let pool = bb8::Pool::builder()
             .max_size(self.max_connections)
             .connection_timeout(self.connection_timeout)
             .retry_connection(false)
+            .error_sink(failures.sink())
             .build(manager)
             .await
             .map_err(|e| SetupError::Connect(e.into()))?;
-        drop(
-            pool.get()
-                .await
-                .map_err(|e| SetupError::Connect(e.into()))?,
-        );
-        Ok(SqliteStore::with_table(pool, table))
+        let store = SqliteStore::with_table(pool, table, Some(failures));
+        drop(store.connection().await.map_err(SetupError::connect)?);
+        Ok(store)
     }
 
     /// A store over a pool the application already has.
     pub fn build(self, pool: SqlitePool) -> Result<SqliteStore, SetupError> {
-        Ok(SqliteStore::with_table(
-            pool,
-            Table::new(None, &self.table)?,
-        ))
+        let table = Table::new(None, &self.table)?;
+        Ok(SqliteStore::with_table(pool, table, None))
     }
 }
 

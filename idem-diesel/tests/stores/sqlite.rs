@@ -1,0 +1,269 @@
+//! SQLite beyond the conformance suite: restarts, URL forms, table names,
+//! connections sharing a file, waiting.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel::QueryableByName;
+use diesel::sql_types::BigInt;
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use idem_core::{ClaimOutcome, Scope, Store, StoredResponse};
+use idem_diesel::SqliteStore;
+
+use crate::postgres::{claimed, request};
+use crate::{Databases, TestFn};
+
+pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    ("sqlite::records_survive_reopening_the_file", |d| {
+        Box::pin(records_survive_reopening_the_file(d))
+    }),
+    ("sqlite::url_forms_open_the_same_file", |d| {
+        Box::pin(url_forms_open_the_same_file(d))
+    }),
+    ("sqlite::custom_table_is_created_and_used", |d| {
+        Box::pin(custom_table_is_created_and_used(d))
+    }),
+    ("sqlite::two_pools_on_one_file_race_for_one_claim", |d| {
+        Box::pin(two_pools_on_one_file_race_for_one_claim(d))
+    }),
+    ("sqlite::changed_resolves_when_the_record_settles", |d| {
+        Box::pin(changed_resolves_when_the_record_settles(d))
+    }),
+];
+
+pub(crate) const MEASUREMENTS: &[(&str, TestFn)] = &[("measure::sqlite_claim_complete", |d| {
+    Box::pin(measure_claim_complete(d))
+})];
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// A migrated store on a new file.
+pub(crate) async fn fresh_store(databases: &Arc<Databases>) -> SqliteStore {
+    let store = SqliteStore::connect(&databases.fresh_sqlite_url())
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// Runs `sql` on the store's pool and answers its `n` column.
+pub(crate) async fn count(store: &SqliteStore, sql: &str) -> i64 {
+    let mut connection = store.pool().get().await.expect("a connection");
+    diesel::sql_query(sql)
+        .get_result::<Count>(&mut *connection)
+        .await
+        .expect(sql)
+        .n
+}
+
+/// Runs `sql` on the store's pool.
+pub(crate) async fn execute(store: &SqliteStore, sql: &str) {
+    let mut connection = store.pool().get().await.expect("a connection");
+    connection.batch_execute(sql).await.expect(sql);
+}
+
+async fn records_survive_reopening_the_file(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    let request = request("s", "kept", 1, Duration::from_secs(30));
+    let response = StoredResponse::new(201, vec![], "created");
+    {
+        let store = SqliteStore::connect(&url).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        let claim = claimed(&store, &request).await;
+        store
+            .complete(&claim, &response, Duration::from_secs(60))
+            .await
+            .expect("complete");
+    }
+    let reopened = SqliteStore::connect(&url).await.expect("connect");
+    reopened.migrate().await.expect("migrate again is a no-op");
+    let retry = crate::postgres::request("s", "kept", 1, Duration::from_secs(30));
+    assert_eq!(
+        reopened.claim(&retry).await.unwrap(),
+        ClaimOutcome::Completed {
+            fingerprint: request.fingerprint,
+            response
+        },
+        "a reopened file replays what was completed before"
+    );
+}
+
+async fn url_forms_open_the_same_file(databases: Arc<Databases>) {
+    let path = databases.fresh_sqlite_path();
+    let plain = SqliteStore::connect(path.to_str().unwrap())
+        .await
+        .expect("a plain path");
+    plain.migrate().await.expect("migrate");
+    let claim = claimed(&plain, &request("s", "k", 1, Duration::from_secs(30))).await;
+    plain
+        .complete(
+            &claim,
+            &StoredResponse::new(200, vec![], ""),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("complete");
+    for url in [
+        format!("sqlite://{}", path.display()),
+        format!("sqlite:{}", path.display()),
+    ] {
+        let store = SqliteStore::connect(&url).await.expect(&url);
+        let found = Store::load(&store, &Scope::new("s"), &claim.key)
+            .await
+            .unwrap();
+        assert!(found.is_some(), "{url} opens the same file");
+    }
+}
+
+async fn custom_table_is_created_and_used(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    let custom = SqliteStore::builder()
+        .table("payment_keys")
+        .connect(&url)
+        .await
+        .expect("connect");
+    custom.migrate().await.expect("migrate");
+    custom.migrate().await.expect("a second migrate is a no-op");
+    assert_eq!(
+        count(
+            &custom,
+            "SELECT count(*) AS n FROM sqlite_master
+             WHERE name IN ('idem_records', '__diesel_schema_migrations')"
+        )
+        .await,
+        0,
+        "a custom name runs the DDL, not the migrations"
+    );
+    let claim = claimed(&custom, &request("s", "k", 1, Duration::from_secs(30))).await;
+    custom
+        .complete(
+            &claim,
+            &StoredResponse::new(200, vec![], ""),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("complete");
+    assert_eq!(
+        count(&custom, "SELECT count(*) AS n FROM payment_keys").await,
+        1
+    );
+
+    let default = SqliteStore::connect(&url).await.expect("connect");
+    default.migrate().await.expect("migrate");
+    assert!(
+        matches!(
+            default
+                .claim(&request("s", "k", 2, Duration::from_secs(30)))
+                .await,
+            Ok(ClaimOutcome::Claimed(_))
+        ),
+        "the default table does not see the custom table's record"
+    );
+}
+
+async fn two_pools_on_one_file_race_for_one_claim(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    let first = SqliteStore::connect(&url).await.expect("connect");
+    first.migrate().await.expect("migrate");
+    let second = SqliteStore::connect(&url).await.expect("connect");
+    let barrier = Arc::new(tokio::sync::Barrier::new(24));
+    let racers: Vec<_> = (0..24u8)
+        .map(|n| {
+            let store = if n % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
+            let barrier = Arc::clone(&barrier);
+            tokio::spawn(async move {
+                let request = request("s", "contested", n, Duration::from_secs(30));
+                barrier.wait().await;
+                store.claim(&request).await
+            })
+        })
+        .collect();
+    let mut granted = 0;
+    for racer in racers {
+        match racer.await.unwrap() {
+            Ok(ClaimOutcome::Claimed(_)) => granted += 1,
+            Ok(ClaimOutcome::InProgress { .. }) => {}
+            other => panic!("a racing claim answered {other:?}"),
+        }
+    }
+    assert_eq!(granted, 1, "one claim across two pools on one file wins");
+}
+
+async fn changed_resolves_when_the_record_settles(databases: Arc<Databases>) {
+    let store = fresh_store(&databases).await;
+    let request = request("s", "waited-on", 1, Duration::from_secs(30));
+    let claim = claimed(&store, &request).await;
+    store
+        .changed(&request.scope, &request.key, Duration::from_millis(50))
+        .await
+        .expect("changed resolves at its poll bound");
+    let waiter = {
+        let store = store.clone();
+        let (scope, key) = (request.scope.clone(), request.key.clone());
+        tokio::spawn(async move { store.changed(&scope, &key, Duration::from_secs(3600)).await })
+    };
+    store.release(&claim).await.expect("release");
+    waiter
+        .await
+        .unwrap()
+        .expect("changed resolves once released");
+}
+
+async fn measure_claim_complete(databases: Arc<Databases>) {
+    let store = fresh_store(&databases).await;
+    let response = StoredResponse::new(201, vec![], r#"{"id":1}"#);
+    let n = 2_000;
+    let started = Instant::now();
+    for i in 0..n {
+        let claim = claimed(
+            &store,
+            &request("s", &format!("seq-{i}"), 1, Duration::from_secs(30)),
+        )
+        .await;
+        store
+            .complete(&claim, &response, Duration::from_secs(60))
+            .await
+            .unwrap();
+    }
+    let elapsed = started.elapsed();
+    eprintln!(
+        "sqlite: {n} sequential claim+complete in {elapsed:?}: {:.0}/s",
+        f64::from(n) / elapsed.as_secs_f64()
+    );
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let store = store.clone();
+            let response = response.clone();
+            tokio::spawn(async move {
+                for i in 0..250 {
+                    let claim = claimed(
+                        &store,
+                        &request("s", &format!("par-{t}-{i}"), 1, Duration::from_secs(30)),
+                    )
+                    .await;
+                    store
+                        .complete(&claim, &response, Duration::from_secs(60))
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let elapsed = started.elapsed();
+    eprintln!(
+        "sqlite: 2000 claim+complete from 8 tasks in {elapsed:?}: {:.0}/s",
+        2000.0 / elapsed.as_secs_f64()
+    );
+}
