@@ -50,6 +50,7 @@ pub(crate) struct RecordRow {
     expires_at: i64,
 }
 
+#[cfg(feature = "postgres")]
 /// What a claim statement answers: whether it claimed, and the record it wrote
 /// or found.
 #[derive(Debug, QueryableByName)]
@@ -155,6 +156,7 @@ pub(crate) fn duration_micros(duration: Duration) -> i64 {
     i64::try_from(micros).unwrap_or(i64::MAX)
 }
 
+#[cfg(feature = "sqlite")]
 /// An instant as microseconds since the Unix epoch (SQLite's time columns).
 pub(crate) fn micros_since_epoch(time: SystemTime) -> i64 {
     match time.duration_since(UNIX_EPOCH) {
@@ -174,6 +176,7 @@ pub(crate) fn time_from_micros(micros: i64) -> Result<SystemTime, StoreError> {
     time.ok_or_else(|| corrupt(format!("time {micros} µs is out of range")))
 }
 
+#[cfg(feature = "sqlite")]
 /// The instant `micros` after `now`, as microseconds since the Unix epoch.
 pub(crate) fn micros_after(now: i64, duration: Duration) -> i64 {
     now.saturating_add(duration_micros(duration))
@@ -200,8 +203,10 @@ mod tests {
 
     use super::*;
 
+    #[cfg(feature = "sqlite")]
     #[test]
     fn times_round_trip_through_micros() {
+        assert_eq!(micros_after(i64::MAX - 1, Duration::from_secs(1)), i64::MAX);
         for time in [
             UNIX_EPOCH,
             UNIX_EPOCH + Duration::from_micros(1_717_171_717_123_456),
@@ -218,7 +223,6 @@ mod tests {
             duration_micros(Duration::MAX),
             i64::try_from(MAX_DURATION_MICROS).unwrap()
         );
-        assert_eq!(micros_after(i64::MAX - 1, Duration::from_secs(1)), i64::MAX);
     }
 
     fn completed_row() -> RecordRow {

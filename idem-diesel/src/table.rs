@@ -44,6 +44,7 @@ impl Table {
         self.schema.is_none() && self.name == DEFAULT_TABLE
     }
 
+    #[cfg(feature = "postgres")]
     /// The schema, if one was configured.
     pub(crate) fn schema(&self) -> Option<&str> {
         self.schema.as_deref()
@@ -70,6 +71,7 @@ impl Table {
         format!("\"{}_expires_at\"", self.name)
     }
 
+    #[cfg(feature = "postgres")]
     /// The statements that create the table and its cleanup index on PostgreSQL,
     /// if they do not exist. Does not create the schema.
     pub(crate) fn postgres_ddl(&self) -> String {
@@ -99,6 +101,7 @@ CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
         )
     }
 
+    #[cfg(feature = "sqlite")]
     /// The statements that create the table and its cleanup index on SQLite, if
     /// they do not exist. Times are microseconds since the Unix epoch.
     pub(crate) fn sqlite_ddl(&self) -> String {
@@ -163,6 +166,7 @@ mod tests {
 
     use super::*;
 
+    #[cfg(feature = "postgres")]
     #[test]
     fn default_postgres_ddl_is_the_embedded_migration() {
         let migration =
@@ -170,6 +174,7 @@ mod tests {
         assert_eq!(Table::default().postgres_ddl(), migration);
     }
 
+    #[cfg(feature = "sqlite")]
     #[test]
     fn default_sqlite_ddl_is_the_embedded_migration() {
         let migration =

@@ -334,7 +334,7 @@ async fn changed_resolves_when_the_record_settles(databases: Arc<Databases>) {
 
 async fn outage_answers_unavailable_then_recovers(_: Arc<Databases>) {
     // A cluster of its own: stopping the shared one would fail other trials.
-    let cluster = tokio::task::spawn_blocking(|| TestCluster::start())
+    let cluster = tokio::task::spawn_blocking(TestCluster::start)
         .await
         .unwrap()
         .unwrap_or_else(|error| panic!("{}", error_chain(&error)));
