@@ -9,6 +9,7 @@
 mod cleanup;
 mod error;
 mod pool;
+mod prepared;
 mod row;
 mod table;
 mod wait;

@@ -24,6 +24,7 @@ use idem_core::{
 
 use crate::cleanup::{Cleanup, SweepGuard, SweepLock};
 use crate::pool::{self, ConnectFailures};
+use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
@@ -271,6 +272,7 @@ impl PgStore {
         diesel::sql_query(&self.inner.statements.in_progress)
             .bind::<Text, _>(scope.as_str())
             .bind::<Text, _>(key.as_str())
+            .prepared()
             .get_result::<InProgressRow>(&mut *connection)
             .await
             .map(|row| row.in_progress)
@@ -392,6 +394,7 @@ impl Store for PgStore {
                     .bind::<SqlUuid, _>(request.owner.as_uuid())
                     .bind::<BigInt, _>(duration_micros(request.lease))
                     .bind::<BigInt, _>(duration_micros(request.retention))
+                    .prepared()
                     .get_result::<ClaimRow>(&mut *connection)
                     .await
                     .optional()
@@ -416,6 +419,7 @@ impl Store for PgStore {
                 .bind::<Text, _>(claim.key.as_str())
                 .bind::<SqlUuid, _>(claim.owner.as_uuid())
                 .bind::<BigInt, _>(duration_micros(lease))
+                .prepared()
                 .execute(&mut *connection)
                 .await;
             fenced(rows)
@@ -439,6 +443,7 @@ impl Store for PgStore {
                 .bind::<Binary, _>(&response.body[..])
                 .bind::<Bool, _>(response.replayable)
                 .bind::<BigInt, _>(duration_micros(retention))
+                .prepared()
                 .execute(&mut *connection)
                 .await;
             fenced(rows)
@@ -452,6 +457,7 @@ impl Store for PgStore {
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
                 .bind::<SqlUuid, _>(claim.owner.as_uuid())
+                .prepared()
                 .execute(&mut *connection)
                 .await;
             fenced(rows)
@@ -468,6 +474,7 @@ impl Store for PgStore {
             let row = diesel::sql_query(&self.inner.statements.load)
                 .bind::<Text, _>(scope.as_str())
                 .bind::<Text, _>(key.as_str())
+                .prepared()
                 .get_result::<RecordRow>(&mut *connection)
                 .await
                 .optional()
@@ -481,6 +488,7 @@ impl Store for PgStore {
             let mut connection = self.connection().await?;
             let deleted = diesel::sql_query(&self.inner.statements.delete_expired)
                 .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
+                .prepared()
                 .execute(&mut *connection)
                 .await
                 .map_err(StoreError::unavailable)?;

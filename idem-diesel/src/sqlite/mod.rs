@@ -27,6 +27,7 @@ use idem_core::{
 
 use crate::cleanup::Cleanup;
 use crate::pool::{self, ConnectFailures};
+use crate::prepared::PreparedExt;
 use crate::row::{InProgressRow, RecordRow, fenced, micros_after, micros_since_epoch};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
@@ -214,6 +215,7 @@ impl SqliteStore {
                 .bind::<Text, _>(scope.as_str())
                 .bind::<Text, _>(key.as_str())
                 .bind::<BigInt, _>(now)
+                .prepared()
                 .get_result::<InProgressRow>(c)
                 .map(|row| row.in_progress)
         })
@@ -335,6 +337,7 @@ impl Store for SqliteStore {
                             .bind::<BigInt, _>(lease_until)
                             .bind::<BigInt, _>(expires_at)
                             .bind::<BigInt, _>(now)
+                            .prepared()
                             .execute(c)?;
                         if written > 0 {
                             return Ok(Some(ClaimStep::Claimed));
@@ -343,6 +346,7 @@ impl Store for SqliteStore {
                             .bind::<Text, _>(scope.as_str())
                             .bind::<Text, _>(key.as_str())
                             .bind::<BigInt, _>(now)
+                            .prepared()
                             .get_result::<RecordRow>(c)
                             .optional()
                             .map(|row| row.map(ClaimStep::Found))
@@ -369,6 +373,7 @@ impl Store for SqliteStore {
                         .bind::<Text, _>(key.as_str())
                         .bind::<Binary, _>(&owner.as_bytes()[..])
                         .bind::<BigInt, _>(lease_until)
+                        .prepared()
                         .execute(c)
                 })
                 .await?;
@@ -401,6 +406,7 @@ impl Store for SqliteStore {
                         .bind::<Binary, _>(&body[..])
                         .bind::<Bool, _>(replayable)
                         .bind::<BigInt, _>(expires_at)
+                        .prepared()
                         .execute(c)
                 })
                 .await?;
@@ -418,6 +424,7 @@ impl Store for SqliteStore {
                         .bind::<Text, _>(scope.as_str())
                         .bind::<Text, _>(key.as_str())
                         .bind::<Binary, _>(&owner.as_bytes()[..])
+                        .prepared()
                         .execute(c)
                 })
                 .await?;
@@ -439,6 +446,7 @@ impl Store for SqliteStore {
                         .bind::<Text, _>(owned_scope.as_str())
                         .bind::<Text, _>(owned_key.as_str())
                         .bind::<BigInt, _>(now)
+                        .prepared()
                         .get_result::<RecordRow>(c)
                         .optional()
                 })
@@ -456,6 +464,7 @@ impl Store for SqliteStore {
                     diesel::sql_query(&sql.delete_expired)
                         .bind::<BigInt, _>(now)
                         .bind::<BigInt, _>(batch)
+                        .prepared()
                         .execute(c)
                 })
                 .await?;
