@@ -91,24 +91,33 @@ pub(crate) fn print(rows: &mut [Row], notes: &[String]) -> Totals {
         .collect();
     if !failures.is_empty() {
         println!("\nfailures:");
-        // One cause often fails many rows (an example that does not start).
-        let mut told: BTreeMap<&str, String> = BTreeMap::new();
+        // One cause often fails many rows (an example that does not start on
+        // a store): its details are told once, with the rows it failed.
+        let mut causes: Vec<(&str, Vec<String>)> = Vec::new();
         for row in &failures {
             if let Verdict::Fail(details) = &row.verdict {
                 let label = format!(
-                    "[{} · {} · {}]",
+                    "{} · {} · {}",
                     row.check,
                     short(row.example),
                     row.store.name()
                 );
-                match told.get(details.as_str()) {
-                    Some(first) => println!("{label} same as {first}"),
-                    None => {
-                        println!("\n{label}\n  {}", details.replace('\n', "\n  "));
-                        told.insert(details, label);
-                    }
+                match causes.iter_mut().find(|(d, _)| d == details) {
+                    Some((_, labels)) => labels.push(label),
+                    None => causes.push((details, vec![label])),
                 }
             }
+        }
+        for (details, labels) in causes {
+            let more = match labels.len() {
+                1 => String::new(),
+                n => format!(" and {} more rows", n - 1),
+            };
+            println!(
+                "\n[{}]{more}\n  {}",
+                labels[0],
+                details.replace('\n', "\n  ")
+            );
         }
     }
     println!();

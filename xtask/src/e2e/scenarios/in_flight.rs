@@ -70,7 +70,7 @@ pub(super) async fn in_progress(deployment: Arc<Deployment>) -> Result<Checks, F
 
 pub(super) async fn timeouts(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
     let site = deployment.site("timeouts").await?;
-    let instance = site.start(&["--provider-latency-ms", "100"]).await?;
+    let instance = site.start(&["--provider-latency-ms", "200"]).await?;
     let api = &instance.api;
     let principal = &unique("dave");
     let account = &unique("flaky");

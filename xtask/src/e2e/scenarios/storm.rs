@@ -7,7 +7,7 @@ use futures_util::future::join_all;
 
 use super::{Checks, unique};
 use crate::e2e::api::{Answer, Call, Failure, effects, expect_account};
-use crate::e2e::site::{Deployment, StoreKind};
+use crate::e2e::site::{Deployment, Instance, StoreKind};
 
 pub(super) const CHECK: &str = "storm: 500 requests, one key";
 
@@ -89,9 +89,26 @@ pub(super) async fn run(deployment: Arc<Deployment>) -> Result<Checks, Failure> 
         )
         .await
         {
-            Ok(()) => Ok(format!("1 effect / {REQUESTS} requests: {figure}")),
+            Ok(()) => replayed_by_each(&instances, &call, &fresh[0])
+                .await
+                .map(|()| format!("1 effect / {REQUESTS} requests: {figure}")),
             Err(failure) => Err(failure),
         }
     };
     Ok(vec![(CHECK, outcome)])
+}
+
+/// Once the storm is over, every instance replays the one answer.
+async fn replayed_by_each(
+    instances: &[Instance],
+    call: &Call,
+    original: &Answer,
+) -> Result<(), Failure> {
+    for instance in instances {
+        let again = instance.api.send(call).await?;
+        again.replays(original).map_err(|why| {
+            Failure::wrong(call, "the replay of the storm's one 201", &again, &why)
+        })?;
+    }
+    Ok(())
 }
