@@ -45,6 +45,11 @@ pub(crate) enum Readiness {
     NeedsFlags(&'static [&'static str]),
 }
 
+/// A charge that a crash or an outage cuts off leaves one effect only when it
+/// runs inside the store's transaction. Set to `Readiness::Built` when the
+/// examples run charges in transactional mode on PostgreSQL.
+const TRANSACTIONAL_MODE: Readiness = Readiness::NotBuilt("transactional mode, CONTRACT §7");
+
 const EVERY_STORE: &[StoreKind] = &StoreKind::ALL;
 const DURABLE_STORES: &[StoreKind] = &[StoreKind::Sqlite, StoreKind::Postgres];
 const POSTGRES: &[StoreKind] = &[StoreKind::Postgres];
@@ -112,16 +117,24 @@ pub(crate) const CATALOG: &[Scenario] = &[
         checks: &[restarts::CRASH],
         stores: POSTGRES,
         alone: false,
-        readiness: Readiness::NotBuilt("transactional mode, CONTRACT §7"),
+        readiness: TRANSACTIONAL_MODE,
         run: |d| restarts::crash(d).boxed(),
     },
     Scenario {
         name: "outage",
-        checks: &[outage::CHECK],
+        checks: &[outage::DOWN],
         stores: POSTGRES,
         alone: false,
         readiness: Readiness::Built,
-        run: |d| outage::run(d).boxed(),
+        run: |d| outage::down(d).boxed(),
+    },
+    Scenario {
+        name: "outage-in-flight",
+        checks: &[outage::IN_FLIGHT],
+        stores: POSTGRES,
+        alone: false,
+        readiness: TRANSACTIONAL_MODE,
+        run: |d| outage::in_flight(d).boxed(),
     },
     Scenario {
         name: "cleanup",

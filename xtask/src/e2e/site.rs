@@ -192,6 +192,7 @@ impl Site {
             let file = self.dir.join("payments.db");
             blocking(move || {
                 let out = Command::new("sqlite3")
+                    .args(["-cmd", ".timeout 5000"])
                     .arg(&file)
                     .arg(COUNT)
                     .stdin(Stdio::null())

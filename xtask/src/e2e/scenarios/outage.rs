@@ -1,118 +1,172 @@
-//! PostgreSQL stops under load and comes back. The scenario has a cluster of
+//! PostgreSQL stops under load and comes back. Each scenario has a cluster of
 //! its own: stopping the shared one would fail every scenario beside it.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::future::join_all;
 
 use super::{Checks, unique};
-use crate::e2e::api::{Call, Failure, Outcome, effects, expect_account};
-use crate::e2e::site::{Deployment, blocking};
+use crate::e2e::api::{Api, Call, Failure, Outcome, effects, expect_account};
+use crate::e2e::postgres::Cluster;
+use crate::e2e::site::{Deployment, Instance, blocking};
 
-pub(super) const CHECK: &str = "PostgreSQL down → 503, back → settles";
+pub(super) const DOWN: &str = "PostgreSQL down → 503, back → settles";
+pub(super) const IN_FLIGHT: &str = "PostgreSQL stops mid-charge → 1 effect";
 
-/// Charges in flight when the database stops, and charges sent while it is down.
-const IN_FLIGHT: i64 = 8;
-const WHILE_DOWN: i64 = 8;
+/// Keys charged before the outage, and keys first sent during it.
+const BEFORE: i64 = 4;
+const DURING: i64 = 8;
+/// Times every key is sent while the database is down.
+const ROUNDS: usize = 3;
+/// Charges in flight when the database stops.
+const STOPPED_MID_CHARGE: i64 = 8;
 
-pub(super) async fn run(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
-    let cluster = deployment.own_cluster("outage").await?;
-    let site = deployment.site_on("outage", Some(cluster.clone())).await?;
-    let instance = site.start(&["--provider-latency-ms", "500"]).await?;
+const PATIENCE: Option<Duration> = Some(Duration::from_secs(60));
+
+/// Nothing in flight when it stops: every request while down fails closed
+/// (`503`, the handler does not run), and once it is back every key settles
+/// with exactly one effect.
+pub(super) async fn down(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let (cluster, instance) = start(&deployment, "outage", &[]).await?;
     let api = &instance.api;
     let principal = &unique("ivan");
     let account = &unique("outage");
-    let calls: Vec<Call> = (1..=IN_FLIGHT + WHILE_DOWN)
-        .map(|amount| Call::charge(principal, account, &unique("key"), amount))
-        .collect();
-    let (in_flight, while_down) = calls.split_at(IN_FLIGHT as usize);
-    let patience = Some(Duration::from_secs(60));
-
+    let calls = charges(principal, account, BEFORE + DURING);
     let outcome: Outcome = async {
-        // 1. Charges in flight when the database stops: any answer will do,
-        //    what matters is that their retries settle once, below.
-        let stopping = cluster.clone();
-        let (_, stopped) = tokio::join!(
-            join_all(in_flight.iter().map(|call| api.send_within(call, patience))),
+        for call in &calls[..BEFORE as usize] {
+            let answer = api.send(call).await?;
+            if answer.status != 201 {
+                return Err(Failure::unexpected(call, "201 before the outage", &answer));
+            }
+        }
+        stop(&cluster).await?;
+        let mut unavailable = 0;
+        for _ in 0..ROUNDS {
+            let answers = join_all(calls.iter().map(|call| api.send_within(call, PATIENCE))).await;
+            for (call, answer) in calls.iter().zip(answers) {
+                let Some(answer) = answer? else {
+                    return Err(Failure::new(
+                        "no answer while down",
+                        format!("request: {call}\nexpected: 503 within 60 s\ngot: a timeout"),
+                    ));
+                };
+                answer.problem(503, Some("store-unavailable")).map_err(|why| {
+                    Failure::wrong(call, "503 problem store-unavailable (fail closed)", &answer, &why)
+                })?;
+                if answer.header("retry-after").is_none() {
+                    return Err(Failure::wrong(call, "503 with Retry-After", &answer, "no Retry-After"));
+                }
+                unavailable += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        resume(&cluster).await?;
+        let keys = settle_all(api, &calls).await?;
+        expect_account(api, principal, account, effects(keys, keys * (keys + 1) / 2), "an outage and its retries")
+            .await?;
+        Ok(format!(
+            "down: {unavailable}/{unavailable} × 503 Retry-After; back: {keys} keys → {keys} operations"
+        ))
+    }
+    .await;
+    Ok(vec![(DOWN, outcome)])
+}
+
+/// Charges in flight when it stops: whatever they answered, their retries
+/// settle with one effect each (this takes transactional mode, CONTRACT §7).
+pub(super) async fn in_flight(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let (cluster, instance) = start(
+        &deployment,
+        "outage-in-flight",
+        &["--provider-latency-ms", "500"],
+    )
+    .await?;
+    let api = &instance.api;
+    let principal = &unique("ivan");
+    let account = &unique("cut-off");
+    let calls = charges(principal, account, STOPPED_MID_CHARGE);
+    let outcome: Outcome = async {
+        let (answers, stopped) = tokio::join!(
+            join_all(calls.iter().map(|call| api.send_within(call, PATIENCE))),
             async {
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                blocking(move || stopping.stop()).await
+                stop(&cluster).await
             }
         );
         stopped?;
-
-        // 2. While it is down: fail closed, the handler does not run.
-        let started = Instant::now();
-        let answers = join_all(
-            while_down
-                .iter()
-                .map(|call| api.send_within(call, patience)),
-        )
-        .await;
-        let slowest = started.elapsed();
-        for (call, answer) in while_down.iter().zip(answers) {
-            let Some(answer) = answer? else {
-                return Err(Failure::new(
-                    "no answer while down",
-                    format!("request: {call}\nexpected: 503 within 60 s\ngot: a timeout"),
-                ));
-            };
-            answer
-                .problem(503, Some("store-unavailable"))
-                .map_err(|why| {
-                    Failure::wrong(
-                        call,
-                        "503 problem store-unavailable with Retry-After",
-                        &answer,
-                        &why,
-                    )
-                })?;
-            if answer.header("retry-after").is_none() {
-                return Err(Failure::wrong(
-                    call,
-                    "503 with Retry-After",
-                    &answer,
-                    "no Retry-After",
-                ));
-            }
-        }
-
-        // 3. Back: every key settles, and took effect exactly once.
-        let resuming = cluster.clone();
-        blocking(move || resuming.resume()).await?;
-        let settled = join_all(
-            calls
-                .iter()
-                .map(|call| api.settle(call, || patience, Duration::from_secs(90))),
-        )
-        .await;
-        for (call, settled) in calls.iter().zip(settled) {
-            let settled = settled?;
-            if settled.answer.status != 201 {
-                return Err(Failure::unexpected(
-                    call,
-                    "201 once PostgreSQL is back",
-                    &settled.answer,
-                ));
-            }
-        }
-        let keys = IN_FLIGHT + WHILE_DOWN;
-        let total = keys * (keys + 1) / 2;
+        let cut_off = answers
+            .iter()
+            .map(|answer| match answer {
+                Ok(Some(answer)) => answer.status.to_string(),
+                Ok(None) => "timeout".to_owned(),
+                Err(_) => "broken".to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        resume(&cluster).await?;
+        let keys = settle_all(api, &calls).await?;
         expect_account(
             api,
             principal,
             account,
-            effects(keys, total),
-            "an outage and its retries",
+            effects(keys, keys * (keys + 1) / 2),
+            &format!("charges cut off by the outage (they answered {cut_off}), then retried"),
         )
         .await?;
         Ok(format!(
-            "down: {WHILE_DOWN}/{WHILE_DOWN} × 503 Retry-After within {} ms; \
-             back: {keys} keys → {keys} operations",
-            slowest.as_millis()
+            "cut off: {cut_off}; back: {keys} keys → {keys} operations"
         ))
     }
     .await;
-    Ok(vec![(CHECK, outcome)])
+    Ok(vec![(IN_FLIGHT, outcome)])
+}
+
+async fn start(
+    deployment: &Deployment,
+    scenario: &str,
+    flags: &[&str],
+) -> Result<(Arc<Cluster>, Instance), Failure> {
+    let cluster = deployment.own_cluster(scenario).await?;
+    let site = deployment.site_on(scenario, Some(cluster.clone())).await?;
+    let instance = site.start(flags).await?;
+    Ok((cluster, instance))
+}
+
+/// Charges of 1, 2, … `n`, each with a key of its own.
+fn charges(principal: &str, account: &str, n: i64) -> Vec<Call> {
+    (1..=n)
+        .map(|amount| Call::charge(principal, account, &unique("key"), amount))
+        .collect()
+}
+
+/// Retries every call until it has its final answer, a `201`; answers how many.
+async fn settle_all(api: &Api, calls: &[Call]) -> Result<i64, Failure> {
+    let settled = join_all(
+        calls
+            .iter()
+            .map(|call| api.settle(call, || PATIENCE, Duration::from_secs(90))),
+    )
+    .await;
+    for (call, settled) in calls.iter().zip(settled) {
+        let settled = settled?;
+        if settled.answer.status != 201 {
+            return Err(Failure::unexpected(
+                call,
+                "201 once PostgreSQL is back",
+                &settled.answer,
+            ));
+        }
+    }
+    Ok(calls.len() as i64)
+}
+
+async fn stop(cluster: &Arc<Cluster>) -> Result<(), Failure> {
+    let cluster = cluster.clone();
+    blocking(move || cluster.stop()).await
+}
+
+async fn resume(cluster: &Arc<Cluster>) -> Result<(), Failure> {
+    let cluster = cluster.clone();
+    blocking(move || cluster.resume()).await
 }
