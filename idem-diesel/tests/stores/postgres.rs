@@ -25,6 +25,9 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         "postgres::custom_schema_and_table_are_created_and_used",
         |d| Box::pin(custom_schema_and_table_are_created_and_used(d)),
     ),
+    ("postgres::store_statements_stay_prepared", |d| {
+        Box::pin(store_statements_stay_prepared(d))
+    }),
     ("postgres::invalid_table_names_are_refused", |d| {
         Box::pin(invalid_table_names_are_refused(d))
     }),
@@ -224,6 +227,52 @@ async fn custom_schema_and_table_are_created_and_used(databases: Arc<Databases>)
             response
         }
     );
+}
+
+async fn store_statements_stay_prepared(databases: Arc<Databases>) {
+    // One connection, so the statements land in the session this test inspects.
+    let store = PgStore::builder()
+        .max_connections(1)
+        .connect(&databases.fresh_postgres().await)
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    for n in 0..3 {
+        let claim = claimed(
+            &store,
+            &request("s", &format!("k-{n}"), 1, Duration::from_secs(30)),
+        )
+        .await;
+        store
+            .complete(
+                &claim,
+                &StoredResponse::new(200, vec![], ""),
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("complete");
+    }
+    let found = claimed_again(&store).await;
+    assert!(matches!(found, ClaimOutcome::Completed { .. }), "{found:?}");
+    assert_eq!(
+        count(
+            &store,
+            "SELECT count(*) AS n FROM pg_prepared_statements
+             WHERE statement NOT LIKE '%pg_prepared_statements%'
+               AND (statement LIKE '%WITH claimed AS%'
+                    OR statement LIKE '%SET%state = ''completed''%')"
+        )
+        .await,
+        2,
+        "the claim and the completion are each prepared once and reused: one round trip per step"
+    );
+}
+
+async fn claimed_again(store: &PgStore) -> ClaimOutcome {
+    store
+        .claim(&request("s", "k-0", 1, Duration::from_secs(30)))
+        .await
+        .expect("claim")
 }
 
 async fn invalid_table_names_are_refused(databases: Arc<Databases>) {
