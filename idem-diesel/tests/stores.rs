@@ -51,7 +51,14 @@ const DEFAULT_TEST_THREADS: usize = 6;
 
 fn main() -> ExitCode {
     let mut args = Arguments::from_args();
-    args.test_threads.get_or_insert(DEFAULT_TEST_THREADS);
+    if args.test_threads.is_none() {
+        let from_env = std::env::var("RUST_TEST_THREADS").ok();
+        args.test_threads = Some(
+            from_env
+                .and_then(|threads| threads.parse().ok())
+                .unwrap_or(DEFAULT_TEST_THREADS),
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()

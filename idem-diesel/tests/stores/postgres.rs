@@ -25,6 +25,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         "postgres::custom_schema_and_table_are_created_and_used",
         |d| Box::pin(custom_schema_and_table_are_created_and_used(d)),
     ),
+    (
+        "postgres::migrate_and_claim_on_a_current_thread_runtime",
+        |d| Box::pin(migrate_and_claim_on_a_current_thread_runtime(d)),
+    ),
     ("postgres::store_statements_stay_prepared", |d| {
         Box::pin(store_statements_stay_prepared(d))
     }),
@@ -157,6 +161,25 @@ async fn migrations_run_once_under_concurrent_instances(databases: Arc<Databases
         )
         .await
         .expect("complete");
+}
+
+/// actix-web runs each worker on a current-thread runtime: diesel's synchronous
+/// migration harness must not need a multi-threaded one.
+async fn migrate_and_claim_on_a_current_thread_runtime(databases: Arc<Databases>) {
+    let url = databases.fresh_postgres().await;
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let store = PgStore::connect(&url).await.expect("connect");
+            store.migrate().await.expect("migrate");
+            claimed(&store, &request("s", "k", 1, Duration::from_secs(30))).await;
+        });
+    })
+    .await
+    .unwrap();
 }
 
 async fn custom_schema_and_table_are_created_and_used(databases: Arc<Databases>) {

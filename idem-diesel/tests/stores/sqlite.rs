@@ -17,6 +17,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     ("sqlite::records_survive_reopening_the_file", |d| {
         Box::pin(records_survive_reopening_the_file(d))
     }),
+    (
+        "sqlite::migrate_and_claim_on_a_current_thread_runtime",
+        |d| Box::pin(migrate_and_claim_on_a_current_thread_runtime(d)),
+    ),
     ("sqlite::url_forms_open_the_same_file", |d| {
         Box::pin(url_forms_open_the_same_file(d))
     }),
@@ -90,6 +94,24 @@ async fn records_survive_reopening_the_file(databases: Arc<Databases>) {
         },
         "a reopened file replays what was completed before"
     );
+}
+
+/// actix-web runs each worker on a current-thread runtime.
+async fn migrate_and_claim_on_a_current_thread_runtime(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let store = SqliteStore::connect(&url).await.expect("connect");
+            store.migrate().await.expect("migrate");
+            claimed(&store, &request("s", "k", 1, Duration::from_secs(30))).await;
+        });
+    })
+    .await
+    .unwrap();
 }
 
 async fn url_forms_open_the_same_file(databases: Arc<Databases>) {
