@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,10 +80,13 @@ impl Service {
 
 const BODY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_binary_announces_itself_and_charges_once_per_key() {
+/// The binary, started in `dir` with `args`, and its base URL.
+async fn spawn_binary(dir: &Path, args: &[&str]) -> (tokio::process::Child, String) {
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_payments-axum"))
-        .args(["--listen", "127.0.0.1:0", "--store", "memory"])
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .current_dir(dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -97,24 +101,55 @@ async fn the_binary_announces_itself_and_charges_once_per_key() {
         .unwrap();
     let base = first_line.strip_prefix("listening on ").unwrap().to_owned();
     assert!(base.starts_with("http://127.0.0.1:"), "{first_line}");
+    (child, base)
+}
 
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
-    let charge = || {
-        client
-            .post(format!("{base}/accounts/acct-1/charges"))
-            .bearer_auth("alice")
-            .header("idempotency-key", "order-1")
-            .body(BODY)
-            .send()
-    };
-    let first = charge().await.unwrap();
+async fn charge_once(base: &str) -> reqwest::Response {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .post(format!("{base}/accounts/acct-1/charges"))
+        .bearer_auth("alice")
+        .header("idempotency-key", "order-1")
+        .body(BODY)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("payments-axum-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_charges_once_per_key_on_the_memory_store() {
+    let scratch = Scratch::new();
+    let (mut child, base) = spawn_binary(&scratch.0, &["--store", "memory"]).await;
+    let first = charge_once(&base).await;
     assert_eq!(first.status(), 201);
     let first: Value = first.json().await.unwrap();
-    let retry = charge().await.unwrap();
+    let retry = charge_once(&base).await;
     assert_eq!(retry.status(), 201);
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(retry.json::<Value>().await.unwrap(), first);
-    let account: Value = client
+    let account: Value = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
         .get(format!("{base}/accounts/acct-1"))
         .bearer_auth("alice")
         .send()
@@ -128,19 +163,44 @@ async fn the_binary_announces_itself_and_charges_once_per_key() {
         json!({"account_id": "acct-1", "balance": 100, "operations": 1})
     );
     child.kill().await.unwrap();
+    assert!(!scratch.0.join("payments.db").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_sqlite_store_replays_across_a_restart() {
+    let scratch = Scratch::new();
+    let (mut child, base) = spawn_binary(&scratch.0, &[]).await;
+    let first = charge_once(&base).await;
+    assert_eq!(first.status(), 201);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first: Value = first.json().await.unwrap();
+    child.kill().await.unwrap();
+    assert!(scratch.0.join("payments.db").exists());
+
+    let (mut child, base) = spawn_binary(&scratch.0, &[]).await;
+    let retry = charge_once(&base).await;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.json::<Value>().await.unwrap(), first);
+    child.kill().await.unwrap();
 }
 
 #[tokio::test]
-async fn the_binary_refuses_a_store_that_is_not_built() {
+async fn the_binary_refuses_an_unknown_store() {
+    let scratch = Scratch::new();
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_payments-axum"))
-        .args(["--listen", "127.0.0.1:0", "--store", "sqlite://payments.db"])
+        .args(["--listen", "127.0.0.1:0", "--store", "redis://localhost"])
+        .current_dir(&scratch.0)
         .output()
         .await
         .unwrap();
     assert!(!output.status.success());
     assert!(output.stdout.is_empty());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("SQLite store is not available"), "{stderr}");
+    assert!(
+        stderr.contains("unknown store \"redis://localhost\""),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,13 +15,14 @@
 //! Every answer is an [`Answer`] (status, content type, body), so that an example
 //! only converts it to its framework's response.
 //!
-//! ## The default store
+//! ## Stores
 //!
-//! CONTRACT §8 names `sqlite://payments.db` as the default store. The SQLite and
-//! PostgreSQL stores come with `idem-diesel`, which is not part of this build
-//! yet; until then the default (no `--store`, no `DATABASE_URL`) is `memory`, and
-//! a `sqlite://` or `postgres://` URL stops the service at start-up with
-//! [`StartError::StoreNotBuilt`].
+//! `--store` (or `DATABASE_URL`) names the idempotency store: `memory`,
+//! `sqlite://PATH` (the default, [`DEFAULT_STORE`]: `sqlite://payments.db`, kept
+//! across restarts) or `postgres://…`. The SQLite and PostgreSQL stores are
+//! `idem-diesel`'s; [`StoreUrl::open`] migrates their table and starts their
+//! cleanup job. The ledger itself lives in memory: it is the example's
+//! stand-in for the application's own database.
 //!
 //! ```
 //! use std::time::Duration;
@@ -48,4 +49,4 @@ pub use service::{
     Answer, OperationRequest, PaymentError, Payments, Principal, Receipt, charge_policy,
     deposit_policy,
 };
-pub use start::{Options, StartError, StoreUrl, init_tracing, listening_line};
+pub use start::{DEFAULT_STORE, Options, StartError, StoreUrl, init_tracing, listening_line};

@@ -6,6 +6,10 @@ use std::time::Duration;
 
 use clap::Parser;
 use idem_core::{MemoryStore, Store};
+use idem_diesel::{PgStore, SetupError, SqliteStore};
+
+/// The store used when neither `--store` nor `DATABASE_URL` names one.
+pub const DEFAULT_STORE: &str = "sqlite://payments.db";
 
 /// The command line of both payments services (CONTRACT §8).
 ///
@@ -25,8 +29,7 @@ pub struct Options {
     #[arg(long, default_value = "127.0.0.1:3000")]
     pub listen: String,
     /// The idempotency store: `memory`, `sqlite://PATH` or `postgres://…`.
-    /// Default: `DATABASE_URL`, else `memory` (until the SQLite store lands; see
-    /// the crate docs).
+    /// Default: `DATABASE_URL`, else `sqlite://payments.db`.
     #[arg(long, env = "DATABASE_URL")]
     pub store: Option<String>,
     /// The simulated payment provider's latency inside a charge, in milliseconds.
@@ -51,13 +54,14 @@ pub enum StartError {
     /// The `--store` / `DATABASE_URL` value names no known store.
     #[error("unknown store {0:?}: expected `memory`, `sqlite://PATH` or `postgres://…`")]
     UnknownStore(String),
-    /// The store is named correctly but not part of this build yet.
-    #[error(
-        "the {kind} store is not available yet (it comes with the idem-diesel crate); start with `--store memory`"
-    )]
-    StoreNotBuilt {
+    /// The store could not be opened or migrated.
+    #[error("cannot open the {kind} store")]
+    Store {
         /// `SQLite` or `PostgreSQL`.
         kind: &'static str,
+        /// Why.
+        #[source]
+        source: SetupError,
     },
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
@@ -77,13 +81,10 @@ impl Options {
         Self::parse()
     }
 
-    /// The store named by `--store` or `DATABASE_URL`; [`StoreUrl::Memory`] when
+    /// The store named by `--store` or `DATABASE_URL`; [`DEFAULT_STORE`] when
     /// neither is given.
     pub fn store_url(&self) -> Result<StoreUrl, StartError> {
-        match &self.store {
-            None => Ok(StoreUrl::Memory),
-            Some(url) => StoreUrl::parse(url),
-        }
+        StoreUrl::parse(self.store.as_deref().unwrap_or(DEFAULT_STORE))
     }
 
     /// The simulated provider latency.
@@ -125,13 +126,31 @@ impl StoreUrl {
         }
     }
 
-    /// Opens the store.
+    /// Opens the store: connects, creates or upgrades its table, and starts its
+    /// cleanup job (deleting expired records) on the current Tokio runtime.
     pub async fn open(&self) -> Result<Arc<dyn Store>, StartError> {
         match self {
             Self::Memory => Ok(Arc::new(MemoryStore::new())),
-            // Wiring in idem-diesel's stores is one arm each.
-            Self::Sqlite(_) => Err(StartError::StoreNotBuilt { kind: "SQLite" }),
-            Self::Postgres(_) => Err(StartError::StoreNotBuilt { kind: "PostgreSQL" }),
+            Self::Sqlite(path) => {
+                let failed = |source| StartError::Store {
+                    kind: "SQLite",
+                    source,
+                };
+                let store = SqliteStore::connect(path).await.map_err(failed)?;
+                store.migrate().await.map_err(failed)?;
+                tokio::spawn(store.cleanup().run(std::future::pending()));
+                Ok(Arc::new(store))
+            }
+            Self::Postgres(url) => {
+                let failed = |source| StartError::Store {
+                    kind: "PostgreSQL",
+                    source,
+                };
+                let store = PgStore::connect(url).await.map_err(failed)?;
+                store.migrate().await.map_err(failed)?;
+                tokio::spawn(store.cleanup().run(std::future::pending()));
+                Ok(Arc::new(store))
+            }
         }
     }
 }
