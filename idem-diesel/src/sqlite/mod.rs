@@ -76,6 +76,15 @@ struct Inner {
     failures: Option<ConnectFailures>,
 }
 
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("table", &self.inner.table.display())
+            .field("pool", &self.inner.pool.state())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Configures a [`SqliteStore`]: its table and the pool it builds.
 #[derive(Clone, Debug)]
 #[must_use]
@@ -105,6 +114,9 @@ impl SqliteStore {
     /// `url` is `sqlite://PATH` (`sqlite://payments.db` is relative,
     /// `sqlite:///var/lib/app/idem.db` absolute), `sqlite:PATH`, a `file:` URI,
     /// or a plain path. Call [`migrate`](Self::migrate) once before use.
+    ///
+    /// `:memory:` is not a store: every pooled connection would open a database
+    /// of its own. Use `idem_core::MemoryStore` instead.
     pub async fn connect(url: &str) -> Result<Self, SetupError> {
         Self::builder().connect(url).await
     }

@@ -8,7 +8,7 @@ use diesel::QueryableByName;
 use diesel::sql_types::BigInt;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idem_core::{ClaimOutcome, Scope, Store, StoredResponse};
-use idem_diesel::SqliteStore;
+use idem_diesel::{SetupError, SqliteStore};
 
 use crate::postgres::{claimed, request};
 use crate::{Databases, TestFn};
@@ -20,6 +20,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
         "sqlite::migrate_and_claim_on_a_current_thread_runtime",
         |d| Box::pin(migrate_and_claim_on_a_current_thread_runtime(d)),
+    ),
+    (
+        "sqlite::an_unopenable_file_fails_to_connect_with_its_cause",
+        |d| Box::pin(an_unopenable_file_fails_to_connect_with_its_cause(d)),
     ),
     ("sqlite::url_forms_open_the_same_file", |d| {
         Box::pin(url_forms_open_the_same_file(d))
@@ -112,6 +116,22 @@ async fn migrate_and_claim_on_a_current_thread_runtime(databases: Arc<Databases>
     })
     .await
     .unwrap();
+}
+
+async fn an_unopenable_file_fails_to_connect_with_its_cause(databases: Arc<Databases>) {
+    let missing_directory = databases.fresh_sqlite_path().join("no-such-dir/idem.db");
+    let error = SqliteStore::connect(missing_directory.to_str().unwrap())
+        .await
+        .err()
+        .expect("connect fails");
+    assert!(matches!(error, SetupError::Connect(_)), "{error:?}");
+    assert!(
+        crate::error_chain(&error)
+            .to_lowercase()
+            .contains("unable to open the database file"),
+        "the cause is kept: {}",
+        crate::error_chain(&error)
+    );
 }
 
 async fn url_forms_open_the_same_file(databases: Arc<Databases>) {
