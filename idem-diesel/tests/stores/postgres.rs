@@ -480,7 +480,7 @@ async fn outage_answers_unavailable_then_recovers(_: Arc<Databases>) {
 
 async fn connecting_to_a_missing_database_fails_with_its_cause(databases: Arc<Databases>) {
     let url = databases.cluster().url("no_such_database");
-    let error = PgStore::connect(&url).await.err().expect("connect fails");
+    let error = PgStore::connect(&url).await.expect_err("connect fails");
     assert!(matches!(error, SetupError::Connect(_)), "{error:?}");
     assert!(
         error_chain(&error).contains("no_such_database"),

@@ -122,8 +122,7 @@ async fn an_unopenable_file_fails_to_connect_with_its_cause(databases: Arc<Datab
     let missing_directory = databases.fresh_sqlite_path().join("no-such-dir/idem.db");
     let error = SqliteStore::connect(missing_directory.to_str().unwrap())
         .await
-        .err()
-        .expect("connect fails");
+        .expect_err("connect fails");
     assert!(matches!(error, SetupError::Connect(_)), "{error:?}");
     assert!(
         crate::error_chain(&error)
