@@ -1,12 +1,15 @@
 //! idem-axum over real HTTP: the shared scenario suite against the axum build of
-//! the scenario app, then what is particular to this adapter (extractors, scope
-//! sources, plain Tower services).
+//! the scenario app, over every store (in memory, SQLite, PostgreSQL), then what
+//! is particular to this adapter (extractors, scope sources, plain Tower
+//! services).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::convert::Infallible;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -19,7 +22,12 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_axum::{ExecutionInfo, IdempotencyLayer, Key, RequestBody};
-use idem_core::{MemoryStore, OnStoreFailure, Scope, Store};
+use idem_core::{
+    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, MemoryStore, OnStoreFailure, Record, Scope,
+    Store, StoreFuture, StoredResponse,
+};
+use idem_diesel::testing::{DEFAULT_DATABASE, TestCluster};
+use idem_diesel::{PgStore, SqliteStore};
 use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -118,10 +126,103 @@ async fn start(store: Arc<dyn Store>) -> Target {
     Target::new(addr, Serving(server))
 }
 
+/// The suite over the in-memory store.
 mod scenarios {
     use super::start;
 
     idem_scenarios::scenario_tests!(start);
+}
+
+/// The suite over a fresh SQLite file per case.
+mod sqlite {
+    use super::{sqlite_store, start};
+
+    idem_scenarios::scenario_tests!(start, store = sqlite_store);
+}
+
+/// The suite over a fresh PostgreSQL cluster per case.
+mod postgres {
+    use super::{postgres_store, start};
+
+    idem_scenarios::scenario_tests!(start, store = postgres_store);
+}
+
+/// A store, and what must live exactly as long as it: its temporary directory,
+/// its database server. Dropped with the app's last handle to the store.
+struct Owning<S, G> {
+    store: S,
+    _owned: G,
+}
+
+impl<S: Store, G: Send + Sync + 'static> Store for Owning<S, G> {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        self.store.claim(request)
+    }
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+        self.store.renew(claim, lease)
+    }
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        self.store.complete(claim, response, retention)
+    }
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        self.store.release(claim)
+    }
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>> {
+        self.store.load(scope, key)
+    }
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        self.store.delete_expired(batch)
+    }
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        self.store.changed(scope, key, poll)
+    }
+}
+
+/// A temporary directory, removed when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn sqlite_store() -> Arc<dyn Store> {
+    let dir = TempDir(std::env::temp_dir().join(format!("idem-axum-{}", uuid::Uuid::new_v4())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let path = dir.0.join("idem.db");
+    let store = SqliteStore::connect(path.to_str().unwrap()).await.unwrap();
+    store.migrate().await.unwrap();
+    Arc::new(Owning { store, _owned: dir })
+}
+
+async fn postgres_store() -> Arc<dyn Store> {
+    let cluster = tokio::task::spawn_blocking(TestCluster::start)
+        .await
+        .unwrap()
+        .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"));
+    let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    Arc::new(Owning {
+        store,
+        _owned: cluster,
+    })
 }
 
 // ---------------------------------------------------------------------------
