@@ -23,7 +23,10 @@ pub const DEFAULT_STORE: &str = "sqlite://payments.db";
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug, Parser)]
-#[command(about = "A payments service that is safe to retry: Idempotency-Key handling with idem")]
+#[command(
+    about = "A payments service that is safe to retry: Idempotency-Key handling with idem",
+    long_about = None
+)]
 pub struct Options {
     /// The address to listen on; port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:3000")]
