@@ -12,9 +12,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Fingerprint, FingerprintBuilder, Header, IdempotencyKey,
-    InProgress, KeyRequirement, OnStoreFailure, OwnerToken, Policy, Problem, ProblemKind,
-    REPLAYED_HEADER, RequestHead, Scope, Store, StoreError, StoredResponse,
+    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Fingerprint, FingerprintBuilder, Header,
+    IdempotencyKey, InProgress, KeyRequirement, OnStoreFailure, OwnerToken, Policy, Problem,
+    ProblemKind, REPLAYED_HEADER, RequestHead, Scope, Store, StoreError, StoredResponse,
 };
 
 /// The state machine over a store, with a route's policy. Cheap to clone.
@@ -44,7 +44,8 @@ pub enum Admission {
 #[derive(Debug)]
 pub enum Begin {
     /// This request holds the claim: run the handler through
-    /// [`Execution::run`], then [`Execution::finish`] with its response.
+    /// [`Execution::run`], then [`Execution::settle`] with its response and send
+    /// what the settlement says.
     Execute(Execution),
     /// Send this stored answer (it already carries `Idempotent-Replayed: true`).
     Replay(StoredResponse),
@@ -57,14 +58,33 @@ pub enum Begin {
 
 /// A claimed request: the right to run the handler once and record its answer.
 ///
-/// Dropping an execution without [`finish`](Self::finish) or
-/// [`fail`](Self::fail) releases the claim in the background (when a Tokio
-/// runtime is there to run it), so a retry need not wait for the lease to lapse.
-#[derive(Debug)]
+/// Dropping an execution without [`settle`](Self::settle),
+/// [`finish`](Self::finish) or [`fail`](Self::fail) releases the claim in the
+/// background (when a Tokio runtime is there to run it), so a retry need not
+/// wait for the lease to lapse.
 pub struct Execution {
     engine: Engine,
     claim: Claim,
+    context: Option<ExecutionContext>,
     settled: bool,
+}
+
+/// What to send once [`Execution::settle`] has recorded the handler's answer.
+#[derive(Debug)]
+#[must_use]
+pub enum Settlement {
+    /// Send the handler's answer. It is recorded, or released (a status that is
+    /// not stored), or (a plain store) could not be recorded, which is logged:
+    /// the handler's effect happened outside the store, so the client gets the
+    /// real answer.
+    Deliver,
+    /// Send this problem instead of the handler's answer: the store lost the
+    /// completion together with the handler's writes (a transactional store's
+    /// failed commit), so the answer would report an effect that did not happen.
+    /// `503 store-unavailable` with `Retry-After`; the retry with the same key
+    /// replays the answer if the commit did happen after all, and runs the
+    /// handler again if not.
+    Retract(Problem),
 }
 
 /// How many times a completion is attempted before it is given up on.
@@ -197,9 +217,11 @@ impl Engine {
             match outcome {
                 ClaimOutcome::Claimed(claim) => {
                     tracing::debug!(target: "idem", outcome = "claimed", scope = %claim.scope, key = %claim.key.redacted());
+                    let context = self.store().execution_context(&claim);
                     return Begin::Execute(Execution {
                         engine: self.clone(),
                         claim,
+                        context,
                         settled: false,
                     });
                 }
@@ -303,6 +325,14 @@ impl Execution {
         &self.engine
     }
 
+    /// What the store hands the handler (see [`Store::execution_context`]): for
+    /// a transactional store, the open transaction that the claim was made in
+    /// and that the completion commits. `None` for plain stores. Adapters pass
+    /// it on to the handler; the handler downcasts it to the store's type.
+    pub fn context(&self) -> Option<&ExecutionContext> {
+        self.context.as_ref()
+    }
+
     /// The largest response body that is kept for replay.
     pub fn stored_body_limit(&self) -> usize {
         self.engine.policy().stored_body_limit_bytes()
@@ -344,8 +374,10 @@ impl Execution {
     /// again). Pass a response with `replayable: false` when its body was over
     /// [`stored_body_limit`](Self::stored_body_limit).
     ///
-    /// The client gets the handler's answer whatever this returns; a failure is
-    /// logged and returned for the caller's information.
+    /// A failure is logged and returned for the caller's information. Adapters
+    /// call [`settle`](Self::settle) instead, which also says what to send: with
+    /// a transactional store a failed completion means the handler's writes were
+    /// rolled back, and its answer must not reach the client.
     pub async fn finish(mut self, response: &StoredResponse) -> Result<Finished, StoreError> {
         self.settled = true;
         let engine = self.engine.clone();
@@ -370,6 +402,11 @@ impl Execution {
                     tracing::warn!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), "completion refused: the claim was lost (lease lapsed) while the handler ran");
                     return Err(StoreError::StaleOwner);
                 }
+                // The transaction is gone: trying again cannot bring it back.
+                Err(error @ StoreError::Uncommitted(_)) => {
+                    tracing::error!(target: "idem", outcome = "uncommitted", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "the completion was not committed and the handler's writes were rolled back with it; a retry runs the handler again");
+                    return Err(error);
+                }
                 Err(error) if attempt >= COMPLETE_ATTEMPTS => {
                     tracing::error!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "could not record the answer; a retry after the lease lapses will run the handler again");
                     return Err(error);
@@ -380,6 +417,45 @@ impl Execution {
                     attempt += 1;
                 }
             }
+        }
+    }
+
+    /// Records the handler's answer as [`finish`](Self::finish) does, and says
+    /// what to send: the handler's answer, or (when a transactional store could
+    /// not commit, so the handler's writes were rolled back) a
+    /// `503 store-unavailable` problem with `Retry-After`.
+    ///
+    /// ```
+    /// use idem_core::{Begin, Engine, IdempotencyKey, MemoryStore, Policy, Scope, StoredResponse};
+    /// # use idem_core::Fingerprint;
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// let engine = Engine::new(MemoryStore::new(), Policy::required());
+    /// let key = IdempotencyKey::new("order-7").unwrap();
+    /// # let fingerprint = Fingerprint::from_bytes([1; 32]);
+    /// let Begin::Execute(execution) = engine.begin(Scope::new("alice"), key, fingerprint).await else {
+    ///     unreachable!("a new key is executed")
+    /// };
+    /// let response = execution.run(async { StoredResponse::new(201, vec![], "charged") }).await;
+    /// let sent = execution.settle(&response).await.answer(response);
+    /// assert_eq!(sent.status, 201);
+    /// # });
+    /// ```
+    pub async fn settle(self, response: &StoredResponse) -> Settlement {
+        let engine = self.engine.clone();
+        match self.finish(response).await {
+            Err(StoreError::Uncommitted(_)) => {
+                let policy = engine.policy();
+                Settlement::Retract(
+                    engine
+                        .problem(
+                            ProblemKind::StoreUnavailable,
+                            "the request's outcome could not be committed; retry it with the same key",
+                        )
+                        .with_retry_after(policy.store_retry_after),
+                )
+            }
+            Ok(_) | Err(_) => Settlement::Deliver,
         }
     }
 
@@ -396,6 +472,27 @@ impl Execution {
 
     async fn release_now(&self) -> Result<(), StoreError> {
         self.engine.store().release(&self.claim).await
+    }
+}
+
+impl std::fmt::Debug for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("claim", &self.claim)
+            .field("context", &self.context.is_some())
+            .field("settled", &self.settled)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Settlement {
+    /// The answer to send: `response` when delivering, the problem's answer when
+    /// retracting.
+    pub fn answer(self, response: StoredResponse) -> StoredResponse {
+        match self {
+            Self::Deliver => response,
+            Self::Retract(problem) => problem.to_response(),
+        }
     }
 }
 
@@ -687,6 +784,158 @@ mod tests {
         fn delete_expired(&self, _: usize) -> StoreFuture<'_, u64> {
             Box::pin(async { Err(StoreError::unavailable(Refused)) })
         }
+    }
+
+    /// A store whose claims come with a context, standing in for a transactional
+    /// store: its completions fail as told, and it counts them.
+    struct TransactionalFake {
+        memory: MemoryStore,
+        completion: fn() -> Result<(), StoreError>,
+        completions: std::sync::atomic::AtomicU32,
+    }
+
+    /// The context the fake hands out: the claim's owner, so that a test can tell
+    /// it is the claim's own.
+    #[derive(Debug, PartialEq)]
+    struct FakeTransaction(OwnerToken);
+
+    impl TransactionalFake {
+        fn new(completion: fn() -> Result<(), StoreError>) -> Arc<Self> {
+            Arc::new(Self {
+                memory: MemoryStore::new(),
+                completion,
+                completions: std::sync::atomic::AtomicU32::new(0),
+            })
+        }
+
+        fn completions(&self) -> u32 {
+            self.completions.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    impl Store for TransactionalFake {
+        fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+            self.memory.claim(request)
+        }
+        fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+            self.memory.renew(claim, lease)
+        }
+        fn complete<'a>(
+            &'a self,
+            claim: &'a Claim,
+            response: &'a StoredResponse,
+            retention: Duration,
+        ) -> StoreFuture<'a, ()> {
+            Box::pin(async move {
+                self.completions
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                match (self.completion)() {
+                    Ok(()) => self.memory.complete(claim, response, retention).await,
+                    Err(error @ StoreError::Uncommitted(_)) => {
+                        // Like a rolled-back transaction: the claim is gone too.
+                        self.memory.release(claim).await?;
+                        Err(error)
+                    }
+                    Err(error) => Err(error),
+                }
+            })
+        }
+        fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+            self.memory.release(claim)
+        }
+        fn load<'a>(
+            &'a self,
+            scope: &'a Scope,
+            key: &'a IdempotencyKey,
+        ) -> StoreFuture<'a, Option<Record>> {
+            self.memory.load(scope, key)
+        }
+        fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+            self.memory.delete_expired(batch)
+        }
+        fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
+            Some(Arc::new(FakeTransaction(claim.owner)))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_stores_context_reaches_the_execution() {
+        let store = TransactionalFake::new(|| Ok(()));
+        let engine = Engine::from_shared(store, Policy::required());
+        let exec = expect_execute(engine.begin(Scope::new("s"), key("k"), fp(1)).await);
+        let context = exec.context().expect("a context").clone();
+        let transaction = context
+            .downcast::<FakeTransaction>()
+            .expect("the store's type");
+        assert_eq!(*transaction, FakeTransaction(exec.claim().owner));
+
+        let plain = Engine::new(MemoryStore::new(), Policy::required());
+        let exec = expect_execute(plain.begin(Scope::new("s"), key("k"), fp(1)).await);
+        assert!(exec.context().is_none(), "plain stores hand out nothing");
+    }
+
+    #[tokio::test]
+    async fn settle_delivers_what_was_completed_or_released() {
+        let store = TransactionalFake::new(|| Ok(()));
+        let engine = Engine::from_shared(store.clone(), Policy::required());
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("a"), fp(1)).await);
+        let settlement = exec.settle(&ok(201, "made")).await;
+        assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
+        assert_eq!(settlement.answer(ok(201, "made")), ok(201, "made"));
+        assert!(matches!(
+            engine.begin(scope.clone(), key("a"), fp(1)).await,
+            Begin::Replay(_)
+        ));
+
+        let exec = expect_execute(engine.begin(scope.clone(), key("b"), fp(1)).await);
+        let settlement = exec.settle(&ok(503, "later")).await;
+        assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
+        assert_eq!(store.completions(), 1, "a released status is not completed");
+        expect_execute(engine.begin(scope, key("b"), fp(1)).await);
+    }
+
+    #[tokio::test]
+    async fn an_uncommitted_completion_is_retracted_with_503_and_not_retried() {
+        let store = TransactionalFake::new(|| Err(StoreError::uncommitted(Refused)));
+        let engine = Engine::from_shared(store.clone(), Policy::required());
+        let scope = Scope::new("s");
+        let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
+        let Settlement::Retract(problem) = exec.settle(&ok(201, "made")).await else {
+            panic!("an uncommitted completion must not deliver the handler's answer")
+        };
+        assert_eq!(
+            (problem.kind, problem.status, problem.retry_after),
+            (
+                ProblemKind::StoreUnavailable,
+                503,
+                Some(Duration::from_secs(5))
+            )
+        );
+        assert!(
+            !problem.detail.contains("refused"),
+            "nothing internal leaks"
+        );
+        let sent = Settlement::Retract(problem).answer(ok(201, "made"));
+        assert_eq!(sent.status, 503);
+        assert_eq!(sent.header_values("retry-after").next(), Some(&b"5"[..]));
+        assert_eq!(store.completions(), 1, "a lost transaction is not retried");
+        // The retry runs the handler again.
+        expect_execute(engine.begin(scope, key("k"), fp(1)).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_plain_store_failure_still_delivers_the_handlers_answer() {
+        let store = TransactionalFake::new(|| Err(StoreError::unavailable(Refused)));
+        let engine = Engine::from_shared(store.clone(), Policy::required());
+        let exec = expect_execute(engine.begin(Scope::new("s"), key("k"), fp(1)).await);
+        let settlement = exec.settle(&ok(201, "made")).await;
+        assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
+        assert_eq!(
+            store.completions(),
+            COMPLETE_ATTEMPTS,
+            "a failing plain completion is retried"
+        );
     }
 
     #[tokio::test]

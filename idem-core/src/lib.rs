@@ -15,7 +15,7 @@ pub mod store;
 #[cfg(feature = "test-util")]
 pub mod conformance;
 
-pub use engine::{Admission, Begin, Engine, Execution, Finished};
+pub use engine::{Admission, Begin, Engine, Execution, Finished, Settlement};
 pub use fingerprint::{
     BodyMode, Fingerprint, FingerprintBuilder, FingerprintSpec, HeaderSource, RequestHead,
 };
@@ -27,4 +27,4 @@ pub use problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Problem, ProblemKind}
 pub use record::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
 pub use response::{Header, REPLAYED_HEADER, StoredResponse};
 pub use scope::Scope;
-pub use store::{MemoryStore, Store, StoreError, StoreFuture};
+pub use store::{ExecutionContext, MemoryStore, Store, StoreError, StoreFuture};

@@ -1,5 +1,6 @@
 //! The `Store` trait: where records live, each step atomic.
 
+use std::any::Any;
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
@@ -17,6 +18,10 @@ pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>>
 
 /// A source error, boxed.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// What a store hands the handler of a claimed request (see
+/// [`Store::execution_context`]): any type, shared.
+pub type ExecutionContext = Arc<dyn Any + Send + Sync>;
 
 /// Where records live.
 ///
@@ -88,6 +93,18 @@ pub trait Store: Send + Sync + 'static {
             Ok(())
         })
     }
+
+    /// What the handler of `claim` gets from the store, if anything: for a
+    /// transactional store, the open transaction the claim was made in, so that
+    /// the handler's own writes commit (or roll back) with the completion.
+    ///
+    /// The engine asks once, right after the claim is granted, and hands the
+    /// answer to the adapter through [`Execution::context`](crate::Execution::context).
+    /// The default is `None`: the handler's effects are its own business.
+    fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
+        let _ = claim;
+        None
+    }
 }
 
 /// Why a store step failed.
@@ -106,12 +123,25 @@ pub enum StoreError {
     /// The store could not be reached or failed.
     #[error("the store is unavailable")]
     Unavailable(#[source] BoxError),
+    /// A transactional store could not commit the completion, so the handler's
+    /// writes in the same transaction were rolled back with it (or, when the
+    /// connection broke during the commit, their fate is unknown to this
+    /// process). The client must not be told the request succeeded: a retry with
+    /// the same key finds out, replaying the answer if the commit happened and
+    /// running the handler again if not.
+    #[error("the completion was not committed; the execution's writes were rolled back with it")]
+    Uncommitted(#[source] BoxError),
 }
 
 impl StoreError {
     /// A failure of the backend, keeping its cause.
     pub fn unavailable(source: impl Into<BoxError>) -> Self {
         Self::Unavailable(source.into())
+    }
+
+    /// A completion that was not committed, keeping its cause.
+    pub fn uncommitted(source: impl Into<BoxError>) -> Self {
+        Self::Uncommitted(source.into())
     }
 }
 
@@ -150,5 +180,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         poll: Duration,
     ) -> StoreFuture<'a, ()> {
         (**self).changed(scope, key, poll)
+    }
+    fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
+        (**self).execution_context(claim)
     }
 }
