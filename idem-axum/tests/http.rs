@@ -225,6 +225,109 @@ async fn postgres_store() -> Arc<dyn Store> {
     })
 }
 
+/// Durable stores beyond the suite: instances of the app sharing one database,
+/// and the database going away under a running app.
+///
+/// Here rather than in idem-diesel's `stores` binary: the cases need an app,
+/// and the axum build of the scenario app is this file's. Each test starts a
+/// cluster of its own, since the outage stops it and the suite's PostgreSQL
+/// tests each have theirs too.
+mod durable {
+    use std::sync::Arc;
+
+    use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
+    use idem_diesel::{PgStore, SqliteStore};
+    use idem_scenarios::durable::{
+        ServerFuture, StoreServer, one_key_over_instances_executes_once,
+        store_outage_fails_closed_then_recovers,
+    };
+
+    use super::{TempDir, start};
+
+    /// Two instances, each with its own `PgStore` (its own pool), over one
+    /// database: 200 concurrent requests with one key, spread over both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_instances_share_one_postgres_database() {
+        let cluster = start_cluster().await;
+        let url = cluster.url(DEFAULT_DATABASE);
+        let mut instances = Vec::new();
+        for _ in 0..2 {
+            let store = PgStore::connect(&url).await.unwrap();
+            store.migrate().await.unwrap();
+            instances.push(start(Arc::new(store)).await);
+        }
+        one_key_over_instances_executes_once(instances).await;
+        stop_cluster(cluster).await;
+    }
+
+    /// Two instances on one machine, each with its own `SqliteStore` (its own
+    /// pool) over one file.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_instances_share_one_sqlite_file() {
+        let dir = TempDir(std::env::temp_dir().join(format!("idem-axum-{}", uuid::Uuid::new_v4())));
+        std::fs::create_dir_all(&dir.0).unwrap();
+        let path = dir.0.join("idem.db");
+        let mut instances = Vec::new();
+        for _ in 0..2 {
+            let store = SqliteStore::connect(path.to_str().unwrap()).await.unwrap();
+            store.migrate().await.unwrap();
+            instances.push(start(Arc::new(store)).await);
+        }
+        one_key_over_instances_executes_once(instances).await;
+    }
+
+    /// PostgreSQL stops under the running app, then starts again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_outage_fails_closed_then_recovers() {
+        let cluster = Arc::new(start_cluster().await);
+        let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let target = start(Arc::new(store)).await;
+        store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
+        stop_cluster(Arc::into_inner(cluster).unwrap()).await;
+    }
+
+    /// A test cluster as the outage case stops and resumes it.
+    struct Stoppable(Arc<TestCluster>);
+
+    impl StoreServer for Stoppable {
+        fn stop(&self) -> ServerFuture<'_> {
+            let cluster = Arc::clone(&self.0);
+            Box::pin(blocking(move || cluster.stop()))
+        }
+
+        fn resume(&self) -> ServerFuture<'_> {
+            let cluster = Arc::clone(&self.0);
+            Box::pin(blocking(move || cluster.resume()))
+        }
+    }
+
+    /// Runs a step of the cluster on a blocking thread; panics with its error.
+    async fn blocking(step: impl FnOnce() -> Result<(), ClusterError> + Send + 'static) {
+        tokio::task::spawn_blocking(step)
+            .await
+            .unwrap()
+            .unwrap_or_else(|error| panic!("the test cluster failed: {error}"));
+    }
+
+    async fn start_cluster() -> TestCluster {
+        tokio::task::spawn_blocking(TestCluster::start)
+            .await
+            .unwrap()
+            .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"))
+    }
+
+    /// Stops and deletes the cluster here, before the test ends (the apps may
+    /// still hold pools to it; they go with the runtime).
+    async fn stop_cluster(cluster: TestCluster) {
+        tokio::task::spawn_blocking(move || drop(cluster))
+            .await
+            .unwrap();
+    }
+}
+
 // ---------------------------------------------------------------------------
 // What is particular to idem-axum.
 

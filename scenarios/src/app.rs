@@ -72,6 +72,10 @@ pub fn routes() -> Vec<ScenarioRoute> {
             policy: Policy::required().lease(Duration::from_secs(1)),
         },
         ScenarioRoute {
+            path: "/long-lease",
+            policy: Policy::required().lease(Duration::from_secs(3600)),
+        },
+        ScenarioRoute {
             path: "/fail-open",
             policy: Policy::required().on_store_failure(OnStoreFailure::FailOpen),
         },

@@ -3,6 +3,7 @@
 mod app;
 mod cases;
 mod client;
+pub mod durable;
 mod failing_store;
 mod target;
 

@@ -13,18 +13,18 @@ use crate::client::{
 /// How many requests with one key the concurrency cases send at once.
 const CROWD: usize = 100;
 
-fn spawn_send(client: &Client, call: &Call) -> JoinHandle<Answer> {
+pub(crate) fn spawn_send(client: &Client, call: &Call) -> JoinHandle<Answer> {
     let (client, call) = (client.clone(), call.clone());
     tokio::spawn(async move { client.send(&call).await })
 }
 
-async fn joined(handle: JoinHandle<Answer>) -> Answer {
+pub(crate) async fn joined(handle: JoinHandle<Answer>) -> Answer {
     handle
         .await
         .unwrap_or_else(|error| panic!("a request task failed: {error}"))
 }
 
-fn assert_retry_after(answer: &Answer) {
+pub(crate) fn assert_retry_after(answer: &Answer) {
     let value = answer.header("retry-after");
     let seconds: u64 = value
         .parse()
@@ -99,7 +99,7 @@ async fn crowd(client: &Client, call: &Call) -> Vec<Answer> {
 }
 
 /// The one answer in `answers` that ran the handler.
-fn the_executed_one(answers: &[Answer]) -> Answer {
+pub(crate) fn the_executed_one(answers: &[Answer]) -> Answer {
     let executed: Vec<&Answer> = answers
         .iter()
         .filter(|answer| answer.status == 201 && !answer.is_replay())

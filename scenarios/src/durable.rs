@@ -1,0 +1,195 @@
+//! Cases for durable stores, beyond one app over a store of its own: instances of
+//! an application sharing one store (CONTRACT §1: exactly one claimer wins
+//! "across processes and machines"; §6: PostgreSQL "shared by many app
+//! instances"), and a store that goes away under a running app and comes back
+//! (§4: a store that is unreachable fails closed).
+//!
+//! They are not in [`cases`](crate::cases): each needs more than a fresh app, so
+//! the test file that owns the database calls them with what they need: several
+//! apps over one database, or an app and a way to stop its database server.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::Target;
+use crate::cases::{assert_retry_after, joined, spawn_send, the_executed_one};
+use crate::client::{
+    Answer, Call, Client, Executions, assert_executed, assert_problem, assert_replay_of,
+};
+
+/// How many requests with one key [`one_key_over_instances_executes_once`]
+/// sends at once, spread over the instances.
+pub const INSTANCES_CROWD: usize = 200;
+
+/// The future of a [`StoreServer`] step.
+pub type ServerFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+/// The database server behind a durable store, which
+/// [`store_outage_fails_closed_then_recovers`] stops and starts again under a
+/// running app. Each step panics when it cannot be done.
+pub trait StoreServer: Send + Sync {
+    /// Stops the server, closing its open connections; resolves once it is down.
+    fn stop(&self) -> ServerFuture<'_>;
+
+    /// Starts it again with its data, at the same address; resolves once it
+    /// accepts connections.
+    fn resume(&self) -> ServerFuture<'_>;
+}
+
+/// Apps that share one store: [`INSTANCES_CROWD`] concurrent requests with one
+/// key against a slow handler, sent to the `instances` in turn.
+///
+/// Exactly one handler runs, counted over every instance (each instance's
+/// `GET /executions`, summed): the store's exclusion holds across the
+/// instances' separate connection pools. Every other answer is a
+/// `409 request-in-progress` or a byte-identical replay of the one executed
+/// answer, and afterwards every instance replays it.
+///
+/// `instances` are separately built apps (each with its own store value and
+/// pool) over one database; they may be different adapters.
+///
+/// # Panics
+///
+/// When the instances misbehave, or when there are fewer than two.
+pub async fn one_key_over_instances_executes_once(instances: Vec<Target>) {
+    assert!(instances.len() >= 2, "the case needs two instances or more");
+    let clients: Vec<Client> = instances.iter().map(Client::new).collect();
+    let call = Call::post("/required?delay_ms=300", "instances-1", "{\"amount\":5}");
+    let handles: Vec<_> = (0..INSTANCES_CROWD)
+        .map(|i| spawn_send(&clients[i % clients.len()], &call))
+        .collect();
+    let mut answers = Vec::with_capacity(INSTANCES_CROWD);
+    for handle in handles {
+        answers.push(joined(handle).await);
+    }
+
+    let first = the_executed_one(&answers);
+    for answer in &answers {
+        match answer.status {
+            409 => {
+                assert_problem(answer, 409, "request-in-progress");
+                assert_retry_after(answer);
+            }
+            _ if answer.is_replay() => assert_replay_of(answer, &first),
+            _ => assert_eq!(answer, &first, "the one executed answer"),
+        }
+    }
+    assert_eq!(
+        executions_over(&clients).await,
+        Executions {
+            started: 1,
+            finished: 1
+        },
+        "handlers run over every instance"
+    );
+    for client in &clients {
+        assert_replay_of(&client.send(&call).await, &first);
+    }
+    assert_eq!(executions_over(&clients).await.started, 1);
+}
+
+/// The store's database server stops under a running app, then starts again.
+///
+/// - **While it is down**, keyed requests fail closed: `503 store-unavailable`
+///   with `Retry-After`, nothing of the store's error in the answer, and no
+///   handler runs, for a new key, for its retry, and for the key of an answer
+///   recorded before the outage (its replay needs the store too). A fail-open
+///   route runs its handler unguarded.
+/// - **A request in flight** (claimed before the outage, its handler running
+///   when the store goes away, then finishing while it is down): its client gets
+///   the handler's answer. The handler has run and its effect happened outside
+///   the store; withholding the answer would only turn the client's retry into
+///   a `409`. The answer cannot be recorded, so its claim stands until its lease
+///   lapses: a retry after the store is back is refused with
+///   `409 request-in-progress`, not run a second time. (The route's lease is an
+///   hour, so the case does not depend on how long the outage takes. Once a
+///   lease lapses a retry runs the handler again: exactly one effect across an
+///   outage mid-request is what transactional mode, CONTRACT §7, is for.)
+/// - **Once it is back**, the same app recovers without a restart: the key
+///   refused during the outage executes, its retry replays byte for byte, and
+///   the answer recorded before the outage replays.
+///
+/// # Panics
+///
+/// When the app misbehaves, or when `server` cannot stop or start.
+pub async fn store_outage_fails_closed_then_recovers(target: Target, server: &dyn StoreServer) {
+    let client = Client::new(&target);
+    let before_call = Call::post("/required", "outage-before", "{}");
+    let before = client.send(&before_call).await;
+    assert_executed(&before, 201);
+
+    let in_flight_call = Call::post("/long-lease?gate=outage", "outage-in-flight", "{}");
+    let in_flight = spawn_send(&client, &in_flight_call);
+    // Its handler has started, so its claim is made.
+    client.await_started(2).await;
+
+    server.stop().await;
+
+    let during_call = Call::post("/required", "outage-during", "{}");
+    for call in [&during_call, &during_call, &before_call, &in_flight_call] {
+        let refused = client.send(call).await;
+        assert_problem(&refused, 503, "store-unavailable");
+        assert_retry_after(&refused);
+        assert_leaks_nothing(&refused);
+    }
+    assert_eq!(
+        client.executions().await.started,
+        2,
+        "no handler runs while the store is down"
+    );
+    let unguarded = client
+        .send(&Call::post("/fail-open", "outage-open", "{}"))
+        .await;
+    assert_executed(&unguarded, 201);
+    assert_eq!(unguarded.execution(), 3);
+
+    // The handler in flight finishes while the store is down.
+    client.open_gate("outage").await;
+    let in_flight = joined(in_flight).await;
+    assert_executed(&in_flight, 201);
+    assert_eq!(in_flight.execution(), 2);
+
+    server.resume().await;
+
+    let after = client.send(&during_call).await;
+    assert_executed(&after, 201);
+    assert_eq!(after.execution(), 4);
+    assert_replay_of(&client.send(&during_call).await, &after);
+    assert_replay_of(&client.send(&before_call).await, &before);
+    let retry = client.send(&in_flight_call).await;
+    assert_problem(&retry, 409, "request-in-progress");
+    assert_retry_after(&retry);
+    assert_eq!(
+        client.executions().await,
+        Executions {
+            started: 4,
+            finished: 4
+        }
+    );
+}
+
+/// The executions of every instance, summed.
+async fn executions_over(clients: &[Client]) -> Executions {
+    let mut total = Executions {
+        started: 0,
+        finished: 0,
+    };
+    for client in clients {
+        let executions = client.executions().await;
+        total.started += executions.started;
+        total.finished += executions.finished;
+    }
+    total
+}
+
+/// Asserts that a store failure's answer says nothing of its cause: the generic
+/// detail, no database error, no address.
+fn assert_leaks_nothing(answer: &Answer) {
+    let body = String::from_utf8_lossy(&answer.body).to_lowercase();
+    for word in ["refused", "postgres", "sqlite", "127.0.0.1", "connection"] {
+        assert!(
+            !body.contains(word),
+            "the answer tells the client about the store ({word:?}): {body}"
+        );
+    }
+}
