@@ -20,7 +20,7 @@ use crate::example::Example;
 use self::api::Failure;
 use self::postgres::Cluster;
 use self::report::{Row, Verdict};
-use self::scenarios::{CATALOG, Scenario};
+use self::scenarios::{CATALOG, Readiness, Scenario};
 use self::site::{Deployment, StoreKind, help_text};
 
 mod api;
@@ -95,13 +95,14 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
                 for &store in &options.stores {
                     let failure = Failure::new("did not build", why.clone());
                     for (index, scenario) in options.selected(store) {
-                        rows.extend(rows_of(
-                            index,
-                            scenario,
-                            example,
-                            store,
-                            &Err(failure.clone()),
-                        ));
+                        if let Readiness::NotBuilt(why) = scenario.readiness
+                            && !options.include_not_built
+                        {
+                            rows.extend(not_built(index, scenario, example, store, why));
+                        } else {
+                            let failed = Err(failure.clone());
+                            rows.extend(rows_of(index, scenario, example, store, &failed));
+                        }
                     }
                 }
             }
@@ -166,14 +167,7 @@ async fn run_deployment(
         let (example, store) = (deployment.example, deployment.store);
         match (scenario.readiness.missing(&deployment), &probe) {
             (Some(why), _) if !options.include_not_built => {
-                rows.extend(scenario.checks.iter().enumerate().map(|(i, check)| Row {
-                    order: (index, i),
-                    check,
-                    example,
-                    store,
-                    verdict: Verdict::NotBuilt,
-                    figure: why.clone(),
-                }));
+                rows.extend(not_built(index, scenario, example, store, &why));
             }
             (_, Err(failure)) => {
                 rows.extend(rows_of(
@@ -220,6 +214,29 @@ async fn run_scenario(
             ))
         });
     rows_of(index, scenario, deployment.example, deployment.store, &ran)
+}
+
+/// The scenario's rows, listed as not built for the reason given.
+fn not_built(
+    index: usize,
+    scenario: &'static Scenario,
+    example: Example,
+    store: StoreKind,
+    why: &str,
+) -> Vec<Row> {
+    scenario
+        .checks
+        .iter()
+        .enumerate()
+        .map(|(i, check)| Row {
+            order: (index, i),
+            check,
+            example,
+            store,
+            verdict: Verdict::NotBuilt,
+            figure: why.to_owned(),
+        })
+        .collect()
 }
 
 /// The scenario's rows from what it reported; a check it did not report fails.
