@@ -26,6 +26,9 @@ pub use error::SetupError;
 pub use table::DEFAULT_TABLE;
 
 #[cfg(feature = "postgres")]
-pub use postgres::{PgPool, PgStore, PgStoreBuilder};
+pub use postgres::{
+    PgPool, PgStore, PgStoreBuilder, PgTransaction, PgTransactionConnection, TransactionEnded,
+    TransactionalPgStore,
+};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqlitePool, SqliteStore, SqliteStoreBuilder};

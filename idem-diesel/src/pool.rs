@@ -9,6 +9,7 @@
 
 use std::error::Error as StdError;
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 
 use bb8::{ErrorSink, ManageConnection, PooledConnection, RunError};
@@ -48,20 +49,17 @@ impl ConnectFailures {
         Box::new(self.clone())
     }
 
-    /// A connection from `pool`; fails at once if a connection attempt fails
-    /// while waiting.
-    async fn checkout<'p, M>(
+    /// What `checkout` answers: at once if a connection attempt fails while
+    /// waiting for `connection`.
+    async fn first_of<C>(
         &self,
-        pool: &'p bb8::Pool<M>,
-    ) -> Result<PooledConnection<'p, M>, StoreError>
-    where
-        M: ManageConnection<Error = PoolError>,
-    {
+        connection: impl Future<Output = Result<C, RunError<PoolError>>>,
+    ) -> Result<C, StoreError> {
         // Subscribed before asking: only attempts made while waiting count.
         let mut failures = self.sender.subscribe();
         tokio::select! {
             biased;
-            connection = pool.get() => connection.map_err(unavailable),
+            connection = connection => connection.map_err(unavailable),
             failure = failures.recv() => Err(match failure {
                 Ok(error) => StoreError::unavailable(ConnectFailed(SharedError(error))),
                 // Lagged: failures came faster than they were read; still failures.
@@ -82,8 +80,24 @@ where
     M: ManageConnection<Error = PoolError>,
 {
     match failures {
-        Some(failures) => failures.checkout(pool).await,
+        Some(failures) => failures.first_of(pool.get()).await,
         None => pool.get().await.map_err(unavailable),
+    }
+}
+
+#[cfg(feature = "postgres")]
+/// As [`checkout`], for a connection that outlives the borrow of the pool (a
+/// transaction kept open across store steps).
+pub(crate) async fn checkout_owned<M>(
+    pool: &bb8::Pool<M>,
+    failures: Option<&ConnectFailures>,
+) -> Result<PooledConnection<'static, M>, StoreError>
+where
+    M: ManageConnection<Error = PoolError>,
+{
+    match failures {
+        Some(failures) => failures.first_of(pool.get_owned()).await,
+        None => pool.get_owned().await.map_err(unavailable),
     }
 }
 

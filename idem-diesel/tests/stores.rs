@@ -1,5 +1,5 @@
 //! The stores against real databases: the core conformance suite, migrations,
-//! the cleanup job and outages, on PostgreSQL (a throwaway cluster this binary
+//! the cleanup job, outages and transactional mode, on PostgreSQL (a throwaway cluster this binary
 //! starts) and on SQLite (a temporary file per test).
 //!
 //! One binary with its own harness (libtest-mimic), because the cluster must be
@@ -17,6 +17,8 @@ mod cleanup;
 mod postgres;
 #[path = "stores/sqlite.rs"]
 mod sqlite;
+#[path = "stores/transactional.rs"]
+mod transactional;
 
 use std::any::Any;
 use std::future::Future;
@@ -80,10 +82,27 @@ fn main() -> ExitCode {
             ));
         }
     }
+    for case in idem_core::conformance::cases() {
+        if !transactional::CONFORMANCE.contains(&case.name) {
+            continue;
+        }
+        let run = case.run;
+        trials.push(trial(
+            &runtime,
+            &databases,
+            format!("postgres_transactional::conformance::{}", case.name),
+            false,
+            move |databases| async move {
+                let store = transactional::fresh_transactional(&databases).await;
+                run(Arc::new(store)).await
+            },
+        ));
+    }
     for (name, test) in postgres::TESTS
         .iter()
         .chain(sqlite::TESTS)
         .chain(cleanup::TESTS)
+        .chain(transactional::TESTS)
     {
         let test = *test;
         trials.push(trial(&runtime, &databases, (*name).to_owned(), false, test));

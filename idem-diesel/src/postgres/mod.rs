@@ -1,6 +1,7 @@
 //! The PostgreSQL store.
 
 mod statements;
+mod transactional;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -29,6 +30,10 @@ use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
 use statements::Statements;
+
+pub use transactional::{
+    PgTransaction, PgTransactionConnection, TransactionEnded, TransactionalPgStore,
+};
 
 /// A bb8 pool of diesel-async PostgreSQL connections, as [`PgStore`] uses.
 pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
@@ -393,32 +398,67 @@ fn run_migrations(connection: AsyncPgConnection) -> Result<(), BoxError> {
     Ok(())
 }
 
+impl PgStore {
+    /// Runs the claim statement on `connection` until it settles (see
+    /// `Statements::claim`).
+    async fn claim_on(
+        &self,
+        connection: &mut AsyncPgConnection,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, StoreError> {
+        for _ in 0..CLAIM_ATTEMPTS {
+            let row = diesel::sql_query(&self.inner.statements.claim)
+                .bind::<Text, _>(request.scope.as_str())
+                .bind::<Text, _>(request.key.as_str())
+                .bind::<Binary, _>(&request.fingerprint.as_bytes()[..])
+                .bind::<SqlUuid, _>(request.owner.as_uuid())
+                .bind::<BigInt, _>(duration_micros(request.lease))
+                .bind::<BigInt, _>(duration_micros(request.retention))
+                .prepared()
+                .get_result::<ClaimRow>(connection)
+                .await
+                .optional()
+                .map_err(StoreError::unavailable)?;
+            match row {
+                Some(row) if row.claimed => {
+                    return Ok(ClaimOutcome::Claimed(request.to_claim()));
+                }
+                Some(row) => return row.record.into_found(),
+                None => continue,
+            }
+        }
+        Err(StoreError::unavailable(ClaimContended))
+    }
+
+    /// Runs the completion statement on `connection`.
+    async fn complete_on(
+        &self,
+        connection: &mut AsyncPgConnection,
+        claim: &Claim,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let rows = diesel::sql_query(&self.inner.statements.complete)
+            .bind::<Text, _>(claim.scope.as_str())
+            .bind::<Text, _>(claim.key.as_str())
+            .bind::<SqlUuid, _>(claim.owner.as_uuid())
+            .bind::<Integer, _>(i32::from(response.status))
+            .bind::<Binary, _>(response.encode_headers())
+            .bind::<Binary, _>(&response.body[..])
+            .bind::<Bool, _>(response.replayable)
+            .bind::<BigInt, _>(duration_micros(retention))
+            .prepared()
+            .execute(connection)
+            .await;
+        fenced(rows)
+    }
+}
+
 impl Store for PgStore {
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
             let mut connection = self.connection().await?;
-            for _ in 0..CLAIM_ATTEMPTS {
-                let row = diesel::sql_query(&self.inner.statements.claim)
-                    .bind::<Text, _>(request.scope.as_str())
-                    .bind::<Text, _>(request.key.as_str())
-                    .bind::<Binary, _>(&request.fingerprint.as_bytes()[..])
-                    .bind::<SqlUuid, _>(request.owner.as_uuid())
-                    .bind::<BigInt, _>(duration_micros(request.lease))
-                    .bind::<BigInt, _>(duration_micros(request.retention))
-                    .prepared()
-                    .get_result::<ClaimRow>(&mut *connection)
-                    .await
-                    .optional()
-                    .map_err(StoreError::unavailable)?;
-                match row {
-                    Some(row) if row.claimed => {
-                        return Ok(ClaimOutcome::Claimed(request.to_claim()));
-                    }
-                    Some(row) => return row.record.into_found(),
-                    None => continue,
-                }
-            }
-            Err(StoreError::unavailable(ClaimContended))
+            self.claim_on(&mut connection, request).await
         })
     }
 
@@ -445,19 +485,8 @@ impl Store for PgStore {
     ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let mut connection = self.connection().await?;
-            let rows = diesel::sql_query(&self.inner.statements.complete)
-                .bind::<Text, _>(claim.scope.as_str())
-                .bind::<Text, _>(claim.key.as_str())
-                .bind::<SqlUuid, _>(claim.owner.as_uuid())
-                .bind::<Integer, _>(i32::from(response.status))
-                .bind::<Binary, _>(response.encode_headers())
-                .bind::<Binary, _>(&response.body[..])
-                .bind::<Bool, _>(response.replayable)
-                .bind::<BigInt, _>(duration_micros(retention))
-                .prepared()
-                .execute(&mut *connection)
-                .await;
-            fenced(rows)
+            self.complete_on(&mut connection, claim, response, retention)
+                .await
         })
     }
 

@@ -1,0 +1,490 @@
+//! Transactional mode: the claim, the handler's writes and the completion in
+//! one PostgreSQL transaction (CONTRACT §7).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use diesel::QueryableByName;
+use diesel::sql_types::{Bool, Integer, Text};
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use idem_core::{
+    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, IdempotencyKey, OwnerToken, Record, Scope,
+    Store, StoreError, StoreFuture, StoredResponse,
+};
+use tokio::sync::{MappedMutexGuard, MutexGuard};
+
+use super::PgStore;
+use crate::cleanup::Cleanup;
+use crate::pool;
+use crate::prepared::PreparedExt;
+use crate::wait;
+
+/// The advisory lock class of the keys that transactional executions hold
+/// (see [`super::MIGRATION_LOCK_CLASS`]).
+const EXECUTION_LOCK_CLASS: i32 = 0x6964_6d03;
+
+/// The default bound on a lock wait inside an execution's transaction.
+const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Opens an execution: bounds the transaction's lock waits (`$1`, e.g. `5000ms`;
+/// the function in `FROM` runs first) and tries the key's advisory lock (`$2`
+/// the lock key text, `$3` the class) without waiting.
+const OPEN_EXECUTION: &str = "SELECT pg_try_advisory_xact_lock($3, hashtext($2)) AS free \
+     FROM set_config('lock_timeout', $1, true)";
+
+/// Whether a transactional execution holds the key (`$1` lock key, `$2` class):
+/// outside a transaction block the lock, if free, is taken and given back by
+/// the statement's own implicit transaction.
+const EXECUTION_RUNNING: &str =
+    "SELECT NOT pg_try_advisory_xact_lock($2, hashtext($1)) AS in_progress";
+
+/// A [`PgStore`] in transactional mode: the claim, the handler's own writes and
+/// the completion commit together, or not at all (CONTRACT §7).
+///
+/// `claim` checks a connection out of the pool, `BEGIN`s, takes a
+/// transaction-scoped advisory lock on the key and writes the in-progress record
+/// inside the transaction. The open transaction is handed to the handler as a
+/// [`PgTransaction`] (through
+/// [`Store::execution_context`] and the adapters' `ExecutionInfo::context`);
+/// `complete` writes the answer on the same connection and `COMMIT`s; `release`
+/// (a released status, a failed or panicking handler, a dropped execution)
+/// `ROLLBACK`s. A crash of the process, or of the connection, rolls everything
+/// back by itself: a retry then finds the key new and runs the handler once.
+///
+/// A commit that fails is [`StoreError::Uncommitted`]: the engine's
+/// [`Execution::settle`](idem_core::Execution::settle) then answers
+/// `503 store-unavailable` instead of the handler's answer, since the answer's
+/// effects were rolled back.
+///
+/// **Concurrent duplicates.** The in-progress record is uncommitted, so other
+/// transactions cannot see it; the advisory lock is what they see. A duplicate
+/// that arrives while the first request's transaction is open finds the lock
+/// taken and is answered [`ClaimOutcome::InProgress`] at once (the route's
+/// `409`, or in wait mode a wait, polling the lock, then the replay of the
+/// committed answer). The uncommitted record's fingerprint is invisible too, so
+/// a *different* request under the running key gets `409` (not `422`) until the
+/// first commits. The lease is not what excludes others here (the lock is), so
+/// `renew` only checks that the transaction is open.
+///
+/// **Lock waits.** Every lock wait in the transaction, the claim's and the
+/// handler's own (an `UPDATE` behind another transaction's row lock), is bounded
+/// by [`lock_timeout`](Self::lock_timeout) (default 5 s): past it the statement
+/// fails, and the execution is released rather than held open.
+///
+/// **Connections.** Each running execution holds one pooled connection until it
+/// settles: size the pool for the concurrent transactional requests.
+///
+/// ```no_run
+/// use idem_core::{Engine, Policy};
+/// use idem_diesel::PgStore;
+/// use std::time::Duration;
+///
+/// # async fn run() -> Result<(), idem_diesel::SetupError> {
+/// let store = PgStore::connect("postgres://app@db.internal/app").await?;
+/// store.migrate().await?;
+/// let transactional = store.transactional().lock_timeout(Duration::from_secs(2));
+/// let engine = Engine::new(transactional, Policy::required());
+/// # let _ = engine;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct TransactionalPgStore {
+    store: PgStore,
+    open: Arc<Mutex<HashMap<OwnerToken, PgTransaction>>>,
+    lock_timeout: Duration,
+}
+
+/// The open transaction of one transactional execution, as its handler gets it.
+///
+/// A cheap clone. [`connection`](Self::connection) lends the transaction's
+/// connection, for diesel-async queries that commit with the request's
+/// completion, or roll back with its release:
+///
+/// ```no_run
+/// use diesel::sql_types::{BigInt, Text};
+/// use diesel_async::RunQueryDsl;
+/// use idem_diesel::PgTransaction;
+///
+/// async fn charge(transaction: &PgTransaction, account: &str, amount: i64) -> Result<(), Box<dyn std::error::Error>> {
+///     let mut connection = transaction.connection().await?;
+///     diesel::sql_query("INSERT INTO ledger (account, amount) VALUES ($1, $2)")
+///         .bind::<Text, _>(account)
+///         .bind::<BigInt, _>(amount)
+///         .execute(&mut *connection)
+///         .await?;
+///     Ok(())
+/// }
+/// ```
+///
+/// Do not `COMMIT` or `ROLLBACK` it yourself: the engine does, when the request
+/// settles. Nested `conn.transaction(…)` calls work as savepoints.
+#[derive(Clone)]
+pub struct PgTransaction {
+    connection: Arc<tokio::sync::Mutex<Option<OwnedConnection>>>,
+}
+
+/// The connection of a [`PgTransaction`], lent until dropped. Dereferences to
+/// [`AsyncPgConnection`].
+pub struct PgTransactionConnection<'a> {
+    guard: MappedMutexGuard<'a, AsyncPgConnection>,
+}
+
+/// The transaction has ended (the request settled): its connection is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the execution's transaction has already been committed or rolled back")]
+pub struct TransactionEnded;
+
+/// A pooled connection held across store steps.
+type OwnedConnection =
+    bb8::PooledConnection<'static, AsyncDieselConnectionManager<AsyncPgConnection>>;
+
+/// The execution's transaction could not be committed as it stood.
+#[derive(Debug, thiserror::Error)]
+enum CommitRefused {
+    #[error("the handler left {0} nested transaction(s) open inside the execution's transaction")]
+    NestedOpen(u32),
+    #[error("the in-progress record was not found in the execution's own transaction")]
+    RecordMissing,
+}
+
+#[derive(QueryableByName)]
+struct OpenRow {
+    #[diesel(sql_type = Bool)]
+    free: bool,
+}
+
+#[derive(QueryableByName)]
+struct RunningRow {
+    #[diesel(sql_type = Bool)]
+    in_progress: bool,
+}
+
+impl PgStore {
+    /// This store in transactional mode, over the same pool and table (see
+    /// [`TransactionalPgStore`]). Routes whose handlers write to the same
+    /// database use it; the others keep the plain store.
+    pub fn transactional(&self) -> TransactionalPgStore {
+        TransactionalPgStore {
+            store: self.clone(),
+            open: Arc::default(),
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+}
+
+impl TransactionalPgStore {
+    /// Bounds every lock wait inside an execution's transaction (default 5 s;
+    /// at least 1 ms): the claim's, and the handler's own statements'. Past it
+    /// the waiting statement fails.
+    #[must_use]
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The plain store over the same table (for `migrate`, the pool, or routes
+    /// whose effects are outside the database).
+    pub fn plain(&self) -> &PgStore {
+        &self.store
+    }
+
+    /// The cleanup job of the table (the same as the plain store's).
+    pub fn cleanup(&self) -> Cleanup<PgStore> {
+        self.store.cleanup()
+    }
+
+    /// How many executions hold an open transaction right now.
+    pub fn open_transactions(&self) -> usize {
+        self.transactions().len()
+    }
+
+    fn transactions(&self) -> std::sync::MutexGuard<'_, HashMap<OwnerToken, PgTransaction>> {
+        // The map is consistent between statements: a panic elsewhere leaves it usable.
+        self.open.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The text whose hash is the key's advisory lock: the table, the scope and
+    /// the key, newline-separated (a key has no newline, nor a table name, so
+    /// the text names one record).
+    fn lock_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
+        format!(
+            "{}\n{}\n{}",
+            self.store.inner.table.display(),
+            scope.as_str(),
+            key.as_str()
+        )
+    }
+
+    /// The transaction of `owner`, taken out of the open ones.
+    fn take(&self, owner: OwnerToken) -> Option<PgTransaction> {
+        self.transactions().remove(&owner)
+    }
+
+    /// Claims inside a fresh transaction; keeps it open when the claim is
+    /// granted, ends it otherwise.
+    async fn claim_in_transaction(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let inner = &self.store.inner;
+        let mut connection = pool::checkout_owned(&inner.pool, inner.failures.as_ref()).await?;
+        AnsiTransactionManager::begin_transaction(&mut *connection)
+            .await
+            .map_err(StoreError::unavailable)?;
+        match self.claim_on(&mut connection, request).await {
+            Ok(ClaimOutcome::Claimed(claim)) => {
+                let transaction = PgTransaction::new(connection);
+                self.transactions().insert(claim.owner, transaction);
+                Ok(ClaimOutcome::Claimed(claim))
+            }
+            outcome => {
+                // Nothing was written: end the transaction, give the connection back.
+                if let Err(error) =
+                    AnsiTransactionManager::rollback_transaction(&mut *connection).await
+                {
+                    tracing::debug!(%error, "rollback after a claim that was not granted failed; the connection is dropped");
+                }
+                outcome
+            }
+        }
+    }
+
+    /// The claim's statements on the open transaction.
+    async fn claim_on(
+        &self,
+        connection: &mut AsyncPgConnection,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let timeout = format!("{}ms", self.lock_timeout.as_millis());
+        let open = diesel::sql_query(OPEN_EXECUTION)
+            .bind::<Text, _>(timeout)
+            .bind::<Text, _>(self.lock_key(&request.scope, &request.key))
+            .bind::<Integer, _>(EXECUTION_LOCK_CLASS)
+            .prepared()
+            .get_result::<OpenRow>(connection)
+            .await
+            .map_err(StoreError::unavailable)?;
+        if !open.free {
+            // Another execution's transaction holds the key. Its record is
+            // uncommitted, so neither its fingerprint nor its lease is visible:
+            // the request's own fingerprint stands in (a duplicate, so 409), and
+            // the lease is the one this claim would have had.
+            return Ok(ClaimOutcome::InProgress {
+                fingerprint: request.fingerprint,
+                lease_until: SystemTime::now() + request.lease,
+            });
+        }
+        self.store.claim_on(connection, request).await
+    }
+
+    /// Writes the completion on the execution's transaction and commits.
+    async fn commit(
+        &self,
+        transaction: PgTransaction,
+        claim: &Claim,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let Some(mut connection) = transaction.end().await else {
+            return Err(StoreError::StaleOwner);
+        };
+        let depth = transaction_depth(&mut connection);
+        let written = if depth != 1 {
+            Err(StoreError::uncommitted(CommitRefused::NestedOpen(
+                depth.saturating_sub(1),
+            )))
+        } else {
+            match self
+                .store
+                .complete_on(&mut connection, claim, response, retention)
+                .await
+            {
+                Ok(()) => Ok(()),
+                Err(StoreError::StaleOwner) => {
+                    Err(StoreError::uncommitted(CommitRefused::RecordMissing))
+                }
+                Err(StoreError::Unavailable(error)) => Err(StoreError::Uncommitted(error)),
+                Err(error) => Err(StoreError::uncommitted(error)),
+            }
+        };
+        match written {
+            Ok(()) => AnsiTransactionManager::commit_transaction(&mut *connection)
+                .await
+                .map_err(StoreError::uncommitted),
+            Err(error) => {
+                roll_back(&mut connection).await;
+                Err(error)
+            }
+        }
+    }
+}
+
+impl Store for TransactionalPgStore {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        Box::pin(self.claim_in_transaction(request))
+    }
+
+    /// The row lock of the uncommitted record, not the lease, keeps others out:
+    /// renewal only checks that the transaction is still open.
+    fn renew<'a>(&'a self, claim: &'a Claim, _lease: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            if self.transactions().contains_key(&claim.owner) {
+                Ok(())
+            } else {
+                Err(StoreError::StaleOwner)
+            }
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(transaction) = self.take(claim.owner) else {
+                return Err(StoreError::StaleOwner);
+            };
+            self.commit(transaction, claim, response, retention).await
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(transaction) = self.take(claim.owner) else {
+                return Err(StoreError::StaleOwner);
+            };
+            if let Some(mut connection) = transaction.end().await {
+                roll_back(&mut connection).await;
+            }
+            Ok(())
+        })
+    }
+
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>> {
+        Store::load(&self.store, scope, key)
+    }
+
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        self.store.delete_expired(batch)
+    }
+
+    /// Polls the key's advisory lock, which the running execution holds until
+    /// its transaction ends.
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        let lock_key = self.lock_key(scope, key);
+        Box::pin(wait::until_settled(poll, move || {
+            let lock_key = lock_key.clone();
+            async move {
+                let mut connection = self.store.connection().await?;
+                diesel::sql_query(EXECUTION_RUNNING)
+                    .bind::<Text, _>(lock_key)
+                    .bind::<Integer, _>(EXECUTION_LOCK_CLASS)
+                    .prepared()
+                    .get_result::<RunningRow>(&mut *connection)
+                    .await
+                    .map(|row| row.in_progress)
+                    .map_err(StoreError::unavailable)
+            }
+        }))
+    }
+
+    fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
+        let transaction = self.transactions().get(&claim.owner).cloned()?;
+        Some(Arc::new(transaction))
+    }
+}
+
+impl fmt::Debug for TransactionalPgStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransactionalPgStore")
+            .field("store", &self.store)
+            .field("open_transactions", &self.open_transactions())
+            .field("lock_timeout", &self.lock_timeout)
+            .finish()
+    }
+}
+
+impl PgTransaction {
+    fn new(connection: OwnedConnection) -> Self {
+        Self {
+            connection: Arc::new(tokio::sync::Mutex::new(Some(connection))),
+        }
+    }
+
+    /// The transaction's connection, lent until the returned guard drops; waits
+    /// while another holder has it. Fails once the request has settled.
+    pub async fn connection(&self) -> Result<PgTransactionConnection<'_>, TransactionEnded> {
+        let guard = self.connection.lock().await;
+        MutexGuard::try_map(guard, |connection| connection.as_deref_mut())
+            .map(|guard| PgTransactionConnection { guard })
+            .map_err(|_| TransactionEnded)
+    }
+
+    /// Takes the connection away from every holder, once they let go of it.
+    async fn end(&self) -> Option<OwnedConnection> {
+        self.connection.lock().await.take()
+    }
+}
+
+impl fmt::Debug for PgTransaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTransaction").finish_non_exhaustive()
+    }
+}
+
+impl Deref for PgTransactionConnection<'_> {
+    type Target = AsyncPgConnection;
+
+    fn deref(&self) -> &AsyncPgConnection {
+        &self.guard
+    }
+}
+
+impl DerefMut for PgTransactionConnection<'_> {
+    fn deref_mut(&mut self) -> &mut AsyncPgConnection {
+        &mut self.guard
+    }
+}
+
+impl fmt::Debug for PgTransactionConnection<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTransactionConnection")
+            .finish_non_exhaustive()
+    }
+}
+
+/// How deep the connection's transactions are nested (1: the execution's own).
+fn transaction_depth(connection: &mut AsyncPgConnection) -> u32 {
+    match AnsiTransactionManager::transaction_manager_status_mut(connection).transaction_depth() {
+        Ok(Some(depth)) => depth.get(),
+        Ok(None) | Err(_) => 0,
+    }
+}
+
+/// Rolls the execution's transaction back. A failure leaves the connection
+/// marked broken, so the pool closes it instead of reusing it, and closing the
+/// connection rolls the transaction back on the server.
+async fn roll_back(connection: &mut AsyncPgConnection) {
+    while transaction_depth(connection) > 0 {
+        if let Err(error) = AnsiTransactionManager::rollback_transaction(connection).await {
+            tracing::debug!(%error, "rollback failed; the connection will be closed instead");
+            return;
+        }
+    }
+}

@@ -1,0 +1,543 @@
+//! Transactional mode on PostgreSQL (CONTRACT §7): the engine drives a
+//! `TransactionalPgStore`, and the handler writes to a `ledger` table through
+//! the execution's transaction. Every test checks the outcome from another
+//! connection: the record and the ledger rows together, or neither.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use idem_core::{
+    Begin, Engine, Execution, Fingerprint, InProgress, Policy, ProblemKind, RecordState, Scope,
+    Settlement, Store, StoredResponse,
+};
+use idem_diesel::{PgStore, PgTransaction, TransactionEnded, TransactionalPgStore};
+
+use crate::postgres::{Count, count, execute, fresh_store, key};
+use crate::{Databases, TestFn};
+
+pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    (
+        "transactional::a_stored_status_commits_the_record_and_the_writes_together",
+        |d| {
+            Box::pin(a_stored_status_commits_the_record_and_the_writes_together(
+                d,
+            ))
+        },
+    ),
+    (
+        "transactional::released_failed_and_dropped_executions_roll_everything_back",
+        |d| {
+            Box::pin(released_failed_and_dropped_executions_roll_everything_back(
+                d,
+            ))
+        },
+    ),
+    (
+        "transactional::a_duplicate_waits_for_the_commit_and_replays",
+        |d| Box::pin(a_duplicate_waits_for_the_commit_and_replays(d)),
+    ),
+    (
+        "transactional::a_duplicate_during_the_transaction_gets_409",
+        |d| Box::pin(a_duplicate_during_the_transaction_gets_409(d)),
+    ),
+    (
+        "transactional::a_lock_wait_past_lock_timeout_fails_and_rolls_back",
+        |d| Box::pin(a_lock_wait_past_lock_timeout_fails_and_rolls_back(d)),
+    ),
+    (
+        "transactional::a_killed_connection_leaves_nothing_and_the_retry_runs_once",
+        |d| {
+            Box::pin(a_killed_connection_leaves_nothing_and_the_retry_runs_once(
+                d,
+            ))
+        },
+    ),
+    ("transactional::nested_transactions_are_savepoints", |d| {
+        Box::pin(nested_transactions_are_savepoints(d))
+    }),
+];
+
+/// The conformance cases that hold in transactional mode. The others observe
+/// an in-progress record from outside its transaction (its fingerprint, its
+/// lease lapsing, `load` seeing it), which transactional mode hides by design.
+pub(crate) const CONFORMANCE: &[&str] = &[
+    "claim_of_completed_returns_response",
+    "release_makes_record_new",
+    "completion_resets_retention",
+    "replay_is_byte_exact",
+    "non_replayable_response_round_trips",
+    "scopes_are_isolated",
+];
+
+/// A fresh transactional store over a migrated table, and a `ledger` table for
+/// the handlers' writes.
+pub(crate) async fn fresh_transactional(databases: &Arc<Databases>) -> TransactionalPgStore {
+    let store = fresh_store(databases).await;
+    execute(
+        &store,
+        "CREATE TABLE ledger (key text NOT NULL, amount bigint NOT NULL)",
+    )
+    .await;
+    store.transactional()
+}
+
+fn engine(store: &TransactionalPgStore, policy: Policy) -> Engine {
+    Engine::new(store.clone(), policy)
+}
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint::from_bytes([1; 32])
+}
+
+fn created(body: &'static str) -> StoredResponse {
+    StoredResponse::new(201, vec![], body)
+}
+
+async fn execute_new(engine: &Engine, key_name: &str) -> Execution {
+    match engine
+        .begin(Scope::new("alice"), key(key_name), fingerprint())
+        .await
+    {
+        Begin::Execute(execution) => execution,
+        other => panic!("a new key answered {other:?}"),
+    }
+}
+
+/// The execution's transaction, as a handler gets it.
+fn transaction_of(execution: &Execution) -> PgTransaction {
+    let context = execution
+        .context()
+        .expect("a transactional execution has a context");
+    PgTransaction::clone(
+        &Arc::clone(context)
+            .downcast::<PgTransaction>()
+            .expect("the context is the transaction"),
+    )
+}
+
+/// The handler's effect: one ledger row, written in the execution's transaction.
+async fn write_ledger(
+    transaction: &PgTransaction,
+    key: &str,
+    amount: i64,
+) -> diesel::QueryResult<()> {
+    let mut connection = transaction
+        .connection()
+        .await
+        .expect("the transaction is open");
+    diesel::sql_query("INSERT INTO ledger (key, amount) VALUES ($1, $2)")
+        .bind::<Text, _>(key)
+        .bind::<BigInt, _>(amount)
+        .execute(&mut *connection)
+        .await
+        .map(drop)
+}
+
+async fn ledger_rows(store: &PgStore, key: &str) -> i64 {
+    count(
+        store,
+        &format!("SELECT count(*) AS n FROM ledger WHERE key = '{key}'"),
+    )
+    .await
+}
+
+async fn record_state(store: &PgStore, key_name: &str) -> Option<RecordState> {
+    Store::load(store, &Scope::new("alice"), &key(key_name))
+        .await
+        .expect("load")
+        .map(|record| record.state)
+}
+
+/// Waits until `condition` holds, checking every few milliseconds. The trial's
+/// own bound ends a wait that never succeeds.
+async fn until<F, Fut>(mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    while !condition().await {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn a_stored_status_commits_the_record_and_the_writes_together(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let engine = engine(&store, Policy::required());
+    let execution = execute_new(&engine, "charge-1").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(write_ledger(&transaction, "charge-1", 42))
+        .await
+        .expect("the handler's write");
+
+    // Until it commits, nothing of it is visible from outside.
+    assert_eq!(ledger_rows(&plain, "charge-1").await, 0);
+    assert_eq!(record_state(&plain, "charge-1").await, None);
+    assert_eq!(store.open_transactions(), 1);
+
+    let settlement = execution.settle(&created("charged")).await;
+    assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
+    assert_eq!(ledger_rows(&plain, "charge-1").await, 1);
+    assert!(matches!(
+        record_state(&plain, "charge-1").await,
+        Some(RecordState::Completed { response }) if response == created("charged")
+    ));
+    assert_eq!(store.open_transactions(), 0);
+    assert!(
+        matches!(transaction.connection().await, Err(TransactionEnded)),
+        "the handler's handle is spent once the request settled"
+    );
+
+    match engine
+        .begin(Scope::new("alice"), key("charge-1"), fingerprint())
+        .await
+    {
+        Begin::Replay(replay) => assert_eq!(replay.body, created("charged").body),
+        other => panic!("the retry answered {other:?}"),
+    }
+    assert_eq!(ledger_rows(&plain, "charge-1").await, 1, "one effect");
+}
+
+async fn released_failed_and_dropped_executions_roll_everything_back(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let engine = engine(&store, Policy::required());
+
+    // A status that is not stored: released, so rolled back.
+    let execution = execute_new(&engine, "released").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(write_ledger(&transaction, "released", 1))
+        .await
+        .unwrap();
+    let settlement = execution
+        .settle(&StoredResponse::new(503, vec![], "provider down"))
+        .await;
+    assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
+
+    // A handler that failed (an error, a panic).
+    let execution = execute_new(&engine, "failed").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(write_ledger(&transaction, "failed", 1))
+        .await
+        .unwrap();
+    let problem = execution.fail().await;
+    assert_eq!(problem.kind, ProblemKind::HandlerFailed);
+
+    // An execution dropped unsettled (its task was cancelled): released in the
+    // background.
+    let execution = execute_new(&engine, "dropped").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(write_ledger(&transaction, "dropped", 1))
+        .await
+        .unwrap();
+    drop(execution);
+    until(|| async { store.open_transactions() == 0 }).await;
+
+    for name in ["released", "failed", "dropped"] {
+        assert_eq!(
+            ledger_rows(&plain, name).await,
+            0,
+            "{name}: the write is rolled back"
+        );
+        assert_eq!(record_state(&plain, name).await, None, "{name}: no record");
+        // The retry runs the handler, and this time it commits.
+        let retry = execute_new(&engine, name).await;
+        let transaction = transaction_of(&retry);
+        retry
+            .run(write_ledger(&transaction, name, 7))
+            .await
+            .unwrap();
+        assert!(matches!(
+            retry.settle(&created("ok")).await,
+            Settlement::Deliver
+        ));
+        assert_eq!(
+            ledger_rows(&plain, name).await,
+            1,
+            "{name}: the retry's one effect"
+        );
+    }
+    assert_eq!(
+        count(&plain, "SELECT count(*) AS n FROM pg_stat_activity WHERE state = 'idle in transaction' AND datname = current_database()").await,
+        0,
+        "no transaction is left open"
+    );
+}
+
+async fn a_duplicate_waits_for_the_commit_and_replays(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let policy = Policy::required().in_progress(InProgress::Wait {
+        up_to: Duration::from_secs(60),
+    });
+    let engine = engine(&store, policy);
+    let execution = execute_new(&engine, "slow").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(write_ledger(&transaction, "slow", 5))
+        .await
+        .unwrap();
+
+    let duplicate = tokio::spawn({
+        let engine = engine.clone();
+        async move {
+            engine
+                .begin(Scope::new("alice"), key("slow"), fingerprint())
+                .await
+        }
+    });
+    // The duplicate is waiting once it has polled the key's lock.
+    until(|| async {
+        count(
+            &plain,
+            "SELECT count(*) AS n FROM pg_stat_activity
+             WHERE datname = current_database()
+               AND query LIKE '%NOT pg_try_advisory_xact_lock%'
+               AND query NOT LIKE '%pg_stat_activity%'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    assert!(
+        !duplicate.is_finished(),
+        "the duplicate waits while the transaction is open"
+    );
+
+    assert!(matches!(
+        execution.settle(&created("slow and steady")).await,
+        Settlement::Deliver
+    ));
+    match duplicate.await.unwrap() {
+        Begin::Replay(replay) => {
+            assert_eq!(replay.status, 201);
+            assert_eq!(replay.body, created("slow and steady").body);
+            assert_eq!(
+                replay.header_values("idempotent-replayed").next(),
+                Some(&b"true"[..])
+            );
+        }
+        other => panic!("the waiting duplicate answered {other:?}"),
+    }
+    assert_eq!(ledger_rows(&plain, "slow").await, 1);
+}
+
+async fn a_duplicate_during_the_transaction_gets_409(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let execution = execute_new(&engine(&store, Policy::required()), "busy").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(write_ledger(&transaction, "busy", 5))
+        .await
+        .unwrap();
+
+    // Reject mode: 409 at once, with Retry-After.
+    let rejecting = engine(&store, Policy::required());
+    match rejecting
+        .begin(Scope::new("alice"), key("busy"), fingerprint())
+        .await
+    {
+        Begin::Reject(problem) => {
+            assert_eq!(
+                (problem.kind, problem.status, problem.retry_after),
+                (
+                    ProblemKind::RequestInProgress,
+                    409,
+                    Some(Duration::from_secs(1))
+                )
+            );
+        }
+        other => panic!("a duplicate during the transaction answered {other:?}"),
+    }
+    // Wait mode: 409 once the wait's bound has passed.
+    let waiting = engine(
+        &store,
+        Policy::required().in_progress(InProgress::Wait {
+            up_to: Duration::from_millis(300),
+        }),
+    );
+    match waiting
+        .begin(Scope::new("alice"), key("busy"), fingerprint())
+        .await
+    {
+        Begin::Reject(problem) => assert_eq!(problem.status, 409),
+        other => panic!("a duplicate past its wait answered {other:?}"),
+    }
+    // A different request under the running key: its fingerprint is hidden
+    // in the uncommitted record, so 409 too (422 once it commits).
+    match rejecting
+        .begin(
+            Scope::new("alice"),
+            key("busy"),
+            Fingerprint::from_bytes([2; 32]),
+        )
+        .await
+    {
+        Begin::Reject(problem) => assert_eq!(problem.status, 409),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        execution.settle(&created("done")).await,
+        Settlement::Deliver
+    ));
+    match rejecting
+        .begin(
+            Scope::new("alice"),
+            key("busy"),
+            Fingerprint::from_bytes([2; 32]),
+        )
+        .await
+    {
+        Begin::Reject(problem) => assert_eq!(problem.kind, ProblemKind::KeyReused),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ledger_rows(&plain, "busy").await, 1);
+}
+
+async fn a_lock_wait_past_lock_timeout_fails_and_rolls_back(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases)
+        .await
+        .lock_timeout(Duration::from_millis(200));
+    let plain = store.plain().clone();
+    let engine = engine(&store, Policy::required());
+
+    // Another transaction of the application holds the ledger.
+    let mut blocker = plain
+        .pool()
+        .dedicated_connection()
+        .await
+        .expect("a connection");
+    blocker
+        .batch_execute("BEGIN; LOCK TABLE ledger IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let execution = execute_new(&engine, "blocked").await;
+    let transaction = transaction_of(&execution);
+    let written = execution
+        .run(write_ledger(&transaction, "blocked", 9))
+        .await;
+    let error = written.expect_err("the write waits past lock_timeout");
+    assert!(error.to_string().contains("lock timeout"), "{error}");
+    assert_eq!(execution.fail().await.kind, ProblemKind::HandlerFailed);
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+
+    assert_eq!(record_state(&plain, "blocked").await, None);
+    assert_eq!(ledger_rows(&plain, "blocked").await, 0);
+    let retry = execute_new(&engine, "blocked").await;
+    let transaction = transaction_of(&retry);
+    retry
+        .run(write_ledger(&transaction, "blocked", 9))
+        .await
+        .unwrap();
+    assert!(matches!(
+        retry.settle(&created("ok")).await,
+        Settlement::Deliver
+    ));
+    assert_eq!(ledger_rows(&plain, "blocked").await, 1);
+}
+
+async fn a_killed_connection_leaves_nothing_and_the_retry_runs_once(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    // The retry waits, in case the killed backend still holds the key's lock
+    // for a moment while it exits.
+    let engine = engine(
+        &store,
+        Policy::required().in_progress(InProgress::Wait {
+            up_to: Duration::from_secs(60),
+        }),
+    );
+    let execution = execute_new(&engine, "doomed").await;
+    let transaction = transaction_of(&execution);
+    let pid = execution
+        .run(async {
+            write_ledger(&transaction, "doomed", 100).await.unwrap();
+            let mut connection = transaction.connection().await.unwrap();
+            diesel::sql_query("SELECT pg_backend_pid()::bigint AS n")
+                .get_result::<Count>(&mut *connection)
+                .await
+                .unwrap()
+                .n
+        })
+        .await;
+    assert_eq!(
+        count(
+            &plain,
+            &format!("SELECT pg_terminate_backend({pid})::int::bigint AS n")
+        )
+        .await,
+        1
+    );
+
+    let Settlement::Retract(problem) = execution.settle(&created("charged")).await else {
+        panic!("a completion on a killed connection must not deliver the handler's answer")
+    };
+    assert_eq!(
+        (problem.kind, problem.status),
+        (ProblemKind::StoreUnavailable, 503)
+    );
+    assert!(problem.retry_after.is_some());
+    assert_eq!(record_state(&plain, "doomed").await, None, "no record");
+    assert_eq!(ledger_rows(&plain, "doomed").await, 0, "no write");
+
+    let retry = execute_new(&engine, "doomed").await;
+    let transaction = transaction_of(&retry);
+    retry
+        .run(write_ledger(&transaction, "doomed", 100))
+        .await
+        .unwrap();
+    assert!(matches!(
+        retry.settle(&created("charged")).await,
+        Settlement::Deliver
+    ));
+    assert!(matches!(
+        engine
+            .begin(Scope::new("alice"), key("doomed"), fingerprint())
+            .await,
+        Begin::Replay(_)
+    ));
+    assert_eq!(ledger_rows(&plain, "doomed").await, 1, "exactly one effect");
+}
+
+async fn nested_transactions_are_savepoints(databases: Arc<Databases>) {
+    use diesel_async::AsyncConnection;
+
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let engine = engine(&store, Policy::required());
+    let execution = execute_new(&engine, "nested").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(async {
+            write_ledger(&transaction, "nested", 1).await.unwrap();
+            let mut connection = transaction.connection().await.unwrap();
+            // A nested transaction that fails rolls back to its savepoint only.
+            let nested: Result<(), diesel::result::Error> = connection
+                .transaction(async |connection| {
+                    diesel::sql_query("INSERT INTO ledger (key, amount) VALUES ('nested', 2)")
+                        .execute(connection)
+                        .await?;
+                    Err(diesel::result::Error::RollbackTransaction)
+                })
+                .await;
+            assert!(nested.is_err());
+        })
+        .await;
+    assert!(matches!(
+        execution.settle(&created("ok")).await,
+        Settlement::Deliver
+    ));
+    assert_eq!(ledger_rows(&plain, "nested").await, 1);
+    assert_eq!(
+        count(&plain, "SELECT sum(amount)::bigint AS n FROM ledger").await,
+        1,
+        "the savepoint's write is gone, the execution's stays"
+    );
+}
