@@ -4,6 +4,7 @@
 
 use std::process::ExitCode;
 
+mod bench;
 mod ci;
 mod demo;
 mod e2e;
@@ -14,6 +15,7 @@ const USAGE: &str = "\
 usage: cargo xtask <task>
 
 tasks:
+  bench   what idem costs per request, against the bare handler and pgbench (--quick: seconds)
   ci      formatting, clippy (warnings denied), docs (warnings denied) and every test
   demo    the experiment that motivates idem, against payments-axum
   e2e     both examples on every store as real processes, every scenario; a table
@@ -22,6 +24,7 @@ tasks:
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
+        Some("bench") => bench::run(&args[1..]),
         Some("ci") => ci::run(&args[1..]),
         Some("demo") => demo::run(&args[1..]),
         Some("e2e") => e2e::run(&args[1..]),

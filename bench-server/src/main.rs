@@ -1,0 +1,87 @@
+//! The processes `cargo xtask bench` measures and the helpers it drives.
+//!
+//! - `serve`: one HTTP server (axum or actix-web) with the same trivial POST
+//!   handler on two routes, `/bare` and `/layered` (behind idem's middleware over
+//!   the in-memory store or `PgStore`), so that both are measured against the same
+//!   process. The first line on stdout is `listening on http://HOST:PORT`.
+//! - `load`: the load generator, closed-loop HTTP/1.1 clients (see `load`).
+//! - `memory`: bytes per record of the in-memory store, from the growth of this
+//!   process's resident set.
+//! - `cluster`: a throwaway PostgreSQL cluster (`idem-diesel`'s `TestCluster`)
+//!   that lives until stdin closes or a signal arrives.
+//! - `pg-fill`, `pg-statements`, `cleanup`: PostgreSQL set-up, the store's own
+//!   SQL as the server prepared it (for pgbench), and one timed cleanup sweep.
+//!
+//! Helpers that answer print one JSON object on stdout.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod handler;
+mod load;
+mod memory;
+mod postgres;
+mod serve;
+
+/// A failure, told on stderr.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, Parser)]
+#[command(about = "Servers and helpers for `cargo xtask bench`")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serves `/bare` and `/layered` until killed.
+    Serve(serve::Options),
+    /// Loads a server with closed-loop HTTP/1.1 clients and prints what it measured.
+    Load(load::Plan),
+    /// Measures the in-memory store's bytes per record.
+    Memory(memory::Options),
+    /// Runs a throwaway PostgreSQL cluster until stdin closes.
+    Cluster(postgres::ClusterOptions),
+    /// Inserts live and expired completed records.
+    PgFill(postgres::FillOptions),
+    /// Prints the store's claim and complete statements as the server prepared them.
+    PgStatements(postgres::UrlOptions),
+    /// Runs one cleanup sweep and prints what it deleted and how long it took.
+    Cleanup(postgres::CleanupOptions),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(options) => serve::run(options),
+        Command::Load(plan) => load::run(plan),
+        Command::Memory(options) => memory::run(&options),
+        Command::Cluster(options) => postgres::cluster(&options),
+        Command::PgFill(options) => block_on(postgres::fill(options)),
+        Command::PgStatements(options) => block_on(postgres::statements(options)),
+        Command::Cleanup(options) => block_on(postgres::cleanup(options)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let mut message = format!("bench-server: {error}");
+            let mut source = error.source();
+            while let Some(cause) = source {
+                message.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            eprintln!("{message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs a helper on a current-thread runtime.
+fn block_on(future: impl Future<Output = Result<(), BoxError>>) -> Result<(), BoxError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(future)
+}

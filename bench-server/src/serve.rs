@@ -1,0 +1,167 @@
+//! `serve`: the same trivial handler, bare and behind idem's middleware.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, Scope, Store,
+};
+use idem_diesel::PgStore;
+
+use crate::BoxError;
+use crate::handler::{self, CONTENT_TYPE};
+
+/// What `serve` serves.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Options {
+    /// `axum` or `actix`.
+    #[arg(long)]
+    framework: Framework,
+    /// `memory`, or a `postgres://` URL.
+    #[arg(long, default_value = "memory")]
+    store: String,
+    /// Worker threads (tokio workers for axum, actix workers).
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// The largest pool of database connections.
+    #[arg(long, default_value_t = 10)]
+    pool: u32,
+    /// Completed records put in the in-memory store before serving.
+    #[arg(long, default_value_t = 0)]
+    prefill: usize,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Framework {
+    Axum,
+    Actix,
+}
+
+/// The body size of prefilled records.
+const PREFILL_BODY: usize = 200;
+
+pub(crate) fn run(options: Options) -> Result<(), BoxError> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    match options.framework {
+        Framework::Axum => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(options.workers.max(1))
+            .enable_all()
+            .build()?
+            .block_on(async {
+                let store = open(&options).await?;
+                axum_server(listener, store).await
+            }),
+        Framework::Actix => actix_web::rt::System::new().block_on(async {
+            let store = open(&options).await?;
+            actix_server(listener, store, options.workers).await
+        }),
+    }
+}
+
+/// The store the options name, migrated or prefilled.
+async fn open(options: &Options) -> Result<Arc<dyn Store>, BoxError> {
+    if options.store == "memory" {
+        // Room for the prefill on top of the defaults, so that the measured
+        // requests never evict.
+        let store = MemoryStore::builder()
+            .max_records(1_000_000 + options.prefill)
+            .max_bytes((512 << 20) + options.prefill * 1024)
+            .build();
+        prefill(&store, options.prefill).await?;
+        return Ok(Arc::new(store));
+    }
+    let store = PgStore::builder()
+        .max_connections(options.pool)
+        .connect(&options.store)
+        .await?;
+    store.migrate().await?;
+    Ok(Arc::new(store))
+}
+
+/// Completes `records` records with 200-byte bodies.
+pub(crate) async fn prefill(store: &MemoryStore, records: usize) -> Result<(), BoxError> {
+    let body = "x".repeat(PREFILL_BODY);
+    let response = idem_core::StoredResponse::new(
+        handler::STATUS,
+        vec![idem_core::Header::new("content-type", CONTENT_TYPE)],
+        body,
+    );
+    for i in 0..records {
+        let request = ClaimRequest {
+            scope: Scope::new(format!("tenant-{}", i % 100)),
+            key: IdempotencyKey::new(&uuid::Uuid::new_v4().to_string())?,
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            owner: OwnerToken::random(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3600),
+        };
+        let ClaimOutcome::Claimed(claim) = store.claim(&request).await? else {
+            return Err("a fresh key was not claimed".into());
+        };
+        store.complete(&claim, &response, request.retention).await?;
+    }
+    Ok(())
+}
+
+fn announce(listener: &TcpListener) -> Result<(), BoxError> {
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "listening on http://{}", listener.local_addr()?)?;
+    stdout.flush()?;
+    Ok(())
+}
+
+async fn axum_server(listener: TcpListener, store: Arc<dyn Store>) -> Result<(), BoxError> {
+    use axum::Router;
+    use axum::http::{StatusCode, header};
+    use axum::routing::post;
+    use idem_axum::IdempotencyLayer;
+
+    async fn charge(body: bytes::Bytes) -> impl axum::response::IntoResponse {
+        (
+            StatusCode::CREATED,
+            [(header::CONTENT_TYPE, CONTENT_TYPE)],
+            handler::answer(body.len()),
+        )
+    }
+
+    let app = Router::new().route("/bare", post(charge)).route(
+        "/layered",
+        post(charge).route_layer(IdempotencyLayer::from_shared(store)),
+    );
+    announce(&listener)?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+async fn actix_server(
+    listener: TcpListener,
+    store: Arc<dyn Store>,
+    workers: usize,
+) -> Result<(), BoxError> {
+    use actix_web::{App, HttpResponse, HttpServer, web};
+    use idem_actix::Idempotency;
+
+    async fn charge(body: web::Bytes) -> HttpResponse {
+        HttpResponse::Created()
+            .content_type(CONTENT_TYPE)
+            .body(handler::answer(body.len()))
+    }
+
+    announce(&listener)?;
+    HttpServer::new(move || {
+        App::new().route("/bare", web::post().to(charge)).service(
+            web::resource("/layered")
+                .wrap(Idempotency::from_shared(Arc::clone(&store)))
+                .route(web::post().to(charge)),
+        )
+    })
+    .workers(workers.max(1))
+    .listen(listener)?
+    .run()
+    .await?;
+    Ok(())
+}
