@@ -207,7 +207,25 @@ impl SqliteStore {
     }
 
     /// Runs `task` on a pooled connection, on a blocking thread.
+    ///
+    /// As a task of its own: when the future of a blocking step is dropped,
+    /// diesel-async waits for the step with `block_in_place`, which panics on a
+    /// current-thread runtime (actix-web runs each worker on one). A caller that
+    /// gives up on a step (the engine between two looks at a record, a client
+    /// that disconnects) detaches from the task instead, and the step finishes
+    /// by itself, as it would on any runtime.
     async fn run<R: Send + 'static>(
+        &self,
+        task: impl FnOnce(&mut SqliteConnection, &Statements) -> QueryResult<R> + Send + 'static,
+    ) -> Result<R, StoreError> {
+        let store = self.clone();
+        tokio::spawn(async move { store.run_here(task).await })
+            .await
+            .map_err(StoreError::unavailable)?
+    }
+
+    /// Runs `task` on a pooled connection, on a blocking thread, in this task.
+    async fn run_here<R: Send + 'static>(
         &self,
         task: impl FnOnce(&mut SqliteConnection, &Statements) -> QueryResult<R> + Send + 'static,
     ) -> Result<R, StoreError> {

@@ -22,6 +22,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         |d| Box::pin(migrate_and_claim_on_a_current_thread_runtime(d)),
     ),
     (
+        "sqlite::a_step_given_up_on_a_current_thread_runtime_finishes_by_itself",
+        |d| Box::pin(a_step_given_up_on_a_current_thread_runtime_finishes_by_itself(d)),
+    ),
+    (
         "sqlite::an_unopenable_file_fails_to_connect_with_its_cause",
         |d| Box::pin(an_unopenable_file_fails_to_connect_with_its_cause(d)),
     ),
@@ -116,6 +120,60 @@ async fn migrate_and_claim_on_a_current_thread_runtime(databases: Arc<Databases>
     })
     .await
     .unwrap();
+}
+
+/// actix-web runs each worker on a current-thread runtime, and drops a store
+/// step's future when it gives up on it (the engine's wait between two looks at
+/// a record, a client that disconnects): the step must let go without blocking
+/// or panicking there, and finish by itself.
+async fn a_step_given_up_on_a_current_thread_runtime_finishes_by_itself(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let store = SqliteStore::connect(&url).await.expect("connect");
+            store.migrate().await.expect("migrate");
+            // Another connection holds the write lock: the claim waits in its step.
+            let mut writer = store.pool().get().await.expect("a connection");
+            writer.batch_execute("BEGIN IMMEDIATE").await.expect("lock");
+            let request = request("s", "given-up", 1, Duration::from_secs(30));
+            let given_up =
+                tokio::time::timeout(Duration::from_millis(100), store.claim(&request)).await;
+            assert!(
+                given_up.is_err(),
+                "the claim waits for the lock: {given_up:?}"
+            );
+            writer.batch_execute("COMMIT").await.expect("unlock");
+            drop(writer);
+
+            // The claim given up on is made anyway, once the lock is free.
+            let patience = Instant::now() + Duration::from_secs(30);
+            while Store::load(&store, &request.scope, &request.key)
+                .await
+                .expect("load")
+                .is_none()
+            {
+                assert!(
+                    Instant::now() < patience,
+                    "the step given up on never finished"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let again = store
+                .claim(&self::request("s", "given-up", 1, Duration::from_secs(30)))
+                .await
+                .expect("claim");
+            assert!(
+                matches!(again, ClaimOutcome::InProgress { .. }),
+                "{again:?}"
+            );
+        });
+    })
+    .await
+    .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
 }
 
 async fn an_unopenable_file_fails_to_connect_with_its_cause(databases: Arc<Databases>) {
