@@ -1,7 +1,11 @@
 //! idem-actix over real HTTP on 127.0.0.1: actix's own server, a real client.
+//! The shared scenario suite over every store (in memory, SQLite, PostgreSQL),
+//! an actix and an axum instance sharing one PostgreSQL database, a PostgreSQL
+//! outage under the app, then what is particular to actix.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -10,7 +14,16 @@ use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
 use idem_actix::{ExecutionInfo, Idempotency, Key};
-use idem_core::{InProgress, MemoryStore, Policy, Scope, Store};
+use idem_core::{
+    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, InProgress, MemoryStore, Policy, Record,
+    Scope, Store, StoreFuture, StoredResponse,
+};
+use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
+use idem_diesel::{PgStore, SqliteStore};
+use idem_scenarios::durable::{
+    ServerFuture, StoreServer, one_key_over_instances_executes_once,
+    store_outage_fails_closed_then_recovers,
+};
 use idem_scenarios::{
     ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, routes, scenario_tests,
 };
@@ -71,6 +84,7 @@ impl Drop for Server {
 /// Starts the actix build of the scenario app over `store`.
 async fn start_scenario_app(store: Arc<dyn Store>) -> Target {
     let app = ScenarioApp::new();
+    let held = Arc::clone(&store);
     let server = Server::start(move |config| {
         config.app_data(web::Data::new(app.clone()));
         config.route("/executions", web::get().to(executions));
@@ -98,10 +112,290 @@ async fn start_scenario_app(store: Arc<dyn Store>) -> Target {
             );
         }
     });
-    Target::new(server.addr, server)
+    Target::new(
+        server.addr,
+        Serving {
+            server: Some(server),
+            store: held,
+        },
+    )
+}
+
+/// The scenario app's server and its store, dropped in that order.
+///
+/// actix drops each worker's app on the worker's thread after the server has
+/// stopped; a store that owns its database (a test cluster, a temporary file)
+/// would go with the last app, on a thread the test process may not wait for.
+/// So the guard stops the server, waits (a few seconds at most) until actix has
+/// dropped every app, and drops the store's last handle itself.
+struct Serving {
+    server: Option<Server>,
+    store: Arc<dyn Store>,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        drop(self.server.take());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while Arc::strong_count(&self.store) > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 scenario_tests!(start_scenario_app);
+
+/// The suite over a fresh SQLite file per case.
+mod sqlite {
+    use super::{sqlite_store, start_scenario_app};
+
+    idem_scenarios::scenario_tests!(start_scenario_app, store = sqlite_store);
+}
+
+/// The suite over a fresh PostgreSQL cluster per case.
+mod postgres {
+    use super::{postgres_store, start_scenario_app};
+
+    idem_scenarios::scenario_tests!(start_scenario_app, store = postgres_store);
+}
+
+/// A store, and what must live exactly as long as it: its temporary directory,
+/// its database server. Dropped with the store's last handle.
+struct Owning<S, G> {
+    store: S,
+    _owned: G,
+}
+
+impl<S: Store, G: Send + Sync + 'static> Store for Owning<S, G> {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        self.store.claim(request)
+    }
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+        self.store.renew(claim, lease)
+    }
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        self.store.complete(claim, response, retention)
+    }
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        self.store.release(claim)
+    }
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>> {
+        self.store.load(scope, key)
+    }
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        self.store.delete_expired(batch)
+    }
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        self.store.changed(scope, key, poll)
+    }
+}
+
+/// A temporary directory, removed when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn sqlite_store() -> Arc<dyn Store> {
+    let dir = TempDir(std::env::temp_dir().join(format!("idem-actix-{}", uuid::Uuid::new_v4())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let path = dir.0.join("idem.db");
+    let store = SqliteStore::connect(path.to_str().unwrap()).await.unwrap();
+    store.migrate().await.unwrap();
+    Arc::new(Owning { store, _owned: dir })
+}
+
+async fn postgres_store() -> Arc<dyn Store> {
+    let cluster = start_cluster().await;
+    let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    Arc::new(Owning {
+        store,
+        _owned: cluster,
+    })
+}
+
+async fn start_cluster() -> TestCluster {
+    tokio::task::spawn_blocking(TestCluster::start)
+        .await
+        .unwrap()
+        .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"))
+}
+
+// ---------------------------------------------------------------------------
+// Durable stores beyond the suite: an actix and an axum instance over one
+// database, and the database going away under a running app. (idem-axum's
+// tests/http.rs runs the same cases with two axum instances.) Each test has a
+// cluster of its own: the outage stops it.
+// ---------------------------------------------------------------------------
+
+/// One instance of each adapter, each with its own `PgStore` (its own pool),
+/// over one database: 200 concurrent requests with one key, spread over both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actix_and_an_axum_instance_share_one_postgres_database() {
+    let cluster = start_cluster().await;
+    let url = cluster.url(DEFAULT_DATABASE);
+    let actix_store = PgStore::connect(&url).await.unwrap();
+    actix_store.migrate().await.unwrap();
+    let axum_store = PgStore::connect(&url).await.unwrap();
+    axum_store.migrate().await.unwrap();
+    let instances = vec![
+        start_scenario_app(Arc::new(actix_store)).await,
+        axum_instance::start(Arc::new(axum_store)).await,
+    ];
+    one_key_over_instances_executes_once(instances).await;
+    stop_cluster(cluster).await;
+}
+
+/// PostgreSQL stops under the running actix app, then starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_outage_fails_closed_then_recovers() {
+    let cluster = Arc::new(start_cluster().await);
+    let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let target = start_scenario_app(Arc::new(store)).await;
+    store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
+    stop_cluster(Arc::into_inner(cluster).unwrap()).await;
+}
+
+/// A test cluster as the outage case stops and resumes it.
+struct Stoppable(Arc<TestCluster>);
+
+impl StoreServer for Stoppable {
+    fn stop(&self) -> ServerFuture<'_> {
+        let cluster = Arc::clone(&self.0);
+        Box::pin(blocking(move || cluster.stop()))
+    }
+
+    fn resume(&self) -> ServerFuture<'_> {
+        let cluster = Arc::clone(&self.0);
+        Box::pin(blocking(move || cluster.resume()))
+    }
+}
+
+/// Runs a step of the cluster on a blocking thread; panics with its error.
+async fn blocking(step: impl FnOnce() -> Result<(), ClusterError> + Send + 'static) {
+    tokio::task::spawn_blocking(step)
+        .await
+        .unwrap()
+        .unwrap_or_else(|error| panic!("the test cluster failed: {error}"));
+}
+
+/// Stops and deletes the cluster here, before the test ends.
+async fn stop_cluster(cluster: TestCluster) {
+    tokio::task::spawn_blocking(move || drop(cluster))
+        .await
+        .unwrap();
+}
+
+/// The axum build of the scenario app, as idem-axum's tests/http.rs has it,
+/// pared down: the instance that shares a database with an actix one.
+mod axum_instance {
+    use std::convert::Infallible;
+    use std::sync::Arc;
+
+    use axum::Router;
+    use axum::body::{Body, Bytes};
+    use axum::extract::{Path, State};
+    use axum::http::header::AUTHORIZATION;
+    use axum::http::{HeaderMap, HeaderValue, Method, Uri};
+    use axum::response::Response;
+    use axum::routing::{any, get, post};
+    use idem_axum::IdempotencyLayer;
+    use idem_core::{Scope, Store};
+    use idem_scenarios::{ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
+
+    /// Starts it over `store` on 127.0.0.1, port 0.
+    pub(super) async fn start(store: Arc<dyn Store>) -> Target {
+        let mut router = Router::new()
+            .route("/executions", get(executions))
+            .route("/gates/{name}", post(open_gate));
+        for route in idem_scenarios::routes() {
+            let idempotency = IdempotencyLayer::from_shared(Arc::clone(&store))
+                .policy(route.policy)
+                .scope_with(|parts| Some(principal(&parts.headers)));
+            router = router.route(route.path, any(guarded).layer(idempotency));
+        }
+        let router = router.with_state(ScenarioApp::new());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            axum::serve(listener, router).await.unwrap();
+        });
+        Target::new(addr, Serving(server))
+    }
+
+    /// Stops the server when the target is dropped.
+    struct Serving(tokio::task::JoinHandle<()>);
+
+    impl Drop for Serving {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+
+    fn principal(headers: &HeaderMap) -> Scope {
+        idem_scenarios::principal(headers.get(AUTHORIZATION).map(HeaderValue::as_bytes))
+    }
+
+    async fn guarded(
+        State(app): State<ScenarioApp>,
+        method: Method,
+        uri: Uri,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        let request = ScenarioRequest {
+            method: method.to_string(),
+            path: uri.path().to_owned(),
+            query: uri.query().unwrap_or("").to_owned(),
+            principal: principal(&headers).to_string(),
+            body,
+        };
+        send(app.handle(request).await)
+    }
+
+    async fn executions(State(app): State<ScenarioApp>) -> Response {
+        send(app.executions())
+    }
+
+    async fn open_gate(State(app): State<ScenarioApp>, Path(name): Path<String>) -> Response {
+        send(app.open_gate(&name))
+    }
+
+    /// The answer with its body streamed chunk by chunk.
+    fn send(answer: ScenarioAnswer) -> Response {
+        let mut response = Response::builder().status(answer.status);
+        for (name, value) in answer.headers {
+            response = response.header(name, value);
+        }
+        let chunks = answer.body.into_iter().map(Ok::<_, Infallible>);
+        response
+            .body(Body::from_stream(futures_util::stream::iter(chunks)))
+            .unwrap()
+    }
+}
 
 /// Every guarded route's handler: [`ScenarioApp::handle`], its answer streamed
 /// chunk by chunk.
