@@ -31,6 +31,10 @@ use idem_actix::Idempotency;
 use idem_core::{Policy, Store};
 use payments::{Answer, Payments, Principal, charge_policy, deposit_policy};
 
+/// The largest body a handler reads without a key (with one, the idempotency
+/// middleware's limit of 1 MiB comes first): axum's default, 2 MB.
+const BODY_LIMIT: usize = 2 * 1024 * 1024;
+
 /// The service's app over `store` (the idempotency records) and `payments`; call
 /// it in `HttpServer::new`'s factory, once per worker.
 pub fn app(
@@ -52,6 +56,8 @@ pub fn app(
     };
     App::new()
         .app_data(web::Data::new(payments))
+        // axum's default body limit, so that both services refuse the same bodies.
+        .app_data(web::PayloadConfig::new(BODY_LIMIT))
         .wrap(from_fn(authenticate))
         .service(
             web::resource("/accounts/{account_id}/charges")
@@ -63,7 +69,12 @@ pub fn app(
                 .wrap(guarded(deposit_policy()))
                 .route(web::post().to(deposit)),
         )
-        .route("/accounts/{account_id}", web::get().to(account))
+        .service(
+            web::resource("/accounts/{account_id}")
+                .route(web::get().to(account))
+                // As axum's `get` does: HEAD is GET without the body.
+                .route(web::head().to(account)),
+        )
 }
 
 /// Every route needs a principal; it is also the idempotency scope, so this runs
