@@ -1,4 +1,5 @@
-//! The cleanup job: deletes expired records in batches, one runner at a time.
+//! The cleanup job: deletes expired records (and the inbox's processed
+//! messages past their retention) in batches, one runner at a time.
 
 use std::fmt;
 use std::future::Future;
@@ -9,7 +10,8 @@ use idem_core::{Store, StoreError, StoreFuture};
 
 /// Deletes expired records, in batches, for as long as the application runs.
 ///
-/// A sweep calls [`Store::delete_expired`] until a batch comes back short,
+/// A sweep calls [`Store::delete_expired`] (for a store; for any other
+/// [`ExpiredRows`], its own `delete_expired`) until a batch comes back short,
 /// pausing between batches so that the deletes leave room for requests. Then the
 /// job sleeps for its interval and sweeps again. When a [`SweepLock`] is set (as
 /// [`PgStore::cleanup`](crate::PgStore::cleanup) does), a sweep runs only in the
@@ -19,6 +21,10 @@ use idem_core::{Store, StoreError, StoreFuture};
 ///
 /// Every sweep is logged (`tracing`, target `idem_diesel::cleanup`) and handed to
 /// the [`on_report`](Self::on_report) callback, if any.
+///
+/// One job may sweep more than one table: [`also`](Self::also) adds the
+/// consumer [`Inbox`](crate::Inbox)'s processed messages to a store's job, under
+/// the same lock and the same report.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -47,6 +53,7 @@ use idem_core::{Store, StoreError, StoreFuture};
 #[must_use]
 pub struct Cleanup<S> {
     store: S,
+    also: Vec<Arc<dyn ExpiredRows>>,
     lock: Option<Arc<dyn SweepLock>>,
     batch_size: usize,
     pause: Duration,
@@ -56,6 +63,20 @@ pub struct Cleanup<S> {
 
 /// The callback of [`Cleanup::on_report`].
 type OnReport = dyn Fn(&SweepReport) + Send + Sync;
+
+/// Rows that a [`Cleanup`] job deletes once they expire: every [`Store`]'s
+/// records, and the consumer inbox's processed messages.
+pub trait ExpiredRows: Send + Sync + 'static {
+    /// Deletes up to `batch` expired rows and answers how many it deleted; the job
+    /// calls it until it answers less than `batch`.
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64>;
+}
+
+impl<S: Store> ExpiredRows for S {
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        Store::delete_expired(self, batch)
+    }
+}
 
 /// Makes sure one cleanup runner at a time sweeps a table, across processes.
 pub trait SweepLock: Send + Sync + 'static {
@@ -90,24 +111,33 @@ pub enum SweepReport {
 /// How much one sweep deleted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sweep {
-    /// Records deleted.
+    /// Rows deleted: records, and processed inbox messages when the job sweeps
+    /// an inbox too.
     pub deleted: u64,
     /// Batches run (calls of [`Store::delete_expired`]).
     pub batches: u64,
 }
 
-impl<S: Store> Cleanup<S> {
-    /// A job over `store`: batches of 1 000, 10 ms apart, a sweep every 60 s, and
-    /// no lock (every runner sweeps).
+impl<S: ExpiredRows> Cleanup<S> {
+    /// A job over `store` (or any [`ExpiredRows`]): batches of 1 000, 10 ms
+    /// apart, a sweep every 60 s, and no lock (every runner sweeps).
     pub fn new(store: S) -> Self {
         Self {
             store,
+            also: Vec::new(),
             lock: None,
             batch_size: 1_000,
             pause: Duration::from_millis(10),
             interval: Duration::from_secs(60),
             on_report: None,
         }
+    }
+
+    /// Sweeps `rows` too, after the store, in the same sweep: under the same lock,
+    /// counted in the same report.
+    pub fn also(mut self, rows: impl ExpiredRows) -> Self {
+        self.also.push(Arc::new(rows));
+        self
     }
 
     /// Sweeps only while holding `lock`, so that one runner sweeps at a time.
@@ -185,18 +215,26 @@ impl<S: Store> Cleanup<S> {
                 }
             },
         };
-        let batch = u64::try_from(self.batch_size).unwrap_or(u64::MAX);
         let mut swept = Sweep::default();
+        let targets = std::iter::once(&self.store as &dyn ExpiredRows)
+            .chain(self.also.iter().map(|rows| &**rows));
+        for rows in targets {
+            if let Err(error) = self.sweep_one(rows, &mut swept).await {
+                return SweepReport::Failed { swept, error };
+            }
+        }
+        SweepReport::Swept(swept)
+    }
+
+    /// Deletes `rows` batch by batch until a batch comes back short.
+    async fn sweep_one(&self, rows: &dyn ExpiredRows, swept: &mut Sweep) -> Result<(), StoreError> {
+        let batch = u64::try_from(self.batch_size).unwrap_or(u64::MAX);
         loop {
-            match self.store.delete_expired(self.batch_size).await {
-                Ok(deleted) => {
-                    swept.batches += 1;
-                    swept.deleted += deleted;
-                    if deleted < batch {
-                        return SweepReport::Swept(swept);
-                    }
-                }
-                Err(error) => return SweepReport::Failed { swept, error },
+            let deleted = rows.delete_expired(self.batch_size).await?;
+            swept.batches += 1;
+            swept.deleted += deleted;
+            if deleted < batch {
+                return Ok(());
             }
             tokio::time::sleep(self.pause).await;
         }
@@ -238,6 +276,7 @@ impl<S> fmt::Debug for Cleanup<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Cleanup")
             .field("locked", &self.lock.is_some())
+            .field("also", &self.also.len())
             .field("batch_size", &self.batch_size)
             .field("pause", &self.pause)
             .field("interval", &self.interval)

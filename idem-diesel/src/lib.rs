@@ -15,16 +15,22 @@ mod table;
 mod wait;
 
 #[cfg(feature = "postgres")]
+mod inbox;
+#[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
-pub use cleanup::{Cleanup, Sweep, SweepGuard, SweepLock, SweepReport};
+pub use cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use error::SetupError;
 pub use table::DEFAULT_TABLE;
 
+#[cfg(feature = "postgres")]
+pub use inbox::{
+    ConsumerFn, DeadLetter, DeadLetterAlert, Delivery, Inbox, InboxBuilder, InboxError,
+};
 #[cfg(feature = "postgres")]
 pub use postgres::{
     PgPool, PgStore, PgStoreBuilder, PgTransaction, PgTransactionConnection, TransactionEnded,

@@ -1,5 +1,5 @@
 //! The stores against real databases: the core conformance suite, migrations,
-//! the cleanup job, outages and transactional mode, on PostgreSQL (a throwaway cluster this binary
+//! the cleanup job, outages, transactional mode and the consumer inbox, on PostgreSQL (a throwaway cluster this binary
 //! starts) and on SQLite (a temporary file per test).
 //!
 //! One binary with its own harness (libtest-mimic), because the cluster must be
@@ -13,6 +13,8 @@
 
 #[path = "stores/cleanup.rs"]
 mod cleanup;
+#[path = "stores/inbox.rs"]
+mod inbox;
 #[path = "stores/postgres.rs"]
 mod postgres;
 #[path = "stores/sqlite.rs"]
@@ -103,6 +105,7 @@ fn main() -> ExitCode {
         .chain(sqlite::TESTS)
         .chain(cleanup::TESTS)
         .chain(transactional::TESTS)
+        .chain(inbox::TESTS)
     {
         let test = *test;
         trials.push(trial(&runtime, &databases, (*name).to_owned(), false, test));

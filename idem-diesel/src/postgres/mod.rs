@@ -34,6 +34,7 @@ use statements::Statements;
 pub use transactional::{
     PgTransaction, PgTransactionConnection, TransactionEnded, TransactionalPgStore,
 };
+pub(crate) use transactional::{roll_back, transaction_depth};
 
 /// A bb8 pool of diesel-async PostgreSQL connections, as [`PgStore`] uses.
 pub type PgPool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
@@ -44,7 +45,7 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
 /// Advisory lock classes (the first key of `pg_advisory_lock(int, int)`), so that
 /// idem's locks do not collide with the application's own.
 const MIGRATION_LOCK_CLASS: i32 = 0x6964_6d01;
-const SWEEP_LOCK_CLASS: i32 = 0x6964_6d02;
+pub(crate) const SWEEP_LOCK_CLASS: i32 = 0x6964_6d02;
 
 /// How often a claim statement is run again when it met a concurrent change (see
 /// `Statements::claim`). Each run takes a fresh snapshot, so a second run almost
@@ -240,7 +241,7 @@ impl PgStore {
             // diesel's migration harness is synchronous: drive it from a blocking
             // thread, which works under both runtime flavours (a current-thread
             // runtime keeps driving the connection while it awaits the task).
-            tokio::task::spawn_blocking(move || run_migrations(connection))
+            tokio::task::spawn_blocking(move || run_migrations(connection, MIGRATIONS))
                 .await
                 .map_err(|e| failed(e.into()))?
                 .map_err(failed)
@@ -384,9 +385,12 @@ fn refuse_closed(
     })
 }
 
-/// Runs the embedded migrations under a session-scoped advisory lock, which the
+/// Runs `migrations` under a session-scoped advisory lock, which the
 /// connection releases when it closes at the end.
-fn run_migrations(connection: AsyncPgConnection) -> Result<(), BoxError> {
+pub(crate) fn run_migrations(
+    connection: AsyncPgConnection,
+    migrations: EmbeddedMigrations,
+) -> Result<(), BoxError> {
     use diesel::connection::SimpleConnection;
 
     let mut connection: AsyncConnectionWrapper<AsyncPgConnection> = connection.into();
@@ -394,7 +398,7 @@ fn run_migrations(connection: AsyncPgConnection) -> Result<(), BoxError> {
         &mut connection,
         &format!("SELECT pg_advisory_lock({MIGRATION_LOCK_CLASS}, 0)"),
     )?;
-    connection.run_pending_migrations(MIGRATIONS)?;
+    connection.run_pending_migrations(migrations)?;
     Ok(())
 }
 

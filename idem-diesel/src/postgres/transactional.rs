@@ -470,7 +470,7 @@ impl fmt::Debug for PgTransactionConnection<'_> {
 }
 
 /// How deep the connection's transactions are nested (1: the execution's own).
-fn transaction_depth(connection: &mut AsyncPgConnection) -> u32 {
+pub(crate) fn transaction_depth(connection: &mut AsyncPgConnection) -> u32 {
     match AnsiTransactionManager::transaction_manager_status_mut(connection).transaction_depth() {
         Ok(Some(depth)) => depth.get(),
         Ok(None) | Err(_) => 0,
@@ -480,7 +480,7 @@ fn transaction_depth(connection: &mut AsyncPgConnection) -> u32 {
 /// Rolls the execution's transaction back. A failure leaves the connection
 /// marked broken, so the pool closes it instead of reusing it, and closing the
 /// connection rolls the transaction back on the server.
-async fn roll_back(connection: &mut AsyncPgConnection) {
+pub(crate) async fn roll_back(connection: &mut AsyncPgConnection) {
     while transaction_depth(connection) > 0 {
         if let Err(error) = AnsiTransactionManager::rollback_transaction(connection).await {
             tracing::debug!(%error, "rollback failed; the connection will be closed instead");
