@@ -3,6 +3,10 @@
 use bytes::Bytes;
 use idem_core::{Header, StoredResponse};
 
+/// The scope of every request to a layered route (a tenant, as an
+/// application would name it; pgbench binds the same).
+pub(crate) const SCOPE: &str = "bench";
+
 /// The answer's status.
 pub(crate) const STATUS: u16 = 201;
 

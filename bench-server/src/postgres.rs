@@ -156,7 +156,7 @@ pub(crate) async fn statements(options: UrlOptions) -> Result<(), BoxError> {
     store.migrate().await?;
     let fingerprint = Fingerprint::from_bytes([7; 32]);
     let request = ClaimRequest {
-        scope: Scope::global(),
+        scope: Scope::new(handler::SCOPE),
         key: IdempotencyKey::new(&format!("probe-{}", uuid::Uuid::new_v4()))?,
         fingerprint,
         owner: OwnerToken::random(),
@@ -206,7 +206,7 @@ pub(crate) async fn statements(options: UrlOptions) -> Result<(), BoxError> {
         "claim": claim_sql,
         "complete": complete_sql,
         "values": {
-            "scope": Scope::global().as_str(),
+            "scope": handler::SCOPE,
             "fingerprint": format!("\\x{}", hex(fingerprint.as_bytes())),
             "owner": OwnerToken::random().as_uuid().to_string(),
             "lease": request.lease.as_micros().to_string(),

@@ -11,7 +11,7 @@ use idem_core::{
 use idem_diesel::PgStore;
 
 use crate::BoxError;
-use crate::handler::{self, CONTENT_TYPE};
+use crate::handler::{self, CONTENT_TYPE, SCOPE};
 
 /// What `serve` serves.
 #[derive(Debug, clap::Args)]
@@ -28,6 +28,10 @@ pub(crate) struct Options {
     /// The largest pool of database connections.
     #[arg(long, default_value_t = 10)]
     pool: u32,
+    /// With PostgreSQL: the layered route in transactional mode (the claim and
+    /// the completion in one transaction).
+    #[arg(long)]
+    transactional: bool,
     /// Completed records put in the in-memory store before serving.
     #[arg(long, default_value_t = 0)]
     prefill: usize,
@@ -78,6 +82,9 @@ async fn open(options: &Options) -> Result<Arc<dyn Store>, BoxError> {
         .connect(&options.store)
         .await?;
     store.migrate().await?;
+    if options.transactional {
+        return Ok(Arc::new(store.transactional()));
+    }
     Ok(Arc::new(store))
 }
 
@@ -129,7 +136,9 @@ async fn axum_server(listener: TcpListener, store: Arc<dyn Store>) -> Result<(),
 
     let app = Router::new().route("/bare", post(charge)).route(
         "/layered",
-        post(charge).route_layer(IdempotencyLayer::from_shared(store)),
+        post(charge).route_layer(
+            IdempotencyLayer::from_shared(store).scope_with(|_| Some(Scope::new(SCOPE))),
+        ),
     );
     announce(&listener)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -155,7 +164,10 @@ async fn actix_server(
     HttpServer::new(move || {
         App::new().route("/bare", web::post().to(charge)).service(
             web::resource("/layered")
-                .wrap(Idempotency::from_shared(Arc::clone(&store)))
+                .wrap(
+                    Idempotency::from_shared(Arc::clone(&store))
+                        .scope_with(|_| Some(Scope::new(SCOPE))),
+                )
                 .route(web::post().to(charge)),
         )
     })

@@ -1,4 +1,4 @@
-//! `cargo xtask bench [--quick] [--out PATH]`: what idem costs per request,
+//! `cargo xtask bench [--quick] [--only SECTION] [--out PATH]`: what idem costs per request,
 //! against the two limits that bound it, side by side in one run.
 //!
 //! - **Overhead**: the same trivial POST handler (1 KiB JSON body), bare and
@@ -108,12 +108,18 @@ const REPLAY_POOL: usize = 1_000;
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let mut settings = Settings::full();
     let mut out = workspace_root().join("target/bench/bench.json");
+    let mut only: Option<String> = None;
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => settings = Settings::quick(),
             "--out" => out = PathBuf::from(args.next().ok_or("--out takes a path")?),
-            other => return Err(format!("bench takes --quick and --out PATH, not {other}")),
+            "--only" => only = Some(args.next().ok_or("--only takes a section")?.clone()),
+            other => {
+                return Err(format!(
+                    "bench takes --quick, --only SECTION and --out PATH, not {other}"
+                ));
+            }
         }
     }
     let binaries = Binaries::build()?;
@@ -145,12 +151,21 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 
     let sections: [(&str, Section); 5] = [
         ("overhead", Bench::overhead),
-        ("scaling by records", Bench::records),
+        ("records", Bench::records),
         ("memory", Bench::memory),
         ("storm", Bench::storm),
         ("postgres", Bench::postgres),
     ];
+    if let Some(only) = &only
+        && !sections.iter().any(|(name, _)| name == only)
+    {
+        let names: Vec<&str> = sections.iter().map(|(name, _)| *name).collect();
+        return Err(format!("no section {only}; sections: {}", names.join(", ")));
+    }
     for (name, section) in sections {
+        if only.as_ref().is_some_and(|only| only != name) {
+            continue;
+        }
         eprintln!("==> bench: {name}");
         if let Err(error) = section(&bench, &mut report) {
             eprintln!("bench: {name} failed: {error}");
@@ -654,6 +669,7 @@ impl Bench {
                 ),
             )?;
             drop(server);
+            let transactional = self.pg_transactional(url, c, &run);
             let seconds = self.settings.pgbench_seconds;
             let bench_first = pgbench::run(
                 pgbench,
@@ -707,13 +723,81 @@ impl Bench {
                 replay.rps() / bench_replay.tps,
                 Target::AtLeast(0.85),
             ));
+            match transactional {
+                Ok([(tx_first, tx_first_cpu), (tx_replay, tx_replay_cpu)]) => {
+                    report.rows.push(Row::from_load(
+                        "postgres",
+                        "axum layered on PgStore transactional, first execution",
+                        c,
+                        &tx_first,
+                        tx_first_cpu,
+                    ));
+                    report.rows.push(Row::from_load(
+                        "postgres",
+                        "axum layered on PgStore transactional, replay",
+                        c,
+                        &tx_replay,
+                        tx_replay_cpu,
+                    ));
+                    report.ratios.push(Ratio::new(
+                        format!("transactional / plain PgStore, first executions req/s (c={c})"),
+                        tx_first.rps() / first.rps(),
+                        Target::None,
+                    ));
+                    report.ratios.push(Ratio::new(
+                        format!("transactional / plain PgStore, replays req/s (c={c})"),
+                        tx_replay.rps() / replay.rps(),
+                        Target::None,
+                    ));
+                }
+                Err(error) => report.ratios.push(Ratio::missing(
+                    format!("transactional / plain PgStore, req/s (c={c})"),
+                    Target::None,
+                    format!("not measured: {error}"),
+                )),
+            }
         }
-        report.ratios.push(Ratio::missing(
-            "transactional mode / plain mode on PostgreSQL, req/s",
-            Target::None,
-            "not built: transactional mode has not landed in idem-diesel",
-        ));
         Ok(())
+    }
+
+    /// The layered route on PgStore in transactional mode: first executions and
+    /// replays (of the keys the plain replays completed).
+    fn pg_transactional(
+        &self,
+        url: &str,
+        c: usize,
+        run: &str,
+    ) -> Result<[(Measured, Option<f64>); 2], String> {
+        let pool = c.to_string();
+        let server = self.serve(
+            Framework::Axum,
+            &["--store", url, "--pool", &pool, "--transactional"],
+            false,
+        )?;
+        let first = self.measure(
+            &server,
+            &self.plan(
+                &server,
+                "/layered",
+                Keys::Fresh(format!("t{run}")),
+                Expect::Executed,
+                c,
+            ),
+        )?;
+        let replay = self.measure(
+            &server,
+            &self.plan(
+                &server,
+                "/layered",
+                Keys::Replay {
+                    prefix: String::new(),
+                    pool: REPLAY_POOL,
+                },
+                Expect::Replayed,
+                c,
+            ),
+        )?;
+        Ok([first, replay])
     }
 
     /// The layered route on PgStore as the table fills up.
