@@ -129,12 +129,12 @@ pub(crate) const CATALOG: &[Scenario] = &[
         run: |d| outage::down(d).boxed(),
     },
     Scenario {
-        name: "outage-in-flight",
-        checks: &[outage::IN_FLIGHT],
+        name: "outage-mid-charge",
+        checks: &[outage::CUT_OFF],
         stores: POSTGRES,
         alone: false,
         readiness: TRANSACTIONAL_MODE,
-        run: |d| outage::in_flight(d).boxed(),
+        run: |d| outage::cut_off(d).boxed(),
     },
     Scenario {
         name: "cleanup",

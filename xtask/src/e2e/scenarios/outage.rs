@@ -1,18 +1,19 @@
 //! PostgreSQL stops under load and comes back. Each scenario has a cluster of
 //! its own: stopping the shared one would fail every scenario beside it.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join_all;
 
 use super::{Checks, unique};
-use crate::e2e::api::{Api, Call, Failure, Outcome, effects, expect_account};
+use crate::e2e::api::{Answer, Api, Call, Failure, Outcome, effects, expect_account};
 use crate::e2e::postgres::Cluster;
 use crate::e2e::site::{Deployment, Instance, blocking};
 
 pub(super) const DOWN: &str = "PostgreSQL down → 503, back → settles";
-pub(super) const IN_FLIGHT: &str = "PostgreSQL stops mid-charge → 1 effect";
+pub(super) const CUT_OFF: &str = "PostgreSQL stops mid-charge → 1 effect";
 
 /// Keys charged before the outage, and keys first sent during it.
 const BEFORE: i64 = 4;
@@ -62,7 +63,7 @@ pub(super) async fn down(deployment: Arc<Deployment>) -> Result<Checks, Failure>
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         resume(&cluster).await?;
-        let keys = settle_all(api, &calls).await?;
+        let keys = settle_all(api, &calls).await?.len() as i64;
         expect_account(api, principal, account, effects(keys, keys * (keys + 1) / 2), "an outage and its retries")
             .await?;
         Ok(format!(
@@ -74,14 +75,11 @@ pub(super) async fn down(deployment: Arc<Deployment>) -> Result<Checks, Failure>
 }
 
 /// Charges in flight when it stops: whatever they answered, their retries
-/// settle with one effect each (this takes transactional mode, CONTRACT §7).
-pub(super) async fn in_flight(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
-    let (cluster, instance) = start(
-        &deployment,
-        "outage-in-flight",
-        &["--provider-latency-ms", "500"],
-    )
-    .await?;
+/// settle with one effect each. This takes transactional mode (CONTRACT §7):
+/// without it a charge's effect outlives its unrecorded answer.
+pub(super) async fn cut_off(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let flags = ["--provider-latency-ms", "500"];
+    let (cluster, instance) = start(&deployment, "outage-mid-charge", &flags).await?;
     let api = &instance.api;
     let principal = &unique("ivan");
     let account = &unique("cut-off");
@@ -95,31 +93,44 @@ pub(super) async fn in_flight(deployment: Arc<Deployment>) -> Result<Checks, Fai
             }
         );
         stopped?;
-        let cut_off = answers
-            .iter()
-            .map(|answer| match answer {
-                Ok(Some(answer)) => answer.status.to_string(),
-                Ok(None) => "timeout".to_owned(),
-                Err(_) => "broken".to_owned(),
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
+        // A broken connection is no answer, like a timeout.
+        let cut_off: Vec<Option<Answer>> = answers.into_iter().map(|a| a.ok().flatten()).collect();
         resume(&cluster).await?;
-        let keys = settle_all(api, &calls).await?;
+        let keys = settle_all(api, &calls).await?.len() as i64;
         expect_account(
             api,
             principal,
             account,
             effects(keys, keys * (keys + 1) / 2),
-            &format!("charges cut off by the outage (they answered {cut_off}), then retried"),
+            &format!(
+                "charges cut off 200 ms in by the outage (they answered {}), then retried",
+                summary(&cut_off)
+            ),
         )
         .await?;
         Ok(format!(
-            "cut off: {cut_off}; back: {keys} keys → {keys} operations"
+            "cut off: {}; back: {keys} keys → {keys} operations",
+            summary(&cut_off)
         ))
     }
     .await;
-    Ok(vec![(IN_FLIGHT, outcome)])
+    Ok(vec![(CUT_OFF, outcome)])
+}
+
+/// "3 × 201, 5 × 503" for the answers of charges cut off.
+fn summary(answers: &[Option<Answer>]) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for answer in answers {
+        let status = answer
+            .as_ref()
+            .map_or("no answer".to_owned(), |a| a.status.to_string());
+        *counts.entry(status).or_default() += 1;
+    }
+    counts
+        .iter()
+        .map(|(status, n)| format!("{n} × {status}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 async fn start(
@@ -140,14 +151,15 @@ fn charges(principal: &str, account: &str, n: i64) -> Vec<Call> {
         .collect()
 }
 
-/// Retries every call until it has its final answer, a `201`; answers how many.
-async fn settle_all(api: &Api, calls: &[Call]) -> Result<i64, Failure> {
+/// Retries every call until it has its final answer, a `201`.
+async fn settle_all(api: &Api, calls: &[Call]) -> Result<Vec<Answer>, Failure> {
     let settled = join_all(
         calls
             .iter()
             .map(|call| api.settle(call, || PATIENCE, Duration::from_secs(90))),
     )
     .await;
+    let mut answers = Vec::new();
     for (call, settled) in calls.iter().zip(settled) {
         let settled = settled?;
         if settled.answer.status != 201 {
@@ -157,8 +169,9 @@ async fn settle_all(api: &Api, calls: &[Call]) -> Result<i64, Failure> {
                 &settled.answer,
             ));
         }
+        answers.push(settled.answer);
     }
-    Ok(calls.len() as i64)
+    Ok(answers)
 }
 
 async fn stop(cluster: &Arc<Cluster>) -> Result<(), Failure> {

@@ -52,9 +52,13 @@ pub(super) async fn crash(deployment: Arc<Deployment>) -> Result<Checks, Failure
     let site = deployment.site("crash").await?;
     let principal = &unique("heidi");
     let account = &unique("crashed");
+    // A charge completed before the crash: unless it is still there after the
+    // restart, the account cannot show how many effects the cut-off charge had.
+    let witness = Call::charge(principal, account, &unique("key"), 1);
     let call = Call::charge(principal, account, &unique("key"), 100);
     let doomed = site.start(&["--provider-latency-ms", "2000"]).await?;
     let api = doomed.api.clone();
+    let witnessed = api.send(&witness).await?;
     let killed_after = Duration::from_millis(500);
     // The answer cannot come: the process dies while the provider "works".
     let (_, ()) = tokio::join!(
@@ -66,6 +70,9 @@ pub(super) async fn crash(deployment: Arc<Deployment>) -> Result<Checks, Failure
     );
     let after = site.start(&[]).await?;
     let outcome: Outcome = async {
+        if witnessed.status != 201 {
+            return Err(Failure::unexpected(&witness, "201", &witnessed));
+        }
         // Up to a lease (30 s by default) may pass before the claim is void.
         let settled = after
             .api
@@ -78,12 +85,12 @@ pub(super) async fn crash(deployment: Arc<Deployment>) -> Result<Checks, Failure
             &after.api,
             principal,
             account,
-            effects(1, 100),
-            "a crash mid-charge and a retry",
+            effects(2, 101),
+            "a charge of 1, then a charge of 100 cut off by SIGKILL and retried",
         )
         .await?;
         Ok(format!(
-            "killed {} ms into the charge; retry → {}201; 1 operation",
+            "killed {} ms into the charge; retry → {}201; 1 effect",
             killed_after.as_millis(),
             waits(&settled.on_the_way)
         ))
