@@ -1,12 +1,14 @@
 //! Extractors: what the middleware tells the handler of a keyed request it let
 //! run. The same names and meaning as idem-axum's.
 
+use std::any::Any;
 use std::future::{Ready, ready};
+use std::sync::Arc;
 
 use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, ResponseError};
-use idem_core::{IdempotencyKey, Scope};
+use idem_core::{ExecutionContext, IdempotencyKey, Scope};
 
 /// What the middleware tells the handler of a keyed request it let run, in the
 /// request's extensions: the key, the scope, and whether the execution is
@@ -38,6 +40,7 @@ pub struct ExecutionInfo {
     key: IdempotencyKey,
     scope: Scope,
     guarded: bool,
+    context: Option<ExecutionContext>,
 }
 
 /// The request's idempotency key, as the middleware parsed it.
@@ -70,7 +73,13 @@ impl ExecutionInfo {
             key,
             scope,
             guarded,
+            context: None,
         }
+    }
+
+    /// The same, with what the store hands the handler.
+    pub(crate) fn with_context(self, context: Option<ExecutionContext>) -> Self {
+        Self { context, ..self }
     }
 
     /// The same request, run without idempotency (the store failed, the route
@@ -78,6 +87,7 @@ impl ExecutionInfo {
     pub(crate) fn unguarded(self) -> Self {
         Self {
             guarded: false,
+            context: None,
             ..self
         }
     }
@@ -98,6 +108,35 @@ impl ExecutionInfo {
     /// handler then runs unguarded, and a retry runs it again.
     pub fn is_guarded(&self) -> bool {
         self.guarded
+    }
+
+    /// What the store hands the handler, as a `T`
+    /// ([`Execution::context`](idem_core::Execution::context)): with
+    /// idem-diesel's transactional store, the open
+    /// [`PgTransaction`](https://docs.rs/idem-diesel) that commits the handler's
+    /// writes with the record. `None` with plain stores, for another type, and
+    /// when the handler runs unguarded.
+    ///
+    /// ```no_run
+    /// use actix_web::HttpResponse;
+    /// use idem_actix::ExecutionInfo;
+    /// use idem_diesel::PgTransaction;
+    ///
+    /// async fn charge(execution: ExecutionInfo) -> HttpResponse {
+    ///     let Some(transaction) = execution.context::<PgTransaction>() else {
+    ///         return HttpResponse::ServiceUnavailable().finish();
+    ///     };
+    ///     let Ok(connection) = transaction.connection().await else {
+    ///         return HttpResponse::ServiceUnavailable().finish();
+    ///     };
+    ///     // … diesel-async writes on `&mut *connection`, committed with the answer.
+    ///     # drop(connection);
+    ///     HttpResponse::Created().finish()
+    /// }
+    /// # let _ = actix_web::web::post().to(charge);
+    /// ```
+    pub fn context<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        Arc::clone(self.context.as_ref()?).downcast().ok()
     }
 }
 

@@ -17,8 +17,8 @@ use futures_util::future::{FutureExt, LocalBoxFuture};
 use futures_util::stream::StreamExt;
 use idem_core::{
     Admission, Begin, Engine, Execution, Fingerprint, FingerprintSpec, InProgress, KEY_HEADER,
-    KeyRequirement, OnStoreFailure, Policy, Problem, RequestHead, Scope, StatusFilter, Store,
-    StoredResponse,
+    KeyRequirement, OnStoreFailure, Policy, Problem, RequestHead, Scope, Settlement, StatusFilter,
+    Store, StoredResponse,
 };
 use tokio::sync::oneshot;
 use tracing::Instrument;
@@ -342,7 +342,8 @@ where
         .await
     {
         Begin::Execute(execution) => {
-            request.extensions_mut().insert(info);
+            let context = execution.context().cloned();
+            request.extensions_mut().insert(info.with_context(context));
             execute(service, engine, execution, request).await
         }
         Begin::Replay(stored) => Ok(stored_answer(request, stored)),
@@ -504,25 +505,22 @@ where
     };
     let status = stored_status(head.status());
     let headers = stored_headers(head.headers());
-    // A failure to record is logged by the engine; the client gets the answer anyway.
+    // The handler's answer, unless a transactional store lost the commit (and
+    // the handler's writes with it): then a 503. Other failures to record are
+    // logged by the engine; the client gets the answer anyway.
+    let stored = match &body {
+        Captured::Whole(bytes) => StoredResponse::new(status, headers, bytes.clone()),
+        Captured::Unread(_) | Captured::Overflow(_) => {
+            StoredResponse::without_body(status, headers)
+        }
+    };
+    if let Settlement::Retract(problem) = execution.settle(&stored).await {
+        return Ok(problem_response(request, &problem));
+    }
     let response = match body {
-        Captured::Whole(bytes) => {
-            let stored = StoredResponse::new(status, headers, bytes.clone());
-            let _ = execution.finish(&stored).await;
-            head.set_body(BoxBody::new(bytes)).map_into_right_body()
-        }
-        Captured::Unread(body) => {
-            let _ = execution
-                .finish(&StoredResponse::without_body(status, headers))
-                .await;
-            head.set_body(body).map_into_left_body()
-        }
-        Captured::Overflow(body) => {
-            let _ = execution
-                .finish(&StoredResponse::without_body(status, headers))
-                .await;
-            head.set_body(BoxBody::new(body)).map_into_right_body()
-        }
+        Captured::Whole(bytes) => head.set_body(BoxBody::new(bytes)).map_into_right_body(),
+        Captured::Unread(body) => head.set_body(body).map_into_left_body(),
+        Captured::Overflow(body) => head.set_body(BoxBody::new(body)).map_into_right_body(),
     };
     Ok(ServiceResponse::new(request, response))
 }

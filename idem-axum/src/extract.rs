@@ -1,10 +1,13 @@
 //! Axum extractors: what the middleware tells the handler it let through.
 
+use std::any::Any;
+use std::sync::Arc;
+
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::request::Parts;
-use idem_core::{IdempotencyKey, Scope};
+use idem_core::{ExecutionContext, IdempotencyKey, Scope};
 
 /// What the middleware tells the handler of a keyed request it let run, in the
 /// request's extensions: the key, the scope, and whether the execution is
@@ -35,6 +38,7 @@ pub struct ExecutionInfo {
     key: IdempotencyKey,
     scope: Scope,
     guarded: bool,
+    context: Option<ExecutionContext>,
 }
 
 /// The request's idempotency key, as the middleware parsed it.
@@ -68,7 +72,13 @@ impl ExecutionInfo {
             key,
             scope,
             guarded,
+            context: None,
         }
+    }
+
+    /// The same, with what the store hands the handler.
+    pub(crate) fn with_context(self, context: Option<ExecutionContext>) -> Self {
+        Self { context, ..self }
     }
 
     /// The request's key.
@@ -87,6 +97,35 @@ impl ExecutionInfo {
     /// handler then runs unguarded, and a retry runs it again.
     pub fn is_guarded(&self) -> bool {
         self.guarded
+    }
+
+    /// What the store hands the handler, as a `T`
+    /// ([`Execution::context`](idem_core::Execution::context)): with
+    /// idem-diesel's transactional store, the open
+    /// [`PgTransaction`](https://docs.rs/idem-diesel) that commits the handler's
+    /// writes with the record. `None` with plain stores, for another type, and
+    /// when the handler runs unguarded.
+    ///
+    /// ```no_run
+    /// use idem_axum::ExecutionInfo;
+    /// use idem_diesel::PgTransaction;
+    /// use http::StatusCode;
+    ///
+    /// async fn charge(execution: ExecutionInfo) -> StatusCode {
+    ///     let Some(transaction) = execution.context::<PgTransaction>() else {
+    ///         return StatusCode::SERVICE_UNAVAILABLE;
+    ///     };
+    ///     let Ok(connection) = transaction.connection().await else {
+    ///         return StatusCode::SERVICE_UNAVAILABLE;
+    ///     };
+    ///     // … diesel-async writes on `&mut *connection`, committed with the answer.
+    ///     # drop(connection);
+    ///     StatusCode::CREATED
+    /// }
+    /// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
+    /// ```
+    pub fn context<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        Arc::clone(self.context.as_ref()?).downcast().ok()
     }
 }
 

@@ -13,8 +13,8 @@ use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
 use idem_core::{
-    Admission, Begin, Engine, Execution, Fingerprint, FingerprintBuilder, IdempotencyKey,
-    KEY_HEADER, RequestHead, Scope, StoredResponse,
+    Admission, Begin, Engine, Execution, ExecutionContext, Fingerprint, FingerprintBuilder,
+    IdempotencyKey, KEY_HEADER, RequestHead, Scope, Settlement, StoredResponse,
 };
 use tower_service::Service;
 use tracing::Instrument;
@@ -234,7 +234,7 @@ where
     /// open).
     async fn unguarded(self, body: Bytes) -> Result<Response<ResponseBody<ResBody>>, S::Error> {
         let engine = self.engine.clone();
-        let (mut inner, request) = self.into_request(body, false);
+        let (mut inner, request) = self.into_request(body, false, None);
         match AssertUnwindSafe(inner.call(request)).catch_unwind().await {
             Ok(outcome) => outcome.map(|response| response.map(ResponseBody::original)),
             Err(_) => {
@@ -252,7 +252,7 @@ where
         body: Bytes,
     ) -> Result<Response<ResponseBody<ResBody>>, S::Error> {
         let limit = execution.stored_body_limit();
-        let (mut inner, request) = self.into_request(body, true);
+        let (mut inner, request) = self.into_request(body, true, execution.context().cloned());
         // The answer is read inside `run`, so the lease is renewed while a
         // streamed body is produced too.
         let handler = async move {
@@ -269,21 +269,27 @@ where
                     stored_headers(&parts.headers),
                     body.clone(),
                 );
-                // The client gets the answer whatever the store says; the engine
-                // logs a failure.
-                let _ = execution.finish(&stored).await;
-                Ok(Response::from_parts(parts, ResponseBody::whole(body)))
+                // The handler's answer, unless a transactional store lost the
+                // commit (and the handler's writes with it): then a 503.
+                match execution.settle(&stored).await {
+                    Settlement::Deliver => {
+                        Ok(Response::from_parts(parts, ResponseBody::whole(body)))
+                    }
+                    Settlement::Retract(rejection) => Ok(problem(&rejection)),
+                }
             }
             Ok(Ok(Collected::Over(parts, read, rest))) => {
                 let stored = StoredResponse::without_body(
                     parts.status.as_u16(),
                     stored_headers(&parts.headers),
                 );
-                let _ = execution.finish(&stored).await;
-                Ok(Response::from_parts(
-                    parts,
-                    ResponseBody::resumed(read, rest),
-                ))
+                match execution.settle(&stored).await {
+                    Settlement::Deliver => Ok(Response::from_parts(
+                        parts,
+                        ResponseBody::resumed(read, rest),
+                    )),
+                    Settlement::Retract(rejection) => Ok(problem(&rejection)),
+                }
             }
             Ok(Err(Failure::Service(error))) => {
                 execution.fail().await;
@@ -299,11 +305,16 @@ where
 
     /// The request the inner service gets: the buffered body, and the
     /// [`ExecutionInfo`] in its extensions.
-    fn into_request(self, body: Bytes, guarded: bool) -> (S, Request<RequestBody<ReqBody>>) {
+    fn into_request(
+        self,
+        body: Bytes,
+        guarded: bool,
+        context: Option<ExecutionContext>,
+    ) -> (S, Request<RequestBody<ReqBody>>) {
         let mut parts = self.parts;
         parts
             .extensions
-            .insert(ExecutionInfo::new(self.key, self.scope, guarded));
+            .insert(ExecutionInfo::new(self.key, self.scope, guarded).with_context(context));
         (
             self.inner,
             Request::from_parts(parts, RequestBody::buffered(body)),
