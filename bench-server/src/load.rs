@@ -106,6 +106,8 @@ pub(crate) enum Expect {
 pub(crate) struct Measured {
     /// Right answers in the measured window.
     pub(crate) requests: u64,
+    /// Every answer, warm-up and priming included.
+    pub(crate) answered: u64,
     /// The measured window, in seconds.
     pub(crate) seconds: f64,
     /// Latencies of the right answers, in microseconds, sorted.
@@ -151,6 +153,7 @@ pub(crate) fn run(plan: Plan) -> Result<(), BoxError> {
             stop.store(true, Ordering::Relaxed);
         });
     }
+    let started = Instant::now();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -162,6 +165,9 @@ pub(crate) fn run(plan: Plan) -> Result<(), BoxError> {
         "p50_ms": measured.quantile_ms(0.5),
         "p99_ms": measured.quantile_ms(0.99),
         "errors": measured.errors,
+        "answered": measured.answered,
+        "cpu_seconds": cpu_seconds(),
+        "wall_seconds": started.elapsed().as_secs_f64(),
         "first_error": measured.first_error,
     });
     println!("{answer}");
@@ -188,6 +194,7 @@ async fn drive(plan: Arc<Plan>, stop: Arc<AtomicBool>) -> Result<Measured, Strin
             .await
             .map_err(|e| format!("a load client failed: {e}"))??;
         measured.requests += done.requests;
+        measured.answered += done.answered;
         measured.errors += done.errors;
         measured.latencies.extend(done.latencies);
         if measured.first_error.is_none() {
@@ -208,6 +215,8 @@ async fn drive(plan: Arc<Plan>, stop: Arc<AtomicBool>) -> Result<Measured, Strin
 
 /// What one client measured.
 struct ClientDone {
+    /// Every answer, measured or not (warm-up and priming included).
+    answered: u64,
     requests: u64,
     errors: u64,
     latencies: Vec<u32>,
@@ -249,6 +258,7 @@ async fn client_loop(
     let measured_from = started + Duration::from_millis(plan.warmup_ms);
     let end = measured_from + Duration::from_millis(plan.duration_ms);
     let mut done = ClientDone {
+        answered: own_keys.len() as u64,
         requests: 0,
         errors: 0,
         latencies: Vec::with_capacity(1 << 14),
@@ -283,6 +293,9 @@ async fn client_loop(
         let outcome = connection.exchange(&request).await;
         let answered = Instant::now();
         let measured = answered >= measured_from && answered <= end;
+        if outcome.is_ok() {
+            done.answered += 1;
+        }
         let verdict = match outcome {
             Ok(answer) => check(plan.expect, &answer),
             Err(error) => {
@@ -310,6 +323,18 @@ async fn client_loop(
         }
     }
     Ok(done)
+}
+
+/// The CPU time (user + system) this process has used, in seconds.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // After the command name (which may hold spaces): utime and stime are the
+    // 12th and 13th fields, in clock ticks (100 per second on Linux).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split(' ').skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) as f64 / 100.0)
 }
 
 fn check(expect: Expect, answer: &Answer) -> Result<(), String> {

@@ -303,14 +303,16 @@ impl Bench {
     fn measure(&self, server: &Server, plan: &Plan) -> Result<(Measured, Option<f64>), String> {
         let cpu_before = server.process.cpu_seconds();
         let started = Instant::now();
-        let measured = load::run(&self.binaries.server, plan)?;
+        let mut measured = load::run(&self.binaries.server, plan)?;
         let elapsed = started.elapsed().as_secs_f64();
-        let cpu = match (cpu_before, server.process.cpu_seconds()) {
-            (Some(before), Some(after)) if elapsed > 0.0 => {
-                Some((after - before) / elapsed * 100.0)
-            }
+        let used = match (cpu_before, server.process.cpu_seconds()) {
+            (Some(before), Some(after)) => Some(after - before),
             _ => None,
         };
+        measured.server_cpu_seconds = used;
+        let cpu = used
+            .filter(|_| elapsed > 0.0)
+            .map(|used| used / elapsed * 100.0);
         if measured.requests == 0 {
             return Err(format!(
                 "{} {}: no right answer ({})",
@@ -403,6 +405,23 @@ impl Bench {
                     replay.rps() / bare.rps(),
                     Target::AtLeast(1.00),
                 ));
+                for (what, layered) in [("first executions", &first), ("replays", &replay)] {
+                    if let (Some(bare_cost), Some(cost)) = (
+                        bare.server_micros_per_request(),
+                        layered.server_micros_per_request(),
+                    ) {
+                        report.ratios.push(
+                            Ratio::new(
+                                format!("{name} {what} / bare, server CPU-bound req/s (c={c})"),
+                                bare_cost / cost,
+                                Target::None,
+                            )
+                            .note(format!(
+                                "bare {bare_cost:.1} us of server CPU per request, layered {cost:.1} us"
+                            )),
+                        );
+                    }
+                }
                 first_by_c.push((c, first));
             }
             if let (Some((low_c, low)), Some((high_c, high))) =
@@ -956,6 +975,8 @@ fn pgbench_row(what: &str, c: usize, outcome: &pgbench::Outcome) -> Row {
         p50_ms: outcome.p50_ms,
         p99_ms: outcome.p99_ms,
         server_cpu: None,
+        server_micros: None,
+        generator_cpu: None,
         errors: outcome.failed,
         first_error: None,
     }

@@ -57,9 +57,22 @@ pub(crate) struct Measured {
     pub(crate) p99_ms: f64,
     pub(crate) errors: u64,
     pub(crate) first_error: Option<String>,
+    /// Every answer, warm-up and priming included.
+    pub(crate) answered: u64,
+    /// The generator's CPU use over its run, in % of one core.
+    pub(crate) generator_cpu: Option<f64>,
+    /// The server's CPU time over the generator's run (set by the caller).
+    pub(crate) server_cpu_seconds: Option<f64>,
 }
 
 impl Measured {
+    /// The server's CPU time per answer, in microseconds: what a request costs
+    /// it, whatever else competes for the CPU.
+    pub(crate) fn server_micros_per_request(&self) -> Option<f64> {
+        let seconds = self.server_cpu_seconds?;
+        (self.answered > 0).then(|| seconds * 1e6 / self.answered as f64)
+    }
+
     /// Right answers per second.
     pub(crate) fn rps(&self) -> f64 {
         if self.seconds > 0.0 {
@@ -79,6 +92,15 @@ impl Measured {
             p99_ms: (self.p99_ms + other.p99_ms) / 2.0,
             errors: self.errors + other.errors,
             first_error: self.first_error.or(other.first_error),
+            answered: self.answered + other.answered,
+            generator_cpu: match (self.generator_cpu, other.generator_cpu) {
+                (Some(a), Some(b)) => Some((a + b) / 2.0),
+                (a, b) => a.or(b),
+            },
+            server_cpu_seconds: match (self.server_cpu_seconds, other.server_cpu_seconds) {
+                (Some(a), Some(b)) => Some(a + b),
+                _ => None,
+            },
         }
     }
 
@@ -90,6 +112,15 @@ impl Measured {
             p99_ms: answer["p99_ms"].as_f64().unwrap_or_default(),
             errors: answer["errors"].as_u64().unwrap_or_default(),
             first_error: answer["first_error"].as_str().map(str::to_owned),
+            answered: answer["answered"].as_u64().unwrap_or_default(),
+            generator_cpu: match (
+                answer["cpu_seconds"].as_f64(),
+                answer["wall_seconds"].as_f64(),
+            ) {
+                (Some(cpu), Some(wall)) if wall > 0.0 => Some(cpu / wall * 100.0),
+                _ => None,
+            },
+            server_cpu_seconds: None,
         }
     }
 }

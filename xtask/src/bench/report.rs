@@ -29,6 +29,10 @@ pub(crate) struct Row {
     pub(crate) p99_ms: f64,
     /// The server's CPU use while loaded, in % of one core.
     pub(crate) server_cpu: Option<f64>,
+    /// The server's CPU time per request, in microseconds.
+    pub(crate) server_micros: Option<f64>,
+    /// The load generator's CPU use, in % of one core.
+    pub(crate) generator_cpu: Option<f64>,
     pub(crate) errors: u64,
     pub(crate) first_error: Option<String>,
 }
@@ -77,6 +81,8 @@ impl Row {
             p50_ms: measured.p50_ms,
             p99_ms: measured.p99_ms,
             server_cpu,
+            server_micros: measured.server_micros_per_request(),
+            generator_cpu: measured.generator_cpu,
             errors: measured.errors,
             first_error: measured.first_error.clone(),
         }
@@ -155,9 +161,19 @@ impl Report {
         }
         out.push('\n');
         let header = [
-            "section", "what", "c", "records", "req/s", "p50 ms", "p99 ms", "srv CPU", "errors",
+            "section",
+            "what",
+            "c",
+            "records",
+            "req/s",
+            "p50 ms",
+            "p99 ms",
+            "srv CPU",
+            "srv us/req",
+            "gen CPU",
+            "errors",
         ];
-        let cells: Vec<[String; 9]> = self
+        let cells: Vec<[String; 11]> = self
             .rows
             .iter()
             .map(|row| {
@@ -172,11 +188,17 @@ impl Report {
                     row.server_cpu
                         .map(|cpu| format!("{cpu:.0} %"))
                         .unwrap_or_default(),
+                    row.server_micros
+                        .map(|micros| format!("{micros:.1}"))
+                        .unwrap_or_default(),
+                    row.generator_cpu
+                        .map(|cpu| format!("{cpu:.0} %"))
+                        .unwrap_or_default(),
                     row.errors.to_string(),
                 ]
             })
             .collect();
-        out.push_str(&table(&header, &cells, &[2, 3, 4, 5, 6, 7, 8]));
+        out.push_str(&table(&header, &cells, &[2, 3, 4, 5, 6, 7, 8, 9, 10]));
         if self.rows.iter().any(|row| row.first_error.is_some()) {
             for row in self.rows.iter().filter(|row| row.errors > 0) {
                 if let Some(error) = &row.first_error {
@@ -253,6 +275,8 @@ impl Report {
                 "p50_ms": row.p50_ms,
                 "p99_ms": row.p99_ms,
                 "server_cpu_percent": row.server_cpu,
+                "server_cpu_us_per_request": row.server_micros,
+                "generator_cpu_percent": row.generator_cpu,
                 "errors": row.errors,
                 "first_error": row.first_error,
             })).collect::<Vec<_>>(),
