@@ -57,6 +57,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     ("transactional::nested_transactions_are_savepoints", |d| {
         Box::pin(nested_transactions_are_savepoints(d))
     }),
+    (
+        "transactional::an_axum_handler_writes_in_the_requests_transaction",
+        |d| Box::pin(an_axum_handler_writes_in_the_requests_transaction(d)),
+    ),
 ];
 
 /// The conformance cases that hold in transactional mode. The others observe
@@ -540,4 +544,136 @@ async fn nested_transactions_are_savepoints(databases: Arc<Databases>) {
         1,
         "the savepoint's write is gone, the execution's stays"
     );
+}
+
+/// What the axum handler below shares with the test.
+#[derive(Clone)]
+struct Charges {
+    /// The plain store, to kill the request's connection from outside.
+    plain: PgStore,
+    /// Kill the request's connection after its write, before the commit.
+    kill_next: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// A charge, as an application's axum handler writes it: in the request's
+/// transaction, taken from `ExecutionInfo::context`.
+async fn charge(
+    axum::extract::State(charges): axum::extract::State<Charges>,
+    execution: idem_axum::ExecutionInfo,
+) -> (axum::http::StatusCode, String) {
+    use axum::http::StatusCode;
+
+    let Some(transaction) = execution.context::<PgTransaction>() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "no transaction".to_owned());
+    };
+    let key = execution.key().as_str().to_owned();
+    let pid = {
+        let Ok(mut connection) = transaction.connection().await else {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "transaction ended".to_owned(),
+            );
+        };
+        if write_ledger_on(&mut connection, &key, 25).await.is_err() {
+            return (StatusCode::INTERNAL_SERVER_ERROR, "write failed".to_owned());
+        }
+        diesel::sql_query("SELECT pg_backend_pid()::bigint AS n")
+            .get_result::<Count>(&mut *connection)
+            .await
+            .map(|row| row.n)
+    };
+    if charges
+        .kill_next
+        .swap(false, std::sync::atomic::Ordering::SeqCst)
+    {
+        let pid = pid.expect("the backend's pid");
+        count(
+            &charges.plain,
+            &format!("SELECT pg_terminate_backend({pid})::int::bigint AS n"),
+        )
+        .await;
+    }
+    (StatusCode::CREATED, format!("charged once for {key}"))
+}
+
+async fn write_ledger_on(
+    connection: &mut diesel_async::AsyncPgConnection,
+    key: &str,
+    amount: i64,
+) -> diesel::QueryResult<()> {
+    diesel::sql_query("INSERT INTO ledger (key, amount) VALUES ($1, $2)")
+        .bind::<Text, _>(key)
+        .bind::<BigInt, _>(amount)
+        .execute(connection)
+        .await
+        .map(drop)
+}
+
+async fn an_axum_handler_writes_in_the_requests_transaction(databases: Arc<Databases>) {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let charges = Charges {
+        plain: plain.clone(),
+        kill_next: Arc::default(),
+    };
+    let app = axum::Router::new()
+        .route("/charges", axum::routing::post(charge))
+        .layer(idem_axum::IdempotencyLayer::new(store.clone()).required())
+        .with_state(charges.clone());
+    let send = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let request = Request::post("/charges")
+                .header("idempotency-key", key)
+                .body(Body::empty())
+                .unwrap();
+            let response = app.oneshot(request).await.unwrap();
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            (parts, String::from_utf8(body.to_vec()).unwrap())
+        }
+    };
+
+    let (first, body) = send("order-1").await;
+    assert_eq!(
+        (first.status, body.as_str()),
+        (StatusCode::CREATED, "charged once for order-1")
+    );
+    let (retry, body) = send("order-1").await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(body, "charged once for order-1");
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(
+        ledger_rows(&plain, "order-1").await,
+        1,
+        "one effect for two requests"
+    );
+
+    // The connection dies after the handler's write: the client is told 503,
+    // not the handler's 201, and nothing of the request is left.
+    charges
+        .kill_next
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let (lost, body) = send("order-2").await;
+    assert_eq!(lost.status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(lost.headers.contains_key("retry-after"));
+    assert!(body.contains("store-unavailable"), "{body}");
+    assert_eq!(ledger_rows(&plain, "order-2").await, 0);
+    assert_eq!(record_state(&plain, "order-2").await, None);
+    // The retry (once the killed backend has let go of the key) runs once.
+    let (retried, body) = loop {
+        let (retried, body) = send("order-2").await;
+        if retried.status != StatusCode::CONFLICT {
+            break (retried, body);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(retried.status, StatusCode::CREATED, "{body}");
+    assert_eq!(ledger_rows(&plain, "order-2").await, 1);
+    assert_eq!(store.open_transactions(), 0);
 }
