@@ -66,6 +66,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         .iter()
         .map(|&example| (example, example.build(true)))
         .collect();
+    let built = started.elapsed();
     let cluster: Result<Arc<Cluster>, String> = match starting {
         Some(thread) => thread
             .join()
@@ -123,7 +124,11 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     rows.extend(ran?);
 
     let failed = rows.iter().any(|r| matches!(r.verdict, Verdict::Fail(_)));
-    let mut notes = vec![format!("ran in {} s", started.elapsed().as_secs())];
+    let mut notes = vec![format!(
+        "built in {} s, ran in {} s",
+        built.as_secs(),
+        (started.elapsed() - built).as_secs()
+    )];
     if failed {
         notes.push(format!("server logs and stores: {}", root.display()));
     } else {

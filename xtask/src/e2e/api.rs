@@ -112,7 +112,10 @@ impl Api {
             Err(error) if error.is_timeout() => Ok(None),
             Err(error) => Err(Failure::new(
                 "no answer",
-                format!("request: {call}\nexpected: an answer\ngot: {error}"),
+                format!(
+                    "request: {call}\nexpected: an answer\ngot: {}",
+                    causes(&error)
+                ),
             )),
         }
     }
@@ -490,6 +493,17 @@ pub(crate) fn excerpt(bytes: &[u8], max: usize) -> String {
         let cut: String = text.chars().take(max).collect();
         format!("'{cut}…' ({} bytes)", bytes.len())
     }
+}
+
+/// An error with its causes: reqwest's own message names only the request.
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 fn printable(headers: &[(String, Vec<u8>)]) -> Vec<String> {
