@@ -512,3 +512,62 @@ fn printable(headers: &[(String, Vec<u8>)]) -> Vec<String> {
         .map(|(n, v)| format!("{n}: {}", v.escape_ascii()))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: u16, headers: &[(&str, &str)], body: &str) -> Answer {
+        Answer {
+            status,
+            headers: headers
+                .iter()
+                .map(|(n, v)| ((*n).to_owned(), v.as_bytes().to_vec()))
+                .collect(),
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_replay_may_differ_only_in_framing_headers() {
+        let original = answer(
+            201,
+            &[
+                ("date", "a"),
+                ("x-a", "1"),
+                ("x-a", "2"),
+                ("content-length", "2"),
+            ],
+            "{}",
+        );
+        let replay = answer(
+            201,
+            &[
+                ("x-a", "1"),
+                ("idempotent-replayed", "true"),
+                ("date", "b"),
+                ("x-a", "2"),
+            ],
+            "{}",
+        );
+        assert_eq!(replay.replays(&original), Ok(()));
+        let reordered = answer(
+            201,
+            &[("x-a", "2"), ("x-a", "1"), ("idempotent-replayed", "true")],
+            "{}",
+        );
+        assert!(reordered.replays(&original).is_err());
+        let unmarked = answer(201, &[("x-a", "1"), ("x-a", "2")], "{}");
+        assert!(unmarked.replays(&original).is_err());
+    }
+
+    #[test]
+    fn a_problem_has_its_media_type_fields_and_slug() {
+        let body = r#"{"type":"https://idem.rs/problems/key-reused","title":"t","status":422,"detail":"d"}"#;
+        let problem = answer(422, &[("content-type", "application/problem+json")], body);
+        assert_eq!(problem.problem(422, Some("key-reused")), Ok(()));
+        assert!(problem.problem(422, Some("invalid-key")).is_err());
+        let plain = answer(422, &[("content-type", "application/json")], body);
+        assert!(plain.problem(422, None).is_err());
+    }
+}

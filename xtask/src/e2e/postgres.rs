@@ -130,6 +130,8 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = self.stop();
+        // Tens of megabytes per cluster; its log stays for a failed run.
+        let _ = std::fs::remove_dir_all(self.data());
     }
 }
 
