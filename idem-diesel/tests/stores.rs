@@ -110,7 +110,11 @@ fn main() -> ExitCode {
         let test = *test;
         trials.push(trial(&runtime, &databases, (*name).to_owned(), false, test));
     }
-    for (name, test) in postgres::MEASUREMENTS.iter().chain(sqlite::MEASUREMENTS) {
+    for (name, test) in postgres::MEASUREMENTS
+        .iter()
+        .chain(sqlite::MEASUREMENTS)
+        .chain(transactional::MEASUREMENTS)
+    {
         let test = *test;
         trials.push(trial(&runtime, &databases, (*name).to_owned(), true, test));
     }

@@ -13,6 +13,12 @@ pub(super) struct Statements {
     /// `$1` scope, `$2` key, `$3` fingerprint, `$4` owner, `$5` lease µs,
     /// `$6` retention µs → zero or one `ClaimRow`.
     pub(super) claim: String,
+    /// The claim of transactional mode, in the execution's transaction: as
+    /// `claim`, gated by the key's advisory lock (`$7` class, `$8` lock key
+    /// text), with the transaction's lock waits bounded (`$9`, e.g. `5000ms`).
+    /// When the lock is held, one `ClaimRow` that stands for the invisible
+    /// in-progress record (the request's own fingerprint, its lease).
+    pub(super) transactional_claim: String,
     /// `$1` scope, `$2` key, `$3` owner, `$4` lease µs → rows updated.
     pub(super) renew: String,
     /// `$1` scope, `$2` key, `$3` owner, `$4` status, `$5` headers, `$6` body,
@@ -47,7 +53,49 @@ impl Statements {
         let expired = format!(
             "r.expires_at <= now() AND (r.state = '{COMPLETED}' OR r.lease_until <= now())"
         );
+        let upsert = format!(
+            "ON CONFLICT (scope, key) DO UPDATE SET
+                        fingerprint = excluded.fingerprint,
+                        state = excluded.state,
+                        owner = excluded.owner,
+                        lease_until = excluded.lease_until,
+                        status = NULL, headers = NULL, body = NULL, replayable = NULL,
+                        expires_at = excluded.expires_at,
+                        created_at = excluded.created_at
+                    WHERE {claimable}
+                    RETURNING {RECORD_COLUMNS}"
+        );
         Self {
+            // The gate runs first (a CTE with volatile functions is evaluated
+            // once, before the statements that read it). When another
+            // execution's transaction holds the key, its record is uncommitted
+            // and invisible: the third branch answers in its place.
+            transactional_claim: format!(
+                "WITH gate AS MATERIALIZED (
+                    SELECT set_config('lock_timeout', $9, true) AS lock_timeout,
+                           pg_try_advisory_xact_lock($7, hashtext($8)) AS free
+                ), claimed AS (
+                    INSERT INTO {t} AS r
+                        (scope, key, fingerprint, state, owner, lease_until, expires_at, created_at)
+                    SELECT $1, $2, $3, '{IN_PROGRESS}', $4,
+                           now() + $5 * interval '1 microsecond',
+                           now() + $6 * interval '1 microsecond', now()
+                    FROM gate WHERE gate.free
+                    {upsert}
+                )
+                SELECT true AS claimed, * FROM claimed
+                UNION ALL
+                SELECT false AS claimed, {RECORD_COLUMNS} FROM {t} AS r, gate
+                WHERE gate.free AND r.scope = $1 AND r.key = $2
+                  AND NOT ({claimable})
+                  AND NOT EXISTS (SELECT 1 FROM claimed)
+                UNION ALL
+                SELECT false AS claimed, $3, '{IN_PROGRESS}', uuid_send($4),
+                       (extract(epoch FROM now() + $5 * interval '1 microsecond') * 1000000)::bigint,
+                       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean,
+                       (extract(epoch FROM now() + $6 * interval '1 microsecond') * 1000000)::bigint
+                FROM gate WHERE NOT gate.free"
+            ),
             // One statement, one round trip. The upsert claims a new, expired or
             // lapsed record and returns it; otherwise the second branch returns the
             // record as the statement's snapshot saw it. That snapshot predates the

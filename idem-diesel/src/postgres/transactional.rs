@@ -5,10 +5,10 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use diesel::QueryableByName;
-use diesel::sql_types::{Bool, Integer, Text};
+use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text, Uuid as SqlUuid};
+use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 use idem_core::{
@@ -17,10 +17,11 @@ use idem_core::{
 };
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
-use super::PgStore;
+use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore};
 use crate::cleanup::Cleanup;
 use crate::pool;
 use crate::prepared::PreparedExt;
+use crate::row::{ClaimRow, duration_micros};
 use crate::wait;
 
 /// The advisory lock class of the keys that transactional executions hold
@@ -29,12 +30,6 @@ const EXECUTION_LOCK_CLASS: i32 = 0x6964_6d03;
 
 /// The default bound on a lock wait inside an execution's transaction.
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Opens an execution: bounds the transaction's lock waits (`$1`, e.g. `5000ms`;
-/// the function in `FROM` runs first) and tries the key's advisory lock (`$2`
-/// the lock key text, `$3` the class) without waiting.
-const OPEN_EXECUTION: &str = "SELECT pg_try_advisory_xact_lock($3, hashtext($2)) AS free \
-     FROM set_config('lock_timeout', $1, true)";
 
 /// Whether a transactional execution holds the key (`$1` lock key, `$2` class):
 /// outside a transaction block the lock, if free, is taken and given back by
@@ -153,12 +148,6 @@ enum CommitRefused {
 }
 
 #[derive(QueryableByName)]
-struct OpenRow {
-    #[diesel(sql_type = Bool)]
-    free: bool,
-}
-
-#[derive(QueryableByName)]
 struct RunningRow {
     #[diesel(sql_type = Bool)]
     in_progress: bool,
@@ -254,32 +243,43 @@ impl TransactionalPgStore {
         }
     }
 
-    /// The claim's statements on the open transaction.
+    /// The claim statement on the open transaction, until it settles (see
+    /// `Statements::transactional_claim`). When another execution's transaction
+    /// holds the key, its record is uncommitted, so neither its fingerprint nor
+    /// its lease is visible: the answer is in progress with the request's own
+    /// fingerprint (a duplicate, so 409) and the lease this claim would have had.
     async fn claim_on(
         &self,
         connection: &mut AsyncPgConnection,
         request: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
         let timeout = format!("{}ms", self.lock_timeout.as_millis());
-        let open = diesel::sql_query(OPEN_EXECUTION)
-            .bind::<Text, _>(timeout)
-            .bind::<Text, _>(self.lock_key(&request.scope, &request.key))
-            .bind::<Integer, _>(EXECUTION_LOCK_CLASS)
-            .prepared()
-            .get_result::<OpenRow>(connection)
-            .await
-            .map_err(StoreError::unavailable)?;
-        if !open.free {
-            // Another execution's transaction holds the key. Its record is
-            // uncommitted, so neither its fingerprint nor its lease is visible:
-            // the request's own fingerprint stands in (a duplicate, so 409), and
-            // the lease is the one this claim would have had.
-            return Ok(ClaimOutcome::InProgress {
-                fingerprint: request.fingerprint,
-                lease_until: SystemTime::now() + request.lease,
-            });
+        let lock_key = self.lock_key(&request.scope, &request.key);
+        for _ in 0..CLAIM_ATTEMPTS {
+            let row = diesel::sql_query(&self.store.inner.statements.transactional_claim)
+                .bind::<Text, _>(request.scope.as_str())
+                .bind::<Text, _>(request.key.as_str())
+                .bind::<Binary, _>(&request.fingerprint.as_bytes()[..])
+                .bind::<SqlUuid, _>(request.owner.as_uuid())
+                .bind::<BigInt, _>(duration_micros(request.lease))
+                .bind::<BigInt, _>(duration_micros(request.retention))
+                .bind::<Integer, _>(EXECUTION_LOCK_CLASS)
+                .bind::<Text, _>(&lock_key)
+                .bind::<Text, _>(&timeout)
+                .prepared()
+                .get_result::<ClaimRow>(&mut *connection)
+                .await
+                .optional()
+                .map_err(StoreError::unavailable)?;
+            match row {
+                Some(row) if row.claimed => {
+                    return Ok(ClaimOutcome::Claimed(request.to_claim()));
+                }
+                Some(row) => return row.record.into_found(),
+                None => continue,
+            }
         }
-        self.store.claim_on(connection, request).await
+        Err(StoreError::unavailable(ClaimContended))
     }
 
     /// Writes the completion on the execution's transaction and commits.

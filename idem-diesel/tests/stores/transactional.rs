@@ -63,6 +63,11 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     ),
 ];
 
+pub(crate) const MEASUREMENTS: &[(&str, TestFn)] =
+    &[("measure::postgres_transactional_against_plain", |d| {
+        Box::pin(measure_transactional_against_plain(d))
+    })];
+
 /// The conformance cases that hold in transactional mode. The others observe
 /// an in-progress record from outside its transaction (its fingerprint, its
 /// lease lapsing, `load` seeing it), which transactional mode hides by design.
@@ -676,4 +681,46 @@ async fn an_axum_handler_writes_in_the_requests_transaction(databases: Arc<Datab
     assert_eq!(retried.status, StatusCode::CREATED, "{body}");
     assert_eq!(ledger_rows(&plain, "order-2").await, 1);
     assert_eq!(store.open_transactions(), 0);
+}
+
+/// One request after another, each with a one-row handler write: the plain
+/// store (the write in its own autocommit statement) against transactional mode
+/// (the write in the request's transaction).
+async fn measure_transactional_against_plain(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let n: u32 = 2_000;
+    let plain_engine = Engine::new(plain.clone(), Policy::required());
+    let started = std::time::Instant::now();
+    for i in 0..n {
+        let name = format!("plain-{i}");
+        let execution = execute_new(&plain_engine, &name).await;
+        let mut connection = plain.pool().get().await.unwrap();
+        write_ledger_on(&mut connection, &name, 1).await.unwrap();
+        drop(connection);
+        assert!(matches!(
+            execution.settle(&created("ok")).await,
+            Settlement::Deliver
+        ));
+    }
+    let plain_elapsed = started.elapsed();
+
+    let engine = engine(&store, Policy::required());
+    let started = std::time::Instant::now();
+    for i in 0..n {
+        let name = format!("transactional-{i}");
+        let execution = execute_new(&engine, &name).await;
+        let transaction = transaction_of(&execution);
+        write_ledger(&transaction, &name, 1).await.unwrap();
+        assert!(matches!(
+            execution.settle(&created("ok")).await,
+            Settlement::Deliver
+        ));
+    }
+    let transactional_elapsed = started.elapsed();
+    eprintln!(
+        "postgres: {n} requests with a one-row write, one after another: plain {:?} per request, transactional {:?} per request",
+        plain_elapsed / n,
+        transactional_elapsed / n,
+    );
 }
