@@ -15,7 +15,8 @@ pub(super) struct Statements {
     pub(super) claim: String,
     /// The claim of transactional mode, in the execution's transaction: as
     /// `claim`, gated by the key's advisory lock (`$7` class, `$8` lock key
-    /// text), with the transaction's lock waits bounded (`$9`, e.g. `5000ms`).
+    /// text), with the transaction's lock waits bounded (`$9`, e.g. `5000ms`)
+    /// and its idle time (`$10`, the lease).
     /// When the lock is held, one `ClaimRow` that stands for the invisible
     /// in-progress record (the request's own fingerprint, its lease).
     pub(super) transactional_claim: String,
@@ -73,6 +74,8 @@ impl Statements {
             transactional_claim: format!(
                 "WITH gate AS MATERIALIZED (
                     SELECT set_config('lock_timeout', $9, true) AS lock_timeout,
+                           set_config('idle_in_transaction_session_timeout', $10, true)
+                               AS idle_timeout,
                            pg_try_advisory_xact_lock($7, hashtext($8)) AS free
                 ), claimed AS (
                     INSERT INTO {t} AS r

@@ -70,6 +70,15 @@ const EXECUTION_RUNNING: &str =
 /// by [`lock_timeout`](Self::lock_timeout) (default 5 s): past it the statement
 /// fails, and the execution is released rather than held open.
 ///
+/// **Vanished executions.** The server ends a transaction that stays idle
+/// (between two statements) for longer than the claim's lease
+/// (`idle_in_transaction_session_timeout`), rolling it back: an application
+/// machine that vanished without closing its connection holds the key for a
+/// lease at most, as in plain mode, rather than until TCP notices. A handler
+/// that pauses longer than the lease inside the transaction (a slow remote
+/// call) loses it, and its client gets `503`; keep remote calls out of the
+/// transaction, or raise the lease.
+///
 /// **Connections.** Each running execution holds one pooled connection until it
 /// settles: size the pool for the concurrent transactional requests.
 ///
@@ -117,7 +126,8 @@ pub struct TransactionalPgStore {
 /// ```
 ///
 /// Do not `COMMIT` or `ROLLBACK` it yourself: the engine does, when the request
-/// settles. Nested `conn.transaction(…)` calls work as savepoints.
+/// settles. Nested `conn.transaction(…)` calls work as savepoints. Let go of the
+/// connection before the handler returns: the completion waits for it.
 #[derive(Clone)]
 pub struct PgTransaction {
     connection: Arc<tokio::sync::Mutex<Option<OwnedConnection>>>,
@@ -254,6 +264,7 @@ impl TransactionalPgStore {
         request: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
         let timeout = format!("{}ms", self.lock_timeout.as_millis());
+        let idle = format!("{}ms", request.lease.as_millis().max(1));
         let lock_key = self.lock_key(&request.scope, &request.key);
         for _ in 0..CLAIM_ATTEMPTS {
             let row = diesel::sql_query(&self.store.inner.statements.transactional_claim)
@@ -266,6 +277,7 @@ impl TransactionalPgStore {
                 .bind::<Integer, _>(EXECUTION_LOCK_CLASS)
                 .bind::<Text, _>(&lock_key)
                 .bind::<Text, _>(&timeout)
+                .bind::<Text, _>(&idle)
                 .prepared()
                 .get_result::<ClaimRow>(&mut *connection)
                 .await

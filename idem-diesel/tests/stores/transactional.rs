@@ -58,6 +58,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         Box::pin(nested_transactions_are_savepoints(d))
     }),
     (
+        "transactional::an_execution_idle_past_its_lease_is_ended_by_the_server",
+        |d| Box::pin(an_execution_idle_past_its_lease_is_ended_by_the_server(d)),
+    ),
+    (
         "transactional::an_axum_handler_writes_in_the_requests_transaction",
         |d| Box::pin(an_axum_handler_writes_in_the_requests_transaction(d)),
     ),
@@ -513,6 +517,62 @@ async fn a_killed_connection_leaves_nothing_and_the_retry_runs_once(databases: A
         Begin::Replay(_)
     ));
     assert_eq!(ledger_rows(&plain, "doomed").await, 1, "exactly one effect");
+}
+
+async fn an_execution_idle_past_its_lease_is_ended_by_the_server(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let engine = engine(
+        &store,
+        Policy::required()
+            .lease(Duration::from_millis(300))
+            .in_progress(InProgress::Wait {
+                up_to: Duration::from_secs(60),
+            }),
+    );
+    let execution = execute_new(&engine, "stalled").await;
+    let transaction = transaction_of(&execution);
+    let pid = execution
+        .run(async {
+            write_ledger(&transaction, "stalled", 5).await.unwrap();
+            let mut connection = transaction.connection().await.unwrap();
+            diesel::sql_query("SELECT pg_backend_pid()::bigint AS n")
+                .get_result::<Count>(&mut *connection)
+                .await
+                .unwrap()
+                .n
+        })
+        .await;
+    // The execution stalls (its machine vanished, say): the server ends the
+    // session once it has been idle in its transaction for the lease.
+    until(|| async {
+        count(
+            &plain,
+            &format!("SELECT count(*) AS n FROM pg_stat_activity WHERE pid = {pid}"),
+        )
+        .await
+            == 0
+    })
+    .await;
+    assert_eq!(ledger_rows(&plain, "stalled").await, 0);
+    assert_eq!(record_state(&plain, "stalled").await, None);
+    // The key is free for the retry, which runs once.
+    let retry = execute_new(&engine, "stalled").await;
+    let retry_transaction = transaction_of(&retry);
+    retry
+        .run(write_ledger(&retry_transaction, "stalled", 5))
+        .await
+        .unwrap();
+    assert!(matches!(
+        retry.settle(&created("ok")).await,
+        Settlement::Deliver
+    ));
+    // The stalled execution wakes up: its answer is not delivered.
+    assert!(matches!(
+        execution.settle(&created("late")).await,
+        Settlement::Retract(_)
+    ));
+    assert_eq!(ledger_rows(&plain, "stalled").await, 1);
 }
 
 async fn nested_transactions_are_savepoints(databases: Arc<Databases>) {
