@@ -121,7 +121,13 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     drop(runtime);
     drop(deployments);
     drop(cluster);
-    rows.extend(ran?);
+    match ran {
+        Ok(ran) => rows.extend(ran),
+        Err(interrupted) => {
+            let _ = std::fs::remove_dir_all(&root);
+            return Err(interrupted);
+        }
+    }
 
     let failed = rows.iter().any(|r| matches!(r.verdict, Verdict::Fail(_)));
     let mut notes = vec![format!(
