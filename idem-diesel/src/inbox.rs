@@ -106,7 +106,8 @@ const DELETE_EXPIRED: &str = "WITH processed AS (
 /// (then it is a duplicate) or roll back (then it runs).
 ///
 /// A failed attempt (the closure returned an error) rolls back, and is counted
-/// per message with its time and error. The attempt that reaches
+/// per message with its time and error. (A closure that panics rolls back too,
+/// as its connection is dropped, but is not counted.) The attempt that reaches
 /// [`max_attempts`](InboxBuilder::max_attempts) moves the message to the dead
 /// letters: later deliveries are skipped ([`Delivery::DeadLetter`]) until
 /// [`redrive`](Self::redrive) is called for it. Every dead letter is logged;
