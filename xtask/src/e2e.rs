@@ -8,7 +8,7 @@
 //! × store → pass or fail with the figure behind it, ending in the line
 //! `N passed, M failed`; exits non-zero on any failure.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -55,23 +55,69 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     ));
     std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
+    let ran = runtime.block_on(async {
+        // Servers and the cluster stop when `everything` is dropped: on
+        // Ctrl-C or SIGTERM too, not only at the end.
+        let interrupted = interrupted().map_err(|e| format!("no signal handler: {e}"))?;
+        tokio::select! {
+            ran = everything(&options, &root) => Ok(ran),
+            () = interrupted => Err("interrupted".to_owned()),
+        }
+    });
+    // Blocking work cut short (a build, a cluster starting) gets its time to
+    // finish, so that a cluster that comes up after all is stopped again.
+    runtime.shutdown_timeout(Duration::from_secs(60));
+    let (mut rows, built) = match ran {
+        Ok(ran) => ran,
+        Err(interrupted) => {
+            let _ = std::fs::remove_dir_all(&root);
+            return Err(interrupted);
+        }
+    };
 
-    // PostgreSQL starts while the examples build.
+    let failed = rows.iter().any(|r| matches!(r.verdict, Verdict::Fail(_)));
+    let mut notes = vec![format!(
+        "built in {} s, ran in {} s",
+        built.as_secs(),
+        (started.elapsed() - built).as_secs()
+    )];
+    if failed {
+        notes.push(format!("server logs and stores: {}", root.display()));
+    } else {
+        let _ = std::fs::remove_dir_all(&root);
+    }
+    let totals = report::print(&mut rows, &notes);
+    if totals.failed > 0 {
+        // Not an `Err`: the last line printed stays `N passed, M failed`.
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// Builds the examples (while PostgreSQL starts), then runs every scenario;
+/// answers the rows and how long the build took.
+async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
+    let started = Instant::now();
     let starting = options.stores.contains(&StoreKind::Postgres).then(|| {
         let dir = root.join("postgres");
-        std::thread::spawn(move || Cluster::start(&dir))
+        tokio::task::spawn_blocking(move || Cluster::start(&dir))
     });
-    let builds: Vec<(Example, Result<PathBuf, String>)> = options
-        .examples
-        .iter()
-        .map(|&example| (example, example.build(true)))
-        .collect();
+    // One build at a time, each off the async workers: an interrupted run
+    // starts no further build.
+    let mut builds: Vec<(Example, Result<PathBuf, String>)> = Vec::new();
+    for &example in &options.examples {
+        let build = tokio::task::spawn_blocking(move || example.build(true))
+            .await
+            .unwrap_or_else(|e| Err(format!("the build did not finish: {e}")));
+        builds.push((example, build));
+    }
     let built = started.elapsed();
     let cluster: Result<Arc<Cluster>, String> = match starting {
-        Some(thread) => thread
-            .join()
-            .unwrap_or_else(|_| Err("the cluster's thread panicked".to_owned()))
-            .map(Arc::new),
+        Some(starting) => match starting.await {
+            Ok(started) => started.map(Arc::new),
+            Err(e) => Err(format!("the cluster's start failed: {e}")),
+        },
         None => Err("not started (no --store postgres)".to_owned()),
     };
 
@@ -87,7 +133,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
                         store,
                         binary.clone(),
                         help.clone(),
-                        &root,
+                        root,
                         cluster.clone(),
                     )));
                 }
@@ -109,43 +155,21 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             }
         }
     }
+    rows.extend(run_all(&deployments, options).await);
+    (rows, built)
+}
 
-    let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
-    let ran = runtime.block_on(async {
+/// Resolves on Ctrl-C or SIGTERM; the handlers are installed at once.
+fn interrupted() -> std::io::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
         tokio::select! {
-            rows = run_all(&deployments, &options) => Ok(rows),
-            _ = tokio::signal::ctrl_c() => Err("interrupted".to_owned()),
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
         }
-    });
-    // Servers are gone with their scenarios; the cluster stops here.
-    drop(runtime);
-    drop(deployments);
-    drop(cluster);
-    match ran {
-        Ok(ran) => rows.extend(ran),
-        Err(interrupted) => {
-            let _ = std::fs::remove_dir_all(&root);
-            return Err(interrupted);
-        }
-    }
-
-    let failed = rows.iter().any(|r| matches!(r.verdict, Verdict::Fail(_)));
-    let mut notes = vec![format!(
-        "built in {} s, ran in {} s",
-        built.as_secs(),
-        (started.elapsed() - built).as_secs()
-    )];
-    if failed {
-        notes.push(format!("server logs and stores: {}", root.display()));
-    } else {
-        let _ = std::fs::remove_dir_all(&root);
-    }
-    let totals = report::print(&mut rows, &notes);
-    if totals.failed > 0 {
-        // Not an `Err`: the last line printed stays `N passed, M failed`.
-        std::process::exit(1);
-    }
-    Ok(())
+    })
 }
 
 async fn run_all(deployments: &[Arc<Deployment>], options: &Options) -> Vec<Row> {
