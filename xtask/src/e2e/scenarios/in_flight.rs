@@ -9,7 +9,7 @@ use futures_util::future::join_all;
 
 use super::{Checks, random_millis, unique};
 use crate::e2e::api::{Call, Failure, Outcome, effects, expect_account};
-use crate::e2e::site::Deployment;
+use crate::e2e::site::{Deployment, Site};
 
 pub(super) const IN_PROGRESS: &str = "in progress → 409 Retry-After";
 pub(super) const TIMEOUTS: &str = "random client timeouts, retried";
@@ -20,17 +20,64 @@ const KEYS: i64 = 40;
 
 pub(super) async fn in_progress(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
     let site = deployment.site("in-progress").await?;
-    let instance = site.start(&["--provider-latency-ms", "1500"]).await?;
+    let outcome: Outcome = async {
+        match duplicate_in_flight(&site, Duration::from_millis(1500)).await? {
+            Duplicate::Conflict(retry_after) => Ok(format!(
+                "409 request-in-progress, Retry-After: {retry_after}; then 201, replay; 1 operation"
+            )),
+            // The route waits for the running request (CONTRACT §4, "configured
+            // to wait"); past its bound the answer is 409.
+            Duplicate::Waited => match duplicate_in_flight(&site, PAST_ANY_WAIT).await? {
+                Duplicate::Conflict(retry_after) => Ok(format!(
+                    "waits, then replays; past the wait 409, Retry-After: {retry_after}; 1 operation"
+                )),
+                Duplicate::Waited => Err(Failure::new(
+                    "never 409",
+                    format!(
+                        "request: a charge twice, the second 300 ms into the first, \
+                         with --provider-latency-ms {}\n\
+                         expected: 409 request-in-progress once the wait is over\n\
+                         got: the second waited to the end and replayed the first",
+                        PAST_ANY_WAIT.as_millis()
+                    ),
+                )),
+            },
+        }
+    }
+    .await;
+    Ok(vec![(IN_PROGRESS, outcome)])
+}
+
+/// Longer than any route of the examples waits for a running request (10 s in
+/// transactional mode, `payments::TRANSACTIONAL_WAIT`).
+const PAST_ANY_WAIT: Duration = Duration::from_secs(14);
+
+/// How a duplicate of a running charge was answered.
+enum Duplicate {
+    /// `409` with this `Retry-After`.
+    Conflict(String),
+    /// After the first completed, with its replay.
+    Waited,
+}
+
+/// A charge that takes `latency`, and the same charge again 300 ms into it;
+/// then a third time, which replays it, and the account shows one operation.
+async fn duplicate_in_flight(site: &Site, latency: Duration) -> Result<Duplicate, Failure> {
+    let latency = latency.as_millis().to_string();
+    let instance = site.start(&["--provider-latency-ms", &latency]).await?;
     let api = &instance.api;
     let principal = &unique("carol");
     let account = &unique("busy");
     let call = Call::charge(principal, account, &unique("key"), 100);
-    let outcome: Outcome = async {
-        let (first, second) = tokio::join!(api.send(&call), async {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            api.send(&call).await
-        });
-        let second = second?;
+    let (first, second) = tokio::join!(api.send(&call), async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        api.send(&call).await
+    });
+    let (first, second) = (first?, second?);
+    if first.status != 201 || first.replayed() {
+        return Err(Failure::unexpected(&call, "201, not replayed", &first));
+    }
+    let duplicate = if second.status == 409 {
         second
             .problem(409, Some("request-in-progress"))
             .map_err(|why| {
@@ -44,28 +91,31 @@ pub(super) async fn in_progress(deployment: Arc<Deployment>) -> Result<Checks, F
         let retry_after = second.header("retry-after").ok_or_else(|| {
             Failure::wrong(&call, "409 with Retry-After", &second, "no Retry-After")
         })?;
-        let first = first?;
-        if first.status != 201 || first.replayed() {
-            return Err(Failure::unexpected(&call, "201, not replayed", &first));
-        }
-        let third = api.send(&call).await?;
-        third
-            .replays(&first)
-            .map_err(|why| Failure::wrong(&call, "a replay once completed", &third, &why))?;
-        expect_account(
-            api,
-            principal,
-            account,
-            effects(1, 100),
-            "a charge asked twice in flight",
-        )
-        .await?;
-        Ok(format!(
-            "409 request-in-progress, Retry-After: {retry_after}; then 201, replay; 1 operation"
-        ))
-    }
-    .await;
-    Ok(vec![(IN_PROGRESS, outcome)])
+        Duplicate::Conflict(retry_after)
+    } else {
+        second.replays(&first).map_err(|why| {
+            Failure::wrong(
+                &call,
+                "409 request-in-progress, or (a route that waits) the replay of the first",
+                &second,
+                &why,
+            )
+        })?;
+        Duplicate::Waited
+    };
+    let third = api.send(&call).await?;
+    third
+        .replays(&first)
+        .map_err(|why| Failure::wrong(&call, "a replay once completed", &third, &why))?;
+    expect_account(
+        api,
+        principal,
+        account,
+        effects(1, 100),
+        "a charge asked twice in flight",
+    )
+    .await?;
+    Ok(duplicate)
 }
 
 pub(super) async fn timeouts(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
