@@ -8,37 +8,41 @@
 //! | `POST /accounts/{account_id}/deposits` | optional (without one, every delivery takes effect) |
 //! | `GET /accounts/{account_id}` | not covered |
 //!
+//! Each keyed route runs behind its [`payments::Guard`]: on PostgreSQL in
+//! transactional mode, where the handler hands the request's transaction
+//! (`ExecutionInfo::context::<PgTransaction>()`) to the ledger, so the ledger's
+//! writes commit with the idempotency record.
+//!
 //! ```
 //! use std::{sync::Arc, time::Duration};
 //! use actix_web::HttpServer;
-//! use payments::{Ledger, Payments};
+//! use payments::{Guards, Ledger, Payments};
 //!
-//! let store = Arc::new(idem_core::MemoryStore::new());
-//! let payments = Payments::new(Ledger::new(), Duration::ZERO);
-//! let server = HttpServer::new(move || payments_actix::app(store.clone(), payments.clone()));
+//! let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()));
+//! let payments = Payments::new(Ledger::memory(), Duration::ZERO);
+//! let server = HttpServer::new(move || payments_actix::app(guards.clone(), payments.clone()));
 //! # drop(server);
 //! ```
-
-use std::sync::Arc;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceFactory, ServiceRequest, ServiceResponse};
 use actix_web::http::StatusCode;
-use actix_web::http::header::{AUTHORIZATION, CONTENT_TYPE};
+use actix_web::http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use actix_web::middleware::{Next, from_fn};
 use actix_web::{App, Error, HttpMessage, HttpResponse, web};
-use idem_actix::Idempotency;
-use idem_core::{Policy, Store};
-use payments::{Answer, Payments, Principal, charge_policy, deposit_policy};
+use idem_actix::{ExecutionInfo, Idempotency};
+use idem_diesel::PgTransaction;
+use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 
 /// The largest body a handler reads without a key (with one, the idempotency
 /// middleware's limit of 1 MiB comes first): axum's default, 2 MB.
 const BODY_LIMIT: usize = 2 * 1024 * 1024;
 
-/// The service's app over `store` (the idempotency records) and `payments`; call
-/// it in `HttpServer::new`'s factory, once per worker.
+/// The service's app: the keyed routes behind `guards` (their idempotency stores
+/// and policies), over `payments`. Call it in `HttpServer::new`'s factory, once
+/// per worker.
 pub fn app(
-    store: Arc<dyn Store>,
+    guards: Guards,
     payments: Payments,
 ) -> App<
     impl ServiceFactory<
@@ -49,9 +53,9 @@ pub fn app(
         InitError = (),
     >,
 > {
-    let guarded = |policy: Policy| {
-        Idempotency::from_shared(Arc::clone(&store))
-            .policy(policy)
+    let guarded = |guard: &Guard| {
+        Idempotency::from_shared(guard.store())
+            .policy(guard.policy().clone())
             .scope_from_extension::<Principal>()
     };
     App::new()
@@ -61,12 +65,12 @@ pub fn app(
         .wrap(from_fn(authenticate))
         .service(
             web::resource("/accounts/{account_id}/charges")
-                .wrap(guarded(charge_policy()))
+                .wrap(guarded(&guards.charges))
                 .route(web::post().to(charge)),
         )
         .service(
             web::resource("/accounts/{account_id}/deposits")
-                .wrap(guarded(deposit_policy()))
+                .wrap(guarded(&guards.deposits))
                 .route(web::post().to(deposit)),
         )
         .service(
@@ -101,27 +105,44 @@ async fn authenticate(
 async fn charge(
     payments: web::Data<Payments>,
     account_id: web::Path<String>,
+    execution: Option<ExecutionInfo>,
     body: web::Bytes,
 ) -> HttpResponse {
-    send(payments.charge(&account_id, &body).await.into())
+    let attempt = attempt(execution.as_ref());
+    send(payments.charge(&account_id, &body, &attempt).await.into())
 }
 
 async fn deposit(
     payments: web::Data<Payments>,
     account_id: web::Path<String>,
+    execution: Option<ExecutionInfo>,
     body: web::Bytes,
 ) -> HttpResponse {
-    send(payments.deposit(&account_id, &body).await.into())
+    let attempt = attempt(execution.as_ref());
+    send(payments.deposit(&account_id, &body, &attempt).await.into())
 }
 
 async fn account(payments: web::Data<Payments>, account_id: web::Path<String>) -> HttpResponse {
-    send(payments.account(&account_id).into())
+    send(payments.account(&account_id).await.into())
+}
+
+/// What the idempotency middleware let through: the key, and in transactional
+/// mode the request's transaction, which the ledger's writes join.
+fn attempt(execution: Option<&ExecutionInfo>) -> Attempt {
+    match execution {
+        Some(execution) => Attempt::keyed(execution.scope().clone(), execution.key().clone())
+            .within(execution.context::<PgTransaction>()),
+        None => Attempt::unkeyed(),
+    }
 }
 
 /// The domain's answer as an actix-web response.
 fn send(answer: Answer) -> HttpResponse {
     let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    HttpResponse::build(status)
-        .insert_header((CONTENT_TYPE, answer.content_type))
-        .body(answer.body)
+    let mut response = HttpResponse::build(status);
+    response.insert_header((CONTENT_TYPE, answer.content_type));
+    if let Some(seconds) = answer.retry_after {
+        response.insert_header((RETRY_AFTER, seconds));
+    }
+    response.body(answer.body)
 }

@@ -4,7 +4,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use actix_web::HttpServer;
-use payments::{Ledger, Options, Payments, StartError, init_tracing, listening_line};
+use payments::{Options, Payments, StartError, Storage, init_tracing, listening_line};
 
 /// Why the service stopped.
 #[derive(Debug, thiserror::Error)]
@@ -35,11 +35,11 @@ fn main() -> ExitCode {
 
 /// Opens the store, binds, prints the listening line, and serves until Ctrl-C.
 async fn serve(options: Options) -> Result<(), ServeError> {
-    let store = options.store_url()?.open().await?;
+    let Storage { guards, ledger } = options.store_url()?.open().await?;
     let listener = options.bind()?;
     let addr = listener.local_addr()?;
-    let payments = Payments::new(Ledger::new(), options.provider_latency());
-    let server = HttpServer::new(move || payments_actix::app(store.clone(), payments.clone()))
+    let payments = Payments::new(ledger, options.provider_latency());
+    let server = HttpServer::new(move || payments_actix::app(guards.clone(), payments.clone()))
         .listen(listener)?
         .run();
     {

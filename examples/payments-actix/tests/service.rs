@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +11,7 @@ use std::time::Duration;
 use actix_web::HttpServer;
 use actix_web::dev::ServerHandle;
 use idem_core::MemoryStore;
-use payments::{Ledger, Payments};
+use payments::{Guards, Ledger, Payments};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -34,10 +35,10 @@ impl Service {
         let (started, bound) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             actix_web::rt::System::new().block_on(async move {
-                let store = Arc::new(MemoryStore::new());
-                let payments = Payments::new(Ledger::new(), provider_latency);
+                let guards = Guards::plain(Arc::new(MemoryStore::new()));
+                let payments = Payments::new(Ledger::memory(), provider_latency);
                 let server =
-                    HttpServer::new(move || payments_actix::app(store.clone(), payments.clone()))
+                    HttpServer::new(move || payments_actix::app(guards.clone(), payments.clone()))
                         .workers(1)
                         .disable_signals()
                         .bind(("127.0.0.1", 0))
@@ -94,10 +95,13 @@ impl Service {
 
 const BODY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_binary_announces_itself_and_charges_once_per_key() {
+/// The binary, started in `dir` with `args`, and its base URL.
+async fn spawn_binary(dir: &Path, args: &[&str]) -> (tokio::process::Child, String) {
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_payments-actix"))
-        .args(["--listen", "127.0.0.1:0", "--store", "memory"])
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .current_dir(dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -112,24 +116,53 @@ async fn the_binary_announces_itself_and_charges_once_per_key() {
         .unwrap();
     let base = first_line.strip_prefix("listening on ").unwrap().to_owned();
     assert!(base.starts_with("http://127.0.0.1:"), "{first_line}");
+    (child, base)
+}
 
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
-    let charge = || {
-        client
-            .post(format!("{base}/accounts/acct-1/charges"))
-            .bearer_auth("alice")
-            .header("idempotency-key", "order-1")
-            .body(BODY)
-            .send()
-    };
-    let first = charge().await.unwrap();
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+async fn charge_once(base: &str) -> reqwest::Response {
+    client()
+        .post(format!("{base}/accounts/acct-1/charges"))
+        .bearer_auth("alice")
+        .header("idempotency-key", "order-1")
+        .body(BODY)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("payments-actix-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_charges_once_per_key_on_the_memory_store() {
+    let scratch = Scratch::new();
+    let (mut child, base) = spawn_binary(&scratch.0, &["--store", "memory"]).await;
+    let first = charge_once(&base).await;
     assert_eq!(first.status(), 201);
     let first: Value = first.json().await.unwrap();
-    let retry = charge().await.unwrap();
+    let retry = charge_once(&base).await;
     assert_eq!(retry.status(), 201);
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(retry.json::<Value>().await.unwrap(), first);
-    let account: Value = client
+    let account: Value = client()
         .get(format!("{base}/accounts/acct-1"))
         .bearer_auth("alice")
         .send()
@@ -143,19 +176,44 @@ async fn the_binary_announces_itself_and_charges_once_per_key() {
         json!({"account_id": "acct-1", "balance": 100, "operations": 1})
     );
     child.kill().await.unwrap();
+    assert!(!scratch.0.join("payments.db").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_sqlite_store_replays_across_a_restart() {
+    let scratch = Scratch::new();
+    let (mut child, base) = spawn_binary(&scratch.0, &[]).await;
+    let first = charge_once(&base).await;
+    assert_eq!(first.status(), 201);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first: Value = first.json().await.unwrap();
+    child.kill().await.unwrap();
+    assert!(scratch.0.join("payments.db").exists());
+
+    let (mut child, base) = spawn_binary(&scratch.0, &[]).await;
+    let retry = charge_once(&base).await;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.json::<Value>().await.unwrap(), first);
+    child.kill().await.unwrap();
 }
 
 #[tokio::test]
-async fn the_binary_refuses_a_store_that_is_not_built() {
+async fn the_binary_refuses_an_unknown_store() {
+    let scratch = Scratch::new();
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_payments-actix"))
-        .args(["--listen", "127.0.0.1:0", "--store", "sqlite://payments.db"])
+        .args(["--listen", "127.0.0.1:0", "--store", "redis://localhost"])
+        .current_dir(&scratch.0)
         .output()
         .await
         .unwrap();
     assert!(!output.status.success());
     assert!(output.stdout.is_empty());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("SQLite store is not available"), "{stderr}");
+    assert!(
+        stderr.contains("unknown store \"redis://localhost\""),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
