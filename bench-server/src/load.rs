@@ -37,7 +37,8 @@ pub(crate) struct Plan {
     /// The request body.
     #[arg(long)]
     body: String,
-    /// A new key for every request: `{prefix}-{client}-{n}`.
+    /// A new key for every request: `{prefix}-` and 16 random hex digits, so
+    /// that keys land all over an index, as clients' UUIDs do.
     #[arg(long, conflicts_with = "replay_keys")]
     fresh_keys: Option<String>,
     /// Keys `{prefix}0` to `{prefix}{pool - 1}`, each client cycling over its
@@ -267,6 +268,7 @@ async fn client_loop(
     };
     let mut sequence = 0u64;
     let mut fresh_key = String::new();
+    let mut random = XorShift::seeded(client);
     loop {
         let now = Instant::now();
         if now >= end || stop.load(Ordering::Relaxed) {
@@ -279,7 +281,7 @@ async fn client_loop(
                 sequence += 1;
                 fresh_key.clear();
                 use std::fmt::Write;
-                let _ = write!(fresh_key, "{prefix}-{client}-{sequence}");
+                let _ = write!(fresh_key, "{prefix}-{:016x}", random.next());
                 Some(fresh_key.as_str())
             }
             Keys::Replay { .. } => {
@@ -323,6 +325,27 @@ async fn client_loop(
         }
     }
     Ok(done)
+}
+
+/// xorshift64*: random enough to spread keys, and free of system calls.
+struct XorShift(u64);
+
+impl XorShift {
+    /// A generator for `client`, different in every run.
+    fn seeded(client: usize) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos() as u64);
+        let seed = nanos ^ (client as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        Self(seed | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
 }
 
 /// The CPU time (user + system) this process has used, in seconds.

@@ -63,9 +63,17 @@ pub(crate) struct Measured {
     pub(crate) generator_cpu: Option<f64>,
     /// The server's CPU time over the generator's run (set by the caller).
     pub(crate) server_cpu_seconds: Option<f64>,
+    /// The generator's run, start to end, in seconds (set by the caller).
+    pub(crate) run_seconds: f64,
 }
 
 impl Measured {
+    /// The server's CPU use over the run, in % of one core.
+    pub(crate) fn server_cpu_percent(&self) -> Option<f64> {
+        let seconds = self.server_cpu_seconds?;
+        (self.run_seconds > 0.0).then(|| seconds / self.run_seconds * 100.0)
+    }
+
     /// The server's CPU time per answer, in microseconds: what a request costs
     /// it, whatever else competes for the CPU.
     pub(crate) fn server_micros_per_request(&self) -> Option<f64> {
@@ -85,6 +93,9 @@ impl Measured {
     /// Two runs of one workload as one: requests and time add up; the
     /// quantiles are the mean of the two runs'.
     pub(crate) fn pooled(self, other: Self) -> Self {
+        if self.run_seconds == 0.0 && self.requests == 0 {
+            return other;
+        }
         Self {
             requests: self.requests + other.requests,
             seconds: self.seconds + other.seconds,
@@ -101,6 +112,7 @@ impl Measured {
                 (Some(a), Some(b)) => Some(a + b),
                 _ => None,
             },
+            run_seconds: self.run_seconds + other.run_seconds,
         }
     }
 
@@ -121,6 +133,7 @@ impl Measured {
                 _ => None,
             },
             server_cpu_seconds: None,
+            run_seconds: 0.0,
         }
     }
 }

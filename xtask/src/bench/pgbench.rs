@@ -7,7 +7,7 @@
 //! pgbench prepares them too (`-M prepared`): one round trip per statement, as
 //! the store does.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -29,6 +29,19 @@ pub(crate) struct Outcome {
     pub(crate) p50_ms: f64,
     pub(crate) p99_ms: f64,
     pub(crate) failed: u64,
+}
+
+impl Outcome {
+    /// Two runs of one script as one: the mean of each figure (the runs are
+    /// equally long), failures added up.
+    pub(crate) fn pooled(self, other: Self) -> Self {
+        Self {
+            tps: (self.tps + other.tps) / 2.0,
+            p50_ms: (self.p50_ms + other.p50_ms) / 2.0,
+            p99_ms: (self.p99_ms + other.p99_ms) / 2.0,
+            failed: self.failed + other.failed,
+        }
+    }
 }
 
 /// The parameter names of the claim statement, in order.
@@ -122,27 +135,49 @@ pub(crate) fn binary() -> Option<PathBuf> {
     })
 }
 
-/// Runs `script` for `seconds` with `clients` connections against `database`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn run(
-    pgbench: &Path,
-    port: u16,
-    database: &str,
-    script: &str,
-    defines: &[(String, String)],
-    clients: usize,
-    seconds: u64,
-    dir: &Path,
-) -> Result<Outcome, String> {
+/// pgbench against one database of the bench's cluster.
+pub(crate) struct PgBench {
+    pub(crate) binary: PathBuf,
+    pub(crate) port: u16,
+    pub(crate) database: String,
+    /// `-D name=value` definitions the scripts use.
+    pub(crate) defines: Vec<(String, String)>,
+    /// Where scripts and per-transaction logs go (removed after each run).
+    pub(crate) dir: PathBuf,
+    /// The CPU pgbench is pinned to.
+    pub(crate) cpu: Option<usize>,
+}
+
+impl PgBench {
+    /// Runs `script` for `seconds` with `clients` connections.
+    pub(crate) fn run(
+        &self,
+        script: &str,
+        clients: usize,
+        seconds: u64,
+    ) -> Result<Outcome, String> {
+        run(self, script, clients, seconds)
+    }
+}
+
+fn run(bench: &PgBench, script: &str, clients: usize, seconds: u64) -> Result<Outcome, String> {
+    let dir = &bench.dir;
     let run_dir = dir.join(format!("pgbench-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&run_dir).map_err(|e| format!("{}: {e}", run_dir.display()))?;
     let script_path = run_dir.join("script.sql");
     std::fs::write(&script_path, script).map_err(|e| format!("{}: {e}", script_path.display()))?;
-    let mut command = Command::new(pgbench);
+    let mut command = match bench.cpu {
+        Some(cpu) => {
+            let mut command = Command::new("taskset");
+            command.args(["-c", &cpu.to_string()]).arg(&bench.binary);
+            command
+        }
+        None => Command::new(&bench.binary),
+    };
     command
         .args(["-n", "-M", "prepared", "-h", "127.0.0.1", "-U", "postgres"])
         .arg("-p")
-        .arg(port.to_string())
+        .arg(bench.port.to_string())
         .arg("-c")
         .arg(clients.to_string())
         .arg("-j")
@@ -153,10 +188,10 @@ pub(crate) fn run(
         .arg(&script_path)
         .arg("-l")
         .arg(format!("--log-prefix={}", run_dir.join("log").display()));
-    for (name, value) in defines {
+    for (name, value) in &bench.defines {
         command.arg("-D").arg(format!("{name}={value}"));
     }
-    command.arg(database);
+    command.arg(&bench.database);
     let output = run_bounded(command, Duration::from_secs(seconds + 60))?;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     if !output.status.success() {

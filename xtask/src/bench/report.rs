@@ -70,7 +70,6 @@ impl Row {
         what: impl Into<String>,
         concurrency: usize,
         measured: &Measured,
-        server_cpu: Option<f64>,
     ) -> Self {
         Self {
             section,
@@ -80,7 +79,7 @@ impl Row {
             rate: measured.rps(),
             p50_ms: measured.p50_ms,
             p99_ms: measured.p99_ms,
-            server_cpu,
+            server_cpu: measured.server_cpu_percent(),
             server_micros: measured.server_micros_per_request(),
             generator_cpu: measured.generator_cpu,
             errors: measured.errors,

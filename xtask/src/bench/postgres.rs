@@ -1,0 +1,377 @@
+//! The PostgreSQL sections, on one throwaway cluster: the layered route on
+//! `PgStore` against pgbench (and transactional mode against plain), scaling by
+//! stored rows, and cleanup under live load.
+//!
+//! With two CPUs or more, PostgreSQL runs on CPU 0 and the application tier on
+//! CPU 1: the server and the load generator, or pgbench. So the database gets
+//! the same CPU whichever client drives it, as it would on a machine of its own.
+
+use std::process::Command;
+use std::time::Duration;
+
+use super::load::{self, Expect, Keys, Measured};
+use super::overhead::scaling_ratios;
+use super::pgbench::{self, PgBench, Scripts};
+use super::process::{Background, Process, helper_json};
+use super::report::{Figure, Ratio, Report, Row, Target, thousands};
+use super::{Bench, Framework, KeySource, REPLAY_POOL, Server, Workload};
+
+const PG_CPU: usize = 0;
+const APP_CPU: usize = 1;
+
+/// Starts the cluster, runs every PostgreSQL section, stops the cluster.
+pub(super) fn postgres(bench: &Bench, report: &mut Report) -> Result<(), String> {
+    let pgbench = pgbench::binary()
+        .ok_or("pgbench not found (apt-get install postgresql-contrib); PostgreSQL rows skipped")?;
+    let mut command = bench.pinned(&bench.binaries.server, Some(PG_CPU));
+    command.args(["cluster", "--databases", "bench,scaling,cleanup"]);
+    let cluster = Process::start(
+        command,
+        "cluster ",
+        Duration::from_secs(120),
+        &bench.logs.join("cluster.log"),
+    )?;
+    let port: u16 = cluster
+        .announced
+        .split(' ')
+        .nth(1)
+        .and_then(|port| port.parse().ok())
+        .ok_or_else(|| format!("the cluster announced {:?}", cluster.announced))?;
+    let outcome = limit(bench, report, pgbench, port)
+        .and_then(|()| records(bench, report, &url(port, "scaling")))
+        .and_then(|()| cleanup(bench, report, &url(port, "cleanup")));
+    cluster.finish(Duration::from_secs(30));
+    outcome
+}
+
+fn url(port: u16, database: &str) -> String {
+    format!("postgres://postgres@127.0.0.1:{port}/{database}")
+}
+
+/// The layered route on PgStore against pgbench, same statements, same
+/// clients; transactional mode against plain.
+fn limit(
+    bench: &Bench,
+    report: &mut Report,
+    pgbench: std::path::PathBuf,
+    port: u16,
+) -> Result<(), String> {
+    let url = url(port, "bench");
+    let mut command = Command::new(&bench.binaries.server);
+    command.args(["pg-statements", "--url", &url]);
+    let statements = helper_json(command, Duration::from_secs(60))?;
+    let scripts = Scripts::new(&statements, REPLAY_POOL)?;
+    let pgbench = PgBench {
+        binary: pgbench,
+        port,
+        database: "bench".to_owned(),
+        defines: scripts.defines.clone(),
+        dir: bench.logs.clone(),
+        cpu: Some(APP_CPU).filter(|_| bench.pin),
+    };
+    let seconds = bench.settings.pgbench_seconds;
+    for &c in &bench.settings.pg_concurrencies {
+        let pool = c.to_string();
+        let plain = bench.serve(
+            Framework::Axum,
+            &["--store", &url, "--pool", &pool],
+            Some(APP_CPU),
+        )?;
+        let transactional = bench.serve(
+            Framework::Axum,
+            &["--store", &url, "--pool", &pool, "--transactional"],
+            Some(APP_CPU),
+        );
+        let workload = |server: &Server, replay: bool| -> Result<Measured, String> {
+            let workload = Workload {
+                server,
+                path: "/layered",
+                // Replays draw keys `0`.. : the ones pgbench's replay script draws.
+                keys: if replay {
+                    KeySource::Replay(String::new())
+                } else {
+                    KeySource::Fresh
+                },
+                expect: if replay {
+                    Expect::Replayed
+                } else {
+                    Expect::Executed
+                },
+            };
+            bench.run_workload(&workload, c, Some(APP_CPU))
+        };
+        let mut first = Measured::default();
+        let mut replay = Measured::default();
+        let mut tx_first = Measured::default();
+        let mut tx_replay = Measured::default();
+        let mut bench_first = None::<pgbench::Outcome>;
+        let mut bench_replay = None::<pgbench::Outcome>;
+        let mut tx_error = transactional.as_ref().err().cloned();
+        for _ in 0..bench.settings.rounds {
+            first = first.pooled(workload(&plain, false)?);
+            let run = pgbench.run(&scripts.first, c, seconds)?;
+            bench_first = Some(match bench_first {
+                Some(earlier) => earlier.pooled(run),
+                None => run,
+            });
+            replay = replay.pooled(workload(&plain, true)?);
+            let run = pgbench.run(&scripts.replay, c, seconds)?;
+            bench_replay = Some(match bench_replay {
+                Some(earlier) => earlier.pooled(run),
+                None => run,
+            });
+            if let (Ok(server), None) = (&transactional, &tx_error) {
+                match workload(server, false).and_then(|first| Ok((first, workload(server, true)?)))
+                {
+                    Ok((first, replay)) => {
+                        tx_first = tx_first.pooled(first);
+                        tx_replay = tx_replay.pooled(replay);
+                    }
+                    Err(error) => tx_error = Some(error),
+                }
+            }
+        }
+        drop(plain);
+        drop(transactional);
+        let (bench_first, bench_replay) = bench_first
+            .zip(bench_replay)
+            .ok_or("no pgbench round ran")?;
+        report.rows.push(Row::from_load(
+            "postgres",
+            "axum layered on PgStore, first execution",
+            c,
+            &first,
+        ));
+        report
+            .rows
+            .push(pgbench_row("pgbench: claim + complete", c, &bench_first));
+        report.rows.push(Row::from_load(
+            "postgres",
+            "axum layered on PgStore, replay",
+            c,
+            &replay,
+        ));
+        report.rows.push(pgbench_row(
+            "pgbench: claim of a completed key",
+            c,
+            &bench_replay,
+        ));
+        report.ratios.push(Ratio::new(
+            format!("PgStore first executions req/s / pgbench tps (c={c})"),
+            first.rps() / bench_first.tps,
+            Target::AtLeast(0.85),
+        ));
+        report.ratios.push(Ratio::new(
+            format!("PgStore replays req/s / pgbench tps (c={c})"),
+            replay.rps() / bench_replay.tps,
+            Target::AtLeast(0.85),
+        ));
+        match tx_error {
+            None => {
+                report.rows.push(Row::from_load(
+                    "postgres",
+                    "axum layered on PgStore transactional, first execution",
+                    c,
+                    &tx_first,
+                ));
+                report.rows.push(Row::from_load(
+                    "postgres",
+                    "axum layered on PgStore transactional, replay",
+                    c,
+                    &tx_replay,
+                ));
+                report.ratios.push(Ratio::new(
+                    format!("transactional / plain PgStore, first executions req/s (c={c})"),
+                    tx_first.rps() / first.rps(),
+                    Target::None,
+                ));
+                report.ratios.push(Ratio::new(
+                    format!("transactional / plain PgStore, replays req/s (c={c})"),
+                    tx_replay.rps() / replay.rps(),
+                    Target::None,
+                ));
+            }
+            Some(error) => report.ratios.push(Ratio::missing(
+                format!("transactional / plain PgStore, req/s (c={c})"),
+                Target::None,
+                format!("not measured: {error}"),
+            )),
+        }
+    }
+    Ok(())
+}
+
+fn pgbench_row(what: &str, c: usize, outcome: &pgbench::Outcome) -> Row {
+    Row {
+        section: "postgres",
+        what: what.to_owned(),
+        concurrency: c,
+        records: None,
+        rate: outcome.tps,
+        p50_ms: outcome.p50_ms,
+        p99_ms: outcome.p99_ms,
+        server_cpu: None,
+        server_micros: None,
+        generator_cpu: None,
+        errors: outcome.failed,
+        first_error: None,
+    }
+}
+
+/// The layered route on PgStore as the table fills up.
+fn records(bench: &Bench, report: &mut Report, url: &str) -> Result<(), String> {
+    let c = 16;
+    let mut stored = 0;
+    let mut by_records = Vec::new();
+    for &records in &bench.settings.pg_record_counts {
+        fill(bench, url, "--live", records.saturating_sub(stored))?;
+        stored = records;
+        let pool = c.to_string();
+        let server = bench.serve(
+            Framework::Axum,
+            &["--store", url, "--pool", &pool],
+            Some(APP_CPU),
+        )?;
+        let workload = Workload {
+            server: &server,
+            path: "/layered",
+            keys: KeySource::Fresh,
+            expect: Expect::Executed,
+        };
+        let first = bench
+            .interleaved(std::slice::from_ref(&workload), c, Some(APP_CPU))?
+            .pop()
+            .ok_or("one workload, one result")?;
+        drop(server);
+        report.rows.push(
+            Row::from_load(
+                "records",
+                "axum layered on PgStore, first execution",
+                c,
+                &first,
+            )
+            .records(records),
+        );
+        by_records.push((records, first));
+    }
+    if let (Some((low_n, low)), Some((high_n, high))) = (by_records.first(), by_records.last())
+        && low_n != high_n
+    {
+        let span = format!("{} / {} rows", thousands(*high_n), thousands(*low_n));
+        scaling_ratios(report, "PgStore first executions", &span, low, high);
+    }
+    Ok(())
+}
+
+/// Inserts `rows` completed records, `--live` or `--expired`.
+fn fill(bench: &Bench, url: &str, kind: &str, rows: u64) -> Result<(), String> {
+    let mut command = Command::new(&bench.binaries.server);
+    command
+        .args(["pg-fill", "--url", url, kind])
+        .arg(rows.to_string());
+    helper_json(command, Duration::from_secs(900)).map(drop)
+}
+
+/// The cleanup job's settings measured: the defaults, and larger batches.
+const CLEANUP_SETTINGS: [(usize, u64, &str); 3] = [
+    (1_000, 10, "the defaults"),
+    (2_500, 10, "batches of 2,500"),
+    (10_000, 10, "batches of 10,000"),
+];
+
+/// Expired rows deleted per second, and live requests' p99 meanwhile.
+fn cleanup(bench: &Bench, report: &mut Report, url: &str) -> Result<(), String> {
+    let c = 4;
+    let rows = bench.settings.cleanup_rows;
+    let server = bench.serve(
+        Framework::Axum,
+        &["--store", url, "--pool", "8"],
+        Some(APP_CPU),
+    )?;
+    let live = Workload {
+        server: &server,
+        path: "/layered",
+        keys: KeySource::Fresh,
+        expect: Expect::Executed,
+    };
+    for (batch, pause_ms, label) in CLEANUP_SETTINGS {
+        fill(bench, url, "--expired", rows)?;
+        let baseline = bench
+            .interleaved(std::slice::from_ref(&live), c, Some(APP_CPU))?
+            .pop()
+            .ok_or("one workload, one result")?;
+        let mut plan = bench.plan(
+            &server,
+            "/layered",
+            Keys::Fresh(super::short_id()),
+            Expect::Executed,
+            c,
+        );
+        plan.warmup = Duration::ZERO;
+        plan.duration = Duration::from_secs(900);
+        plan.cpu = Some(APP_CPU).filter(|_| bench.pin);
+        let cpu_before = server.process.cpu_seconds();
+        let started = std::time::Instant::now();
+        let during = load::start(&bench.binaries.server, &plan)?;
+        let mut command = bench.pinned(&bench.binaries.server, Some(APP_CPU));
+        command
+            .args(["cleanup", "--url", url])
+            .args(["--batch", &batch.to_string()])
+            .args(["--pause-ms", &pause_ms.to_string()]);
+        let answer = Background::start(command, false)
+            .and_then(|sweep| sweep.answer(Duration::from_secs(900)));
+        let mut during = during.stop()?;
+        during.run_seconds = started.elapsed().as_secs_f64();
+        during.server_cpu_seconds = cpu_before
+            .zip(server.process.cpu_seconds())
+            .map(|(before, after)| after - before);
+        let answer = answer?;
+        let deleted = answer["deleted"].as_f64().unwrap_or_default();
+        let seconds = answer["seconds"].as_f64().unwrap_or_default();
+        let rate = if seconds > 0.0 {
+            deleted / seconds
+        } else {
+            0.0
+        };
+        report.rows.push(Row::from_load(
+            "cleanup",
+            format!("axum layered on PgStore, first execution, before cleanup ({label})"),
+            c,
+            &baseline,
+        ));
+        report.rows.push(Row::from_load(
+            "cleanup",
+            format!("axum layered on PgStore, first execution, during cleanup ({label})"),
+            c,
+            &during,
+        ));
+        report.figures.push(Figure {
+            section: "cleanup",
+            what: format!(
+                "expired rows deleted per second, {label} ({} rows)",
+                thousands(deleted as u64)
+            ),
+            value: Some(rate),
+            unit: "rows/s",
+            note: format!(
+                "batch {batch}, pause {pause_ms} ms; {seconds:.1} s, {} batches",
+                answer["batches"]
+            ),
+        });
+        report.ratios.push(
+            Ratio::new(
+                format!("cleanup rows/s / 100,000 ({label})"),
+                rate / 100_000.0,
+                Target::AtLeast(1.0),
+            )
+            .note(format!("{} rows/s", thousands(rate as u64))),
+        );
+        report.ratios.push(Ratio::new(
+            format!("live p99 during cleanup / before, c={c} ({label})"),
+            during.p99_ms / baseline.p99_ms.max(0.001),
+            Target::AtMost(2.0),
+        ));
+    }
+    drop(server);
+    Ok(())
+}
