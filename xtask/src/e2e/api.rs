@@ -91,6 +91,20 @@ impl Api {
         })
     }
 
+    /// A client of the same server that keeps no connection for another
+    /// request: what happens to one request's connection stays with it.
+    pub(crate) fn alone(&self) -> Result<Self, Failure> {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(0)
+            .build()
+            .map_err(|e| Failure::new("no client", format!("cannot build the HTTP client: {e}")))?;
+        Ok(Self {
+            http,
+            base: self.base.clone(),
+        })
+    }
+
     /// Sends `call` and reads the whole answer; a transport error is a failure.
     pub(crate) async fn send(&self, call: &Call) -> Result<Answer, Failure> {
         self.send_within(call, None).await?.ok_or_else(|| {
