@@ -8,9 +8,8 @@
 //!   load generator (`bench-server load`, see [`load`]) runs on the other CPU.
 //! - **PostgreSQL**: the layered route on `PgStore` against pgbench running the
 //!   store's own statements ([`pgbench`]) at the same concurrency, on the same
-//!   throwaway cluster; PostgreSQL pinned to one CPU, the application tier
-//!   (server and load, or pgbench) to the other. Transactional mode against the
-//!   plain one.
+//!   throwaway cluster, nothing pinned. Transactional mode against the plain
+//!   one.
 //! - **Memory**: bytes per record of the in-memory store; peak RSS of
 //!   payments-axum (`--store memory`) under a storm of charges.
 //! - **Cleanup**: rows deleted per second, and the p99 of live requests while
@@ -147,7 +146,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             "in-memory rows: server on CPU 1 (1 worker thread), load generator on CPU 0".to_owned(),
         );
         report.notes.push(
-            "PostgreSQL rows: PostgreSQL on CPU 0; server (1 worker) and load generator, or pgbench, on CPU 1"
+            "PostgreSQL rows: nothing pinned; server (2 workers), load generator or pgbench, and PostgreSQL share both CPUs"
                 .to_owned(),
         );
     } else {
