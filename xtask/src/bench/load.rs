@@ -65,9 +65,18 @@ pub(crate) struct Measured {
     pub(crate) server_cpu_seconds: Option<f64>,
     /// The generator's run, start to end, in seconds (set by the caller).
     pub(crate) run_seconds: f64,
+    /// PostgreSQL's CPU time over the run, when it serves the store (set by
+    /// the caller).
+    pub(crate) database_cpu_seconds: Option<f64>,
 }
 
 impl Measured {
+    /// PostgreSQL's CPU time per answer, in microseconds.
+    pub(crate) fn database_micros_per_request(&self) -> Option<f64> {
+        let seconds = self.database_cpu_seconds?;
+        (self.answered > 0).then(|| seconds * 1e6 / self.answered as f64)
+    }
+
     /// The server's CPU use over the run, in % of one core.
     pub(crate) fn server_cpu_percent(&self) -> Option<f64> {
         let seconds = self.server_cpu_seconds?;
@@ -113,6 +122,10 @@ impl Measured {
                 _ => None,
             },
             run_seconds: self.run_seconds + other.run_seconds,
+            database_cpu_seconds: match (self.database_cpu_seconds, other.database_cpu_seconds) {
+                (Some(a), Some(b)) => Some(a + b),
+                _ => None,
+            },
         }
     }
 
@@ -134,6 +147,7 @@ impl Measured {
             },
             server_cpu_seconds: None,
             run_seconds: 0.0,
+            database_cpu_seconds: None,
         }
     }
 }

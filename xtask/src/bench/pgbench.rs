@@ -29,6 +29,10 @@ pub(crate) struct Outcome {
     pub(crate) p50_ms: f64,
     pub(crate) p99_ms: f64,
     pub(crate) failed: u64,
+    /// Transactions run (from the per-transaction log).
+    pub(crate) transactions: u64,
+    /// PostgreSQL's CPU time over the run.
+    pub(crate) database_cpu_seconds: Option<f64>,
 }
 
 impl Outcome {
@@ -40,6 +44,11 @@ impl Outcome {
             p50_ms: (self.p50_ms + other.p50_ms) / 2.0,
             p99_ms: (self.p99_ms + other.p99_ms) / 2.0,
             failed: self.failed + other.failed,
+            transactions: self.transactions + other.transactions,
+            database_cpu_seconds: match (self.database_cpu_seconds, other.database_cpu_seconds) {
+                (Some(a), Some(b)) => Some(a + b),
+                _ => None,
+            },
         }
     }
 }
@@ -156,7 +165,20 @@ impl PgBench {
         clients: usize,
         seconds: u64,
     ) -> Result<Outcome, String> {
-        run(self, script, clients, seconds)
+        let before = super::process::postgres_cpu_seconds(self.port);
+        let mut outcome = run(self, script, clients, seconds)?;
+        outcome.database_cpu_seconds = before
+            .zip(super::process::postgres_cpu_seconds(self.port))
+            .map(|(before, after)| after - before);
+        Ok(outcome)
+    }
+}
+
+impl Outcome {
+    /// PostgreSQL's CPU time per transaction, in microseconds.
+    pub(crate) fn database_micros_per_transaction(&self) -> Option<f64> {
+        let seconds = self.database_cpu_seconds?;
+        (self.transactions > 0).then(|| seconds * 1e6 / self.transactions as f64)
     }
 }
 
@@ -240,6 +262,8 @@ fn run(bench: &PgBench, script: &str, clients: usize, seconds: u64) -> Result<Ou
         p50_ms: quantile_ms(&latencies, 0.5),
         p99_ms: quantile_ms(&latencies, 0.99),
         failed,
+        transactions: latencies.len() as u64,
+        database_cpu_seconds: None,
     })
 }
 

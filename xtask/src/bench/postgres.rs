@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::load::{self, Expect, Keys, Measured};
 use super::overhead::scaling_ratios;
 use super::pgbench::{self, PgBench, Scripts};
-use super::process::{Background, Process, helper_json};
+use super::process::{Background, Process, helper_json, postgres_cpu_seconds};
 use super::report::{Figure, Ratio, Report, Row, Target, thousands};
 use super::{Bench, Framework, KeySource, REPLAY_POOL, Server, Workload};
 
@@ -101,7 +101,12 @@ fn limit(
                     Expect::Executed
                 },
             };
-            bench.run_workload(&workload, c, UNPINNED)
+            let before = postgres_cpu_seconds(port);
+            let mut measured = bench.run_workload(&workload, c, UNPINNED)?;
+            measured.database_cpu_seconds = before
+                .zip(postgres_cpu_seconds(port))
+                .map(|(before, after)| after - before);
+            Ok(measured)
         };
         let mut first = Measured::default();
         let mut replay = Measured::default();
@@ -169,6 +174,26 @@ fn limit(
             replay.rps() / bench_replay.tps,
             Target::AtLeast(0.85),
         ));
+        for (what, store, pgbench) in [
+            ("first executions", &first, &bench_first),
+            ("replays", &replay, &bench_replay),
+        ] {
+            if let (Some(store_cost), Some(pgbench_cost)) = (
+                store.database_micros_per_request(),
+                pgbench.database_micros_per_transaction(),
+            ) {
+                report.ratios.push(
+                    Ratio::new(
+                        format!("PgStore {what} / pgbench, database-bound req/s (c={c})"),
+                        pgbench_cost / store_cost,
+                        Target::None,
+                    )
+                    .note(format!(
+                        "PostgreSQL CPU per request: store {store_cost:.1} us, pgbench {pgbench_cost:.1} us"
+                    )),
+                );
+            }
+        }
         match tx_error {
             None => {
                 report.rows.push(Row::from_load(
@@ -216,6 +241,7 @@ fn pgbench_row(what: &str, c: usize, outcome: &pgbench::Outcome) -> Row {
         server_cpu: None,
         server_micros: None,
         generator_cpu: None,
+        database_micros: outcome.database_micros_per_transaction(),
         errors: outcome.failed,
         first_error: None,
     }

@@ -33,6 +33,8 @@ pub(crate) struct Row {
     pub(crate) server_micros: Option<f64>,
     /// The load generator's CPU use, in % of one core.
     pub(crate) generator_cpu: Option<f64>,
+    /// PostgreSQL's CPU time per request (or transaction), in microseconds.
+    pub(crate) database_micros: Option<f64>,
     pub(crate) errors: u64,
     pub(crate) first_error: Option<String>,
 }
@@ -82,6 +84,7 @@ impl Row {
             server_cpu: measured.server_cpu_percent(),
             server_micros: measured.server_micros_per_request(),
             generator_cpu: measured.generator_cpu,
+            database_micros: measured.database_micros_per_request(),
             errors: measured.errors,
             first_error: measured.first_error.clone(),
         }
@@ -170,9 +173,10 @@ impl Report {
             "srv CPU",
             "srv us/req",
             "gen CPU",
+            "db us/req",
             "errors",
         ];
-        let cells: Vec<[String; 11]> = self
+        let cells: Vec<[String; 12]> = self
             .rows
             .iter()
             .map(|row| {
@@ -193,11 +197,14 @@ impl Report {
                     row.generator_cpu
                         .map(|cpu| format!("{cpu:.0} %"))
                         .unwrap_or_default(),
+                    row.database_micros
+                        .map(|micros| format!("{micros:.1}"))
+                        .unwrap_or_default(),
                     row.errors.to_string(),
                 ]
             })
             .collect();
-        out.push_str(&table(&header, &cells, &[2, 3, 4, 5, 6, 7, 8, 9, 10]));
+        out.push_str(&table(&header, &cells, &[2, 3, 4, 5, 6, 7, 8, 9, 10, 11]));
         if self.rows.iter().any(|row| row.first_error.is_some()) {
             for row in self.rows.iter().filter(|row| row.errors > 0) {
                 if let Some(error) = &row.first_error {
@@ -276,6 +283,7 @@ impl Report {
                 "server_cpu_percent": row.server_cpu,
                 "server_cpu_us_per_request": row.server_micros,
                 "generator_cpu_percent": row.generator_cpu,
+                "database_cpu_us_per_request": row.database_micros,
                 "errors": row.errors,
                 "first_error": row.first_error,
             })).collect::<Vec<_>>(),
