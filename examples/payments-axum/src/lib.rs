@@ -8,43 +8,47 @@
 //! | `POST /accounts/{account_id}/deposits` | optional (without one, every delivery takes effect) |
 //! | `GET /accounts/{account_id}` | not covered |
 //!
+//! Each keyed route runs behind its [`payments::Guard`]: on PostgreSQL in
+//! transactional mode, where the handler hands the request's transaction
+//! (`ExecutionInfo::context::<PgTransaction>()`) to the ledger, so the ledger's
+//! writes commit with the idempotency record.
+//!
 //! ```
 //! use std::{sync::Arc, time::Duration};
-//! use payments::{Ledger, Payments};
+//! use payments::{Guards, Ledger, Payments};
 //!
-//! let store = Arc::new(idem_core::MemoryStore::new());
-//! let app: axum::Router = payments_axum::app(store, Payments::new(Ledger::new(), Duration::ZERO));
+//! let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()));
+//! let app: axum::Router = payments_axum::app(guards, Payments::new(Ledger::memory(), Duration::ZERO));
 //! ```
-
-use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Path, Request, State};
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
-use idem_axum::IdempotencyLayer;
-use idem_core::{Policy, Store};
-use payments::{Answer, Payments, Principal, charge_policy, deposit_policy};
+use idem_axum::{ExecutionInfo, IdempotencyLayer};
+use idem_diesel::PgTransaction;
+use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 
-/// The service's router over `store` (the idempotency records) and `payments`.
-pub fn app(store: Arc<dyn Store>, payments: Payments) -> Router {
-    let guarded = |policy: Policy| {
-        IdempotencyLayer::from_shared(Arc::clone(&store))
-            .policy(policy)
+/// The service's router: the keyed routes behind `guards` (their idempotency
+/// stores and policies), over `payments`.
+pub fn app(guards: Guards, payments: Payments) -> Router {
+    let guarded = |guard: &Guard| {
+        IdempotencyLayer::from_shared(guard.store())
+            .policy(guard.policy().clone())
             .scope_from_extension::<Principal>()
     };
     Router::new()
         .route(
             "/accounts/{account_id}/charges",
-            post(charge).route_layer(guarded(charge_policy())),
+            post(charge).route_layer(guarded(&guards.charges)),
         )
         .route(
             "/accounts/{account_id}/deposits",
-            post(deposit).route_layer(guarded(deposit_policy())),
+            post(deposit).route_layer(guarded(&guards.deposits)),
         )
         .route("/accounts/{account_id}", get(account))
         .layer(middleware::from_fn(authenticate))
@@ -69,24 +73,44 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 async fn charge(
     State(payments): State<Payments>,
     Path(account_id): Path<String>,
+    execution: Option<ExecutionInfo>,
     body: Bytes,
 ) -> Response {
-    send(payments.charge(&account_id, &body).await.into())
+    let attempt = attempt(execution.as_ref());
+    send(payments.charge(&account_id, &body, &attempt).await.into())
 }
 
 async fn deposit(
     State(payments): State<Payments>,
     Path(account_id): Path<String>,
+    execution: Option<ExecutionInfo>,
     body: Bytes,
 ) -> Response {
-    send(payments.deposit(&account_id, &body).await.into())
+    let attempt = attempt(execution.as_ref());
+    send(payments.deposit(&account_id, &body, &attempt).await.into())
 }
 
 async fn account(State(payments): State<Payments>, Path(account_id): Path<String>) -> Response {
-    send(payments.account(&account_id).into())
+    send(payments.account(&account_id).await.into())
+}
+
+/// What the idempotency middleware let through: the key, and in transactional
+/// mode the request's transaction, which the ledger's writes join.
+fn attempt(execution: Option<&ExecutionInfo>) -> Attempt {
+    match execution {
+        Some(execution) => Attempt::keyed(execution.scope().clone(), execution.key().clone())
+            .within(execution.context::<PgTransaction>()),
+        None => Attempt::unkeyed(),
+    }
 }
 
 fn send(answer: Answer) -> Response {
     let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (status, [(CONTENT_TYPE, answer.content_type)], answer.body).into_response()
+    let mut response = (status, [(CONTENT_TYPE, answer.content_type)], answer.body).into_response();
+    if let Some(seconds) = answer.retry_after {
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    response
 }

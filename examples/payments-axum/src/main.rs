@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use payments::{Ledger, Options, Payments, StartError, init_tracing, listening_line};
+use payments::{Options, Payments, StartError, Storage, init_tracing, listening_line};
 
 /// Why the service stopped.
 #[derive(Debug, thiserror::Error)]
@@ -36,15 +36,15 @@ fn main() -> ExitCode {
 }
 
 async fn serve(options: Options) -> Result<(), ServeError> {
-    let store = options.store_url()?.open().await?;
+    let Storage { guards, ledger } = options.store_url()?.open().await?;
     let listener = tokio::net::TcpListener::from_std(options.bind()?)?;
-    let payments = Payments::new(Ledger::new(), options.provider_latency());
+    let payments = Payments::new(ledger, options.provider_latency());
     {
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{}", listening_line(listener.local_addr()?))?;
         stdout.flush()?;
     }
-    axum::serve(listener, payments_axum::app(store, payments))
+    axum::serve(listener, payments_axum::app(guards, payments))
         .with_graceful_shutdown(async {
             // Without a signal handler the server runs until it is killed.
             if tokio::signal::ctrl_c().await.is_err() {

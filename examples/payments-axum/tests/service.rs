@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::MemoryStore;
-use payments::{Ledger, Payments};
+use payments::{Guards, Ledger, Payments};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -31,8 +31,8 @@ impl Service {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let app = payments_axum::app(
-            Arc::new(MemoryStore::new()),
-            Payments::new(Ledger::new(), provider_latency),
+            Guards::plain(Arc::new(MemoryStore::new())),
+            Payments::new(Ledger::memory(), provider_latency),
         );
         let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         let client = reqwest::Client::builder().no_proxy().build().unwrap();

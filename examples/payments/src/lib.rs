@@ -4,49 +4,76 @@
 //! the simulated payment provider. No web framework in here: each example wires
 //! these into its routes, and both behave the same.
 //!
-//! - `POST /accounts/{account_id}/charges` (key required, [`charge_policy`]):
-//!   [`Payments::charge`], `201` [`Receipt`].
-//! - `POST /accounts/{account_id}/deposits` (key optional, [`deposit_policy`]):
-//!   [`Payments::deposit`], `201` [`Receipt`].
+//! - `POST /accounts/{account_id}/charges` (key required,
+//!   [`Guards::charges`]): [`Payments::charge`], `201` [`Receipt`].
+//! - `POST /accounts/{account_id}/deposits` (key optional,
+//!   [`Guards::deposits`]): [`Payments::deposit`], `201` [`Receipt`].
 //! - `GET /accounts/{account_id}`: [`Payments::account`], `200` [`AccountView`].
 //! - Every route: [`Principal::from_authorization`] first, a missing or malformed
 //!   bearer token is `401`; the principal is the idempotency scope.
 //!
-//! Every answer is an [`Answer`] (status, content type, body), so that an example
-//! only converts it to its framework's response.
+//! Every answer is an [`Answer`] (status, content type, `Retry-After`, body),
+//! so that an example only converts it to its framework's response. A handler
+//! hands the domain the request's [`Attempt`]: the key the idempotency
+//! middleware let through, and in transactional mode the request's
+//! [`PgTransaction`](idem_diesel::PgTransaction), taken from the adapter's
+//! `ExecutionInfo::context`.
 //!
-//! ## Stores
+//! ## Stores and the ledger
 //!
-//! `--store` (or `DATABASE_URL`) names the idempotency store: `memory`,
-//! `sqlite://PATH` (the default, [`DEFAULT_STORE`]: `sqlite://payments.db`, kept
-//! across restarts) or `postgres://…`. The SQLite and PostgreSQL stores are
-//! `idem-diesel`'s; [`StoreUrl::open`] migrates their table and starts their
-//! cleanup job. The ledger itself lives in memory: it is the example's
-//! stand-in for the application's own database.
+//! `--store` (or `DATABASE_URL`) names one database for both the idempotency
+//! records and the ledger ([`StoreUrl::open`] gives a [`Storage`]):
+//!
+//! - `memory`: both in this process, lost on exit.
+//! - `sqlite://PATH` (the default, [`DEFAULT_STORE`]: `sqlite://payments.db`):
+//!   idem-diesel's SQLite store, and the ledger's tables in the same file; both
+//!   survive a restart.
+//! - `postgres://…`: idem-diesel's PostgreSQL store, and the ledger's tables in
+//!   the same database. The keyed routes run in **transactional mode**
+//!   ([`Guards::transactional`]): the claim, the ledger's writes and the
+//!   completion commit together, so a process killed at any point leaves one
+//!   effect or none, and the retry gets exactly one charge. A duplicate that
+//!   arrives while the first request's transaction is open waits for the commit
+//!   and replays the committed answer.
+//!
+//! `open` migrates the store's table and the ledger's
+//! (`payment_accounts`, `payment_operations`; see [`Ledger`]) and starts the
+//! store's cleanup job.
 //!
 //! ```
 //! use std::time::Duration;
-//! use payments::{Answer, Ledger, Payments, Principal};
+//! use payments::{Answer, Attempt, Ledger, Payments, Principal};
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
-//! let payments = Payments::new(Ledger::new(), Duration::ZERO);
+//! let payments = Payments::new(Ledger::memory(), Duration::ZERO);
 //! let principal = Principal::from_authorization(Some(b"Bearer alice"))?;
-//! let answer: Answer = payments.deposit("acct-1", br#"{"amount": 5, "currency": "EUR"}"#).await.into();
+//! let body = br#"{"amount": 5, "currency": "EUR"}"#;
+//! let answer: Answer = payments.deposit("acct-1", body, &Attempt::unkeyed()).await.into();
 //! assert_eq!(answer.status, 201);
-//! let answer: Answer = payments.account("acct-1").into();
+//! let answer: Answer = payments.account("acct-1").await.into();
 //! assert_eq!(answer.body, r#"{"account_id":"acct-1","balance":5,"operations":1}"#);
 //! # let _ = principal;
 //! # Ok::<(), payments::PaymentError>(())
 //! # }).unwrap();
 //! ```
+//!
+//! ## Testing
+//!
+//! The `test-util` feature adds [`testing`]: the checks both example binaries
+//! pass as processes on a throwaway PostgreSQL cluster, among them the crash
+//! test (servers killed with `SIGKILL` while charges are in flight; every
+//! charge takes effect exactly once).
 
+mod guards;
 mod ledger;
 mod service;
 mod start;
+#[cfg(feature = "test-util")]
+pub mod testing;
 
-pub use ledger::{AccountView, Applied, Ledger, LedgerError, OperationKind};
-pub use service::{
-    Answer, OperationRequest, PaymentError, Payments, Principal, Receipt, charge_policy,
-    deposit_policy,
+pub use guards::{Guard, Guards, TRANSACTIONAL_WAIT, charge_policy, deposit_policy};
+pub use ledger::{AccountView, Applied, Attempt, Ledger, LedgerError, Operation, OperationKind};
+pub use service::{Answer, OperationRequest, PaymentError, Payments, Principal, Receipt};
+pub use start::{
+    DEFAULT_STORE, Options, StartError, Storage, StoreUrl, init_tracing, listening_line,
 };
-pub use start::{DEFAULT_STORE, Options, StartError, StoreUrl, init_tracing, listening_line};

@@ -3,23 +3,28 @@
 
 use std::time::Duration;
 
-use idem_core::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Policy, Scope};
+use idem_core::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Scope};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::{AccountView, Ledger, LedgerError, OperationKind};
+use crate::{AccountView, Attempt, Ledger, LedgerError, Operation, OperationKind};
 
 /// The payments service behind both examples. Cheap to clone.
 ///
+/// Each operation takes the request's [`Attempt`]: its key, recorded with the
+/// operation, and in transactional mode the request's transaction, which the
+/// ledger writes join.
+///
 /// ```
 /// use std::time::Duration;
-/// use payments::{Ledger, Payments};
+/// use payments::{Attempt, Ledger, Payments};
 ///
 /// # tokio_test_block_on(async {
-/// let payments = Payments::new(Ledger::new(), Duration::ZERO);
-/// let receipt = payments.charge("acct-1", br#"{"amount": 250, "currency": "EUR"}"#).await?;
+/// let payments = Payments::new(Ledger::memory(), Duration::ZERO);
+/// let body = br#"{"amount": 250, "currency": "EUR"}"#;
+/// let receipt = payments.charge("acct-1", body, &Attempt::unkeyed()).await?;
 /// assert_eq!((receipt.amount, receipt.balance), (250, 250));
-/// assert_eq!(payments.account("acct-1").operations, 1);
+/// assert_eq!(payments.account("acct-1").await?.operations, 1);
 /// # Ok::<(), payments::PaymentError>(())
 /// # }).unwrap();
 /// # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
@@ -63,7 +68,7 @@ pub struct Receipt {
 }
 
 /// Why a request was refused. Each is a problem answer.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum PaymentError {
     /// No `Authorization: Bearer TOKEN`: `401 unauthorized`.
     #[error("an `Authorization: Bearer TOKEN` header is required")]
@@ -71,35 +76,36 @@ pub enum PaymentError {
     /// The body is not a valid operation: `400 invalid-request`.
     #[error("{0}")]
     InvalidRequest(String),
-    /// The ledger refused the operation: `400 invalid-request`.
+    /// The ledger refused the operation (`400 invalid-request`), or could not
+    /// be reached (`503 ledger-unavailable`, with `Retry-After`; the idempotency
+    /// layer stores no 5xx answer, so a retry runs the operation again, and in
+    /// transactional mode the request's transaction is rolled back).
     #[error(transparent)]
     Ledger(#[from] LedgerError),
 }
 
-/// An answer as any framework sends it: status, content type, body.
+/// An answer as any framework sends it: status, content type, body, and a
+/// `Retry-After` when the client should retry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Answer {
     /// The status code.
     pub status: u16,
     /// The `Content-Type`.
     pub content_type: &'static str,
+    /// `Retry-After`, in seconds.
+    pub retry_after: Option<u32>,
     /// The body.
     pub body: String,
-}
-
-/// The idempotency policy of `POST /accounts/{account_id}/charges`: key required.
-pub fn charge_policy() -> Policy {
-    Policy::required()
-}
-
-/// The idempotency policy of `POST /accounts/{account_id}/deposits`: key optional.
-pub fn deposit_policy() -> Policy {
-    Policy::optional()
 }
 
 impl Payments {
     /// The service over `ledger`, with a provider that takes `provider_latency`
     /// per charge.
+    ///
+    /// In transactional mode the provider's latency passes inside the
+    /// request's transaction (the claim comes before the handler): keep it
+    /// well under the claim's lease (30 s), past which the server ends a
+    /// transaction left idle.
     pub fn new(ledger: Ledger, provider_latency: Duration) -> Self {
         Self {
             ledger,
@@ -114,44 +120,82 @@ impl Payments {
 
     /// `POST /accounts/{account_id}/charges`: asks the provider (which takes the
     /// configured latency), then adds the amount to the balance.
-    pub async fn charge(&self, account_id: &str, body: &[u8]) -> Result<Receipt, PaymentError> {
+    pub async fn charge(
+        &self,
+        account_id: &str,
+        body: &[u8],
+        attempt: &Attempt,
+    ) -> Result<Receipt, PaymentError> {
         let request = OperationRequest::parse(body)?;
         tokio::time::sleep(self.provider_latency).await;
-        self.apply(account_id, OperationKind::Charge, request)
+        self.apply(account_id, OperationKind::Charge, request, attempt)
+            .await
     }
 
     /// `POST /accounts/{account_id}/deposits`: adds the amount to the balance.
-    pub async fn deposit(&self, account_id: &str, body: &[u8]) -> Result<Receipt, PaymentError> {
+    pub async fn deposit(
+        &self,
+        account_id: &str,
+        body: &[u8],
+        attempt: &Attempt,
+    ) -> Result<Receipt, PaymentError> {
         let request = OperationRequest::parse(body)?;
-        self.apply(account_id, OperationKind::Deposit, request)
+        self.apply(account_id, OperationKind::Deposit, request, attempt)
+            .await
     }
 
     /// `GET /accounts/{account_id}`.
-    pub fn account(&self, account_id: &str) -> AccountView {
-        self.ledger.account(account_id)
+    pub async fn account(&self, account_id: &str) -> Result<AccountView, PaymentError> {
+        self.ledger.account(account_id).await.map_err(|error| {
+            log_failure(&error, account_id);
+            error.into()
+        })
     }
 
-    fn apply(
+    async fn apply(
         &self,
         account_id: &str,
         kind: OperationKind,
         request: OperationRequest,
+        attempt: &Attempt,
     ) -> Result<Receipt, PaymentError> {
-        let applied = self.ledger.apply(account_id, kind, request.amount)?;
+        let operation = Operation::new(kind, account_id, request.amount, request.currency);
+        let applied = match self.ledger.apply(&operation, attempt).await {
+            Ok(applied) => applied,
+            Err(error) => {
+                log_failure(&error, account_id);
+                return Err(error.into());
+            }
+        };
         tracing::info!(
             account_id,
             ?kind,
-            amount = request.amount,
+            amount = operation.amount,
             balance = applied.balance,
+            keyed = attempt.key().is_some(),
+            transactional = attempt.transaction().is_some(),
             "applied"
         );
         Ok(Receipt {
             id: applied.id,
-            account_id: account_id.to_owned(),
-            amount: request.amount,
-            currency: request.currency,
+            account_id: operation.account_id,
+            amount: operation.amount,
+            currency: operation.currency,
             balance: applied.balance,
         })
+    }
+}
+
+/// The log keeps what the client is not told: the cause, with its sources.
+fn log_failure(error: &LedgerError, account_id: &str) {
+    if let LedgerError::Unavailable(_) = error {
+        let mut cause = error.to_string();
+        let mut source = std::error::Error::source(error);
+        while let Some(next) = source {
+            cause.push_str(&format!(": {next}"));
+            source = next.source();
+        }
+        tracing::error!(account_id, error = %cause, "the ledger failed; nothing was applied");
     }
 }
 
@@ -162,8 +206,11 @@ impl Principal {
     /// use payments::{PaymentError, Principal};
     ///
     /// assert_eq!(Principal::from_authorization(Some(b"Bearer alice"))?.as_str(), "alice");
-    /// assert_eq!(Principal::from_authorization(None), Err(PaymentError::Unauthorized));
-    /// assert_eq!(Principal::from_authorization(Some(b"Basic YTpi")), Err(PaymentError::Unauthorized));
+    /// assert!(matches!(Principal::from_authorization(None), Err(PaymentError::Unauthorized)));
+    /// assert!(matches!(
+    ///     Principal::from_authorization(Some(b"Basic YTpi")),
+    ///     Err(PaymentError::Unauthorized)
+    /// ));
     /// # Ok::<(), PaymentError>(())
     /// ```
     pub fn from_authorization(value: Option<&[u8]>) -> Result<Self, PaymentError> {
@@ -226,7 +273,8 @@ impl PaymentError {
     pub fn status(&self) -> u16 {
         match self {
             Self::Unauthorized => 401,
-            Self::InvalidRequest(_) | Self::Ledger(_) => 400,
+            Self::InvalidRequest(_) | Self::Ledger(LedgerError::Overflow { .. }) => 400,
+            Self::Ledger(LedgerError::Unavailable(_)) => 503,
         }
     }
 
@@ -234,7 +282,10 @@ impl PaymentError {
     pub fn slug(&self) -> &'static str {
         match self {
             Self::Unauthorized => "unauthorized",
-            Self::InvalidRequest(_) | Self::Ledger(_) => "invalid-request",
+            Self::InvalidRequest(_) | Self::Ledger(LedgerError::Overflow { .. }) => {
+                "invalid-request"
+            }
+            Self::Ledger(LedgerError::Unavailable(_)) => "ledger-unavailable",
         }
     }
 
@@ -244,20 +295,40 @@ impl PaymentError {
     /// let answer = payments::PaymentError::Unauthorized.answer();
     /// assert_eq!((answer.status, answer.content_type), (401, "application/problem+json"));
     /// ```
+    ///
+    /// A ledger that failed is `503` with `Retry-After: 1`, and its detail
+    /// names no cause (the log has it):
+    ///
+    /// ```
+    /// use payments::{LedgerError, PaymentError};
+    ///
+    /// let error = PaymentError::from(LedgerError::Unavailable("connection refused".into()));
+    /// let answer = error.answer();
+    /// assert_eq!((answer.status, answer.retry_after), (503, Some(1)));
+    /// assert!(!answer.body.contains("refused"));
+    /// ```
     pub fn answer(&self) -> Answer {
-        let title = match self {
-            Self::Unauthorized => "Authentication required",
-            Self::InvalidRequest(_) | Self::Ledger(_) => "Invalid request",
+        let (title, detail, retry_after) = match self {
+            Self::Unauthorized => ("Authentication required", self.to_string(), None),
+            Self::InvalidRequest(_) | Self::Ledger(LedgerError::Overflow { .. }) => {
+                ("Invalid request", self.to_string(), None)
+            }
+            Self::Ledger(LedgerError::Unavailable(_)) => (
+                "Ledger unavailable",
+                "the ledger is unavailable; the request was not applied, retry later".to_owned(),
+                Some(1),
+            ),
         };
         let body = serde_json::json!({
             "type": format!("{PROBLEM_TYPE_BASE}{}", self.slug()),
             "title": title,
             "status": self.status(),
-            "detail": self.to_string(),
+            "detail": detail,
         });
         Answer {
             status: self.status(),
             content_type: PROBLEM_CONTENT_TYPE,
+            retry_after,
             body: body.to_string(),
         }
     }
@@ -269,6 +340,7 @@ impl Answer {
         Self {
             status,
             content_type: "application/json",
+            retry_after: None,
             // Serializing these plain structs cannot fail.
             body: serde_json::to_string(value).unwrap_or_default(),
         }
@@ -285,10 +357,13 @@ impl From<Result<Receipt, PaymentError>> for Answer {
     }
 }
 
-/// `200` with the account.
-impl From<AccountView> for Answer {
-    fn from(account: AccountView) -> Self {
-        Self::json(200, &account)
+/// `200` with the account, or the problem.
+impl From<Result<AccountView, PaymentError>> for Answer {
+    fn from(result: Result<AccountView, PaymentError>) -> Self {
+        match result {
+            Ok(account) => Self::json(200, &account),
+            Err(error) => error.answer(),
+        }
     }
 }
 
@@ -296,30 +371,76 @@ impl From<AccountView> for Answer {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+    use std::path::PathBuf;
+
+    use idem_core::IdempotencyKey;
+    use idem_diesel::SqliteStore;
+
     use super::*;
 
-    #[tokio::test]
-    async fn every_charge_applies_its_amount() {
-        let payments = Payments::new(Ledger::new(), Duration::ZERO);
+    /// A SQLite file in a fresh directory, removed when dropped.
+    struct SqliteFile(PathBuf);
+
+    impl SqliteFile {
+        fn new() -> Self {
+            let dir = std::env::temp_dir().join(format!("payments-ledger-{}", Uuid::new_v4()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Self(dir)
+        }
+
+        /// The ledger in the file, as `--store sqlite://…` opens it.
+        async fn ledger(&self) -> Ledger {
+            let url = format!("sqlite://{}", self.0.join("payments.db").display());
+            let store = SqliteStore::connect(&url).await.unwrap();
+            store.migrate().await.unwrap();
+            let ledger = Ledger::sqlite(store.pool().clone());
+            ledger.migrate().await.unwrap();
+            ledger
+        }
+    }
+
+    impl Drop for SqliteFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    async fn every_charge_applies_its_amount(ledger: Ledger) {
+        let payments = Payments::new(ledger, Duration::ZERO);
         let body = br#"{"amount": 100, "currency": "EUR"}"#;
-        let first = payments.charge("a1", body).await.unwrap();
-        let second = payments.deposit("a1", body).await.unwrap();
+        let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("k-1").unwrap());
+        let first = payments.charge("a1", body, &keyed).await.unwrap();
+        let second = payments
+            .deposit("a1", body, &Attempt::unkeyed())
+            .await
+            .unwrap();
         assert_ne!(first.id, second.id);
         assert_eq!((first.balance, second.balance), (100, 200));
         assert_eq!(
-            payments.account("a1"),
+            payments.account("a1").await.unwrap(),
             AccountView {
                 account_id: "a1".into(),
                 balance: 200,
                 operations: 2
             }
         );
-        assert_eq!(payments.account("unknown").operations, 0);
+        assert_eq!(payments.account("unknown").await.unwrap().operations, 0);
+    }
+
+    #[tokio::test]
+    async fn every_charge_applies_its_amount_in_memory() {
+        every_charge_applies_its_amount(Ledger::memory()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_charge_applies_its_amount_on_sqlite() {
+        let file = SqliteFile::new();
+        every_charge_applies_its_amount(file.ledger().await).await;
     }
 
     #[tokio::test]
     async fn invalid_bodies_are_400_problems_and_apply_nothing() {
-        let payments = Payments::new(Ledger::new(), Duration::ZERO);
+        let payments = Payments::new(Ledger::memory(), Duration::ZERO);
         for body in [
             &br#"{"amount": -1, "currency": "EUR"}"#[..],
             br#"{"amount": 1.5, "currency": "EUR"}"#,
@@ -329,35 +450,156 @@ mod tests {
             br#"{"amount": 1, "currency": "EUR", "extra": true}"#,
             b"not json",
         ] {
-            let error = payments.charge("a1", body).await.unwrap_err();
+            let error = payments
+                .charge("a1", body, &Attempt::unkeyed())
+                .await
+                .unwrap_err();
             let answer = error.answer();
             assert_eq!(answer.status, 400);
             let json: serde_json::Value = serde_json::from_str(&answer.body).unwrap();
             assert_eq!(json["type"], "https://idem.rs/problems/invalid-request");
             assert_eq!(json["status"], 400);
         }
-        assert_eq!(payments.account("a1").operations, 0);
+        assert_eq!(payments.account("a1").await.unwrap().operations, 0);
     }
 
-    #[tokio::test]
-    async fn an_overflowing_balance_is_refused() {
-        let payments = Payments::new(Ledger::new(), Duration::ZERO);
+    async fn an_overflowing_balance_is_refused(ledger: Ledger) {
+        let payments = Payments::new(ledger, Duration::ZERO);
         let max = format!(r#"{{"amount": {}, "currency": "EUR"}}"#, i64::MAX);
-        payments.deposit("a1", max.as_bytes()).await.unwrap();
+        let one = br#"{"amount": 1, "currency": "EUR"}"#;
+        let unkeyed = Attempt::unkeyed();
+        payments.deposit("a1", one, &unkeyed).await.unwrap();
         let error = payments
-            .deposit("a1", br#"{"amount": 1, "currency": "EUR"}"#)
+            .deposit("a1", max.as_bytes(), &unkeyed)
             .await
             .unwrap_err();
         assert_eq!(error.status(), 400);
-        assert_eq!(payments.account("a1").balance, i64::MAX);
+        assert_eq!(
+            error.to_string(),
+            "the balance of a1 would overflow",
+            "{error:?}"
+        );
+        // Nothing of the refused operation was applied.
+        assert_eq!(
+            payments.account("a1").await.unwrap(),
+            AccountView {
+                account_id: "a1".into(),
+                balance: 1,
+                operations: 1
+            }
+        );
+        // Up to the limit exactly.
+        let rest = format!(r#"{{"amount": {}, "currency": "EUR"}}"#, i64::MAX - 1);
+        let receipt = payments
+            .deposit("a1", rest.as_bytes(), &unkeyed)
+            .await
+            .unwrap();
+        assert_eq!(receipt.balance, i64::MAX);
+        assert_eq!(
+            payments
+                .deposit("a1", one, &unkeyed)
+                .await
+                .unwrap_err()
+                .status(),
+            400
+        );
+        assert_eq!(payments.account("a1").await.unwrap().operations, 2);
+    }
+
+    #[tokio::test]
+    async fn an_overflowing_balance_is_refused_in_memory() {
+        an_overflowing_balance_is_refused(Ledger::memory()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_overflowing_balance_is_refused_on_sqlite() {
+        let file = SqliteFile::new();
+        an_overflowing_balance_is_refused(file.ledger().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_sqlite_ledger_survives_a_reopen_and_records_each_key() {
+        let file = SqliteFile::new();
+        let body = br#"{"amount": 70, "currency": "EUR"}"#;
+        let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("k-9").unwrap());
+        let receipt = {
+            let payments = Payments::new(file.ledger().await, Duration::ZERO);
+            payments.charge("a1", body, &keyed).await.unwrap()
+        };
+        // A second start-up migrates again: nothing is lost.
+        let ledger = file.ledger().await;
+        let payments = Payments::new(ledger, Duration::ZERO);
+        payments
+            .deposit("a1", body, &Attempt::unkeyed())
+            .await
+            .unwrap();
+        assert_eq!(
+            payments.account("a1").await.unwrap(),
+            AccountView {
+                account_id: "a1".into(),
+                balance: 140,
+                operations: 2
+            }
+        );
+        let url = format!("sqlite://{}", file.0.join("payments.db").display());
+        let store = SqliteStore::connect(&url).await.unwrap();
+        let mut connection = store.pool().get().await.unwrap();
+        let rows: Vec<OperationRow> = connection
+            .spawn_blocking(|c| {
+                use diesel::RunQueryDsl;
+                diesel::sql_query(
+                    "SELECT id, kind, amount, idempotency_scope, idempotency_key \
+                     FROM payment_operations ORDER BY created_at, kind",
+                )
+                .load(c)
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            rows,
+            [
+                OperationRow {
+                    id: receipt.id.to_string(),
+                    kind: "charge".into(),
+                    amount: 70,
+                    idempotency_scope: Some("alice".into()),
+                    idempotency_key: Some("k-9".into()),
+                },
+                OperationRow {
+                    id: rows[1].id.clone(),
+                    kind: "deposit".into(),
+                    amount: 70,
+                    idempotency_scope: None,
+                    idempotency_key: None,
+                },
+            ]
+        );
+    }
+
+    #[derive(Debug, PartialEq, Eq, diesel::QueryableByName)]
+    struct OperationRow {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        id: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        kind: String,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        amount: i64,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+        idempotency_scope: Option<String>,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+        idempotency_key: Option<String>,
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_charge_waits_for_the_provider() {
-        let payments = Payments::new(Ledger::new(), Duration::from_secs(2));
+        let payments = Payments::new(Ledger::memory(), Duration::from_secs(2));
         let started = tokio::time::Instant::now();
         payments
-            .charge("a1", br#"{"amount": 1, "currency": "EUR"}"#)
+            .charge(
+                "a1",
+                br#"{"amount": 1, "currency": "EUR"}"#,
+                &Attempt::unkeyed(),
+            )
             .await
             .unwrap();
         assert!(started.elapsed() >= Duration::from_secs(2));

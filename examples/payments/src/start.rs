@@ -1,15 +1,23 @@
-//! Start-up: the command line, the store it names, the listener.
+//! Start-up: the command line, the store it names (with the ledger in the same
+//! database), the listener.
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use idem_core::{MemoryStore, Store};
+use idem_core::MemoryStore;
 use idem_diesel::{PgStore, SetupError, SqliteStore};
+
+use crate::{Guards, Ledger, LedgerError};
 
 /// The store used when neither `--store` nor `DATABASE_URL` names one.
 pub const DEFAULT_STORE: &str = "sqlite://payments.db";
+
+/// The PostgreSQL pool's size: in transactional mode every running keyed
+/// request holds a connection until it commits (the provider's latency
+/// included), besides the waiting duplicates' polls and the ledger's reads.
+const POSTGRES_POOL_SIZE: u32 = 32;
 
 /// The command line of both payments services (CONTRACT §8).
 ///
@@ -51,6 +59,28 @@ pub enum StoreUrl {
     Postgres(String),
 }
 
+/// What `--store` opened: the idempotency middleware of each route and the
+/// ledger, both in the one database the URL names.
+///
+/// | `--store` | records | ledger | keyed charges and deposits |
+/// |---|---|---|---|
+/// | `memory` | in memory | in memory | plain: `409` for a running duplicate |
+/// | `sqlite://PATH` | `idem_records` in the file | `payment_accounts`, `payment_operations` in the file | plain |
+/// | `postgres://…` | `idem_records` | `payment_accounts`, `payment_operations` | transactional ([`Guards::transactional`]) |
+///
+/// With the plain stores, the claim, the ledger's writes and the completion are
+/// separate steps: a process killed between the ledger's commit and the
+/// completion leaves a charge applied with its key still in progress; once the
+/// claim's lease (30 s) lapses, the retry applies it again. On PostgreSQL the
+/// three commit together, so a crash at any point leaves one effect or none.
+#[derive(Clone, Debug)]
+pub struct Storage {
+    /// The idempotency middleware of the keyed routes.
+    pub guards: Guards,
+    /// The accounts.
+    pub ledger: Ledger,
+}
+
 /// Why the service could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -65,6 +95,15 @@ pub enum StartError {
         /// Why.
         #[source]
         source: SetupError,
+    },
+    /// The ledger's tables could not be created.
+    #[error("cannot open the {kind} ledger")]
+    Ledger {
+        /// `SQLite` or `PostgreSQL`.
+        kind: &'static str,
+        /// Why.
+        #[source]
+        source: LedgerError,
     },
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
@@ -129,32 +168,59 @@ impl StoreUrl {
         }
     }
 
-    /// Opens the store: connects, creates or upgrades its table, and starts its
-    /// cleanup job (deleting expired records) on the current Tokio runtime.
-    pub async fn open(&self) -> Result<Arc<dyn Store>, StartError> {
-        match self {
-            Self::Memory => Ok(Arc::new(MemoryStore::new())),
+    /// Opens the store and the ledger in its database: connects, creates or
+    /// upgrades the idempotency table and the ledger's tables, and starts the
+    /// store's cleanup job (deleting expired records) on the current Tokio
+    /// runtime. See [`Storage`] for what each store gives.
+    pub async fn open(&self) -> Result<Storage, StartError> {
+        let storage = match self {
+            Self::Memory => Storage {
+                guards: Guards::plain(Arc::new(MemoryStore::new())),
+                ledger: Ledger::memory(),
+            },
             Self::Sqlite(path) => {
-                let failed = |source| StartError::Store {
-                    kind: "SQLite",
-                    source,
-                };
+                let kind = "SQLite";
+                let failed = |source| StartError::Store { kind, source };
                 let store = SqliteStore::connect(path).await.map_err(failed)?;
                 store.migrate().await.map_err(failed)?;
+                let ledger = Ledger::sqlite(store.pool().clone());
+                ledger
+                    .migrate()
+                    .await
+                    .map_err(|source| StartError::Ledger { kind, source })?;
                 tokio::spawn(store.cleanup().run(std::future::pending()));
-                Ok(Arc::new(store))
+                Storage {
+                    guards: Guards::plain(Arc::new(store)),
+                    ledger,
+                }
             }
             Self::Postgres(url) => {
-                let failed = |source| StartError::Store {
-                    kind: "PostgreSQL",
-                    source,
-                };
-                let store = PgStore::connect(url).await.map_err(failed)?;
+                let kind = "PostgreSQL";
+                let failed = |source| StartError::Store { kind, source };
+                let store = PgStore::builder()
+                    .max_connections(POSTGRES_POOL_SIZE)
+                    .connect(url)
+                    .await
+                    .map_err(failed)?;
                 store.migrate().await.map_err(failed)?;
+                let ledger = Ledger::postgres(store.pool().clone());
+                ledger
+                    .migrate()
+                    .await
+                    .map_err(|source| StartError::Ledger { kind, source })?;
                 tokio::spawn(store.cleanup().run(std::future::pending()));
-                Ok(Arc::new(store))
+                Storage {
+                    guards: Guards::transactional(&store),
+                    ledger,
+                }
             }
-        }
+        };
+        tracing::info!(
+            ledger = storage.ledger.kind(),
+            transactional = storage.guards.charges.is_transactional(),
+            "store and ledger opened"
+        );
+        Ok(storage)
     }
 }
 

@@ -1,29 +1,65 @@
-//! The ledger: accounts, their balances, and the operations applied to them.
+//! The ledger: accounts, their balances, and the operations applied to them; in
+//! memory, or in the idempotency store's own database.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+mod memory;
+mod postgres;
+mod sqlite;
 
+use std::fmt;
+use std::sync::Arc;
+
+use idem_core::store::BoxError;
+use idem_core::{IdempotencyKey, Scope};
+use idem_diesel::{PgPool, PgTransaction, SqlitePool};
 use serde::Serialize;
 use uuid::Uuid;
 
-/// The accounts, in memory. Cheap to clone; clones share the accounts.
+use memory::MemoryLedger;
+
+/// The accounts and every operation applied to them. Cheap to clone; clones
+/// share the accounts.
+///
+/// - [`Ledger::memory`]: in this process, lost on exit (`--store memory`).
+/// - [`Ledger::sqlite`]: tables in the SQLite store's file, through its pool.
+/// - [`Ledger::postgres`]: tables in the PostgreSQL store's database, through
+///   its pool; an operation whose [`Attempt`] carries the request's
+///   [`PgTransaction`] is written in that transaction, so it commits with the
+///   idempotency record or not at all (transactional mode, CONTRACT §7).
+///
+/// The database ledgers create their tables with [`migrate`](Self::migrate)
+/// (`src/ledger/postgres.sql`, `src/ledger/sqlite.sql`): `payment_accounts`
+/// (the balance and the operation count of each account) and
+/// `payment_operations` (one row per operation, with the request's principal
+/// and key when it had one). Both change in one transaction, so they always
+/// agree.
 ///
 /// Applying an operation is not idempotent by nature: every call adds its amount
 /// again. That is what the idempotency middleware protects.
 ///
 /// ```
-/// use payments::{Ledger, OperationKind};
+/// use payments::{Attempt, Ledger, Operation, OperationKind};
 ///
-/// let ledger = Ledger::new();
-/// ledger.apply("acct-1", OperationKind::Deposit, 100)?;
-/// ledger.apply("acct-1", OperationKind::Charge, 25)?;
-/// let account = ledger.account("acct-1");
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let ledger = Ledger::memory();
+/// let deposit = Operation::new(OperationKind::Deposit, "acct-1", 100, "EUR");
+/// ledger.apply(&deposit, &Attempt::unkeyed()).await?;
+/// let charge = Operation::new(OperationKind::Charge, "acct-1", 25, "EUR");
+/// ledger.apply(&charge, &Attempt::unkeyed()).await?;
+/// let account = ledger.account("acct-1").await?;
 /// assert_eq!((account.balance, account.operations), (125, 2));
 /// # Ok::<(), payments::LedgerError>(())
+/// # }).unwrap();
 /// ```
-#[derive(Clone, Debug, Default)]
+#[derive(Clone)]
 pub struct Ledger {
-    accounts: Arc<Mutex<HashMap<String, AccountState>>>,
+    backend: Backend,
+}
+
+#[derive(Clone)]
+enum Backend {
+    Memory(MemoryLedger),
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
 }
 
 /// Charges and deposits.
@@ -34,6 +70,39 @@ pub enum OperationKind {
     Charge,
     /// A deposit.
     Deposit,
+}
+
+/// An operation for the ledger to apply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Operation {
+    /// A charge or a deposit.
+    pub kind: OperationKind,
+    /// The account.
+    pub account_id: String,
+    /// The amount added to the balance.
+    pub amount: i64,
+    /// Its currency (recorded with the operation; balances ignore it).
+    pub currency: String,
+}
+
+/// One delivery of a request, as the idempotency middleware let it through:
+/// the key it carried, if any, and the transaction its writes join, if any.
+///
+/// ```
+/// use idem_core::{IdempotencyKey, Scope};
+/// use payments::Attempt;
+///
+/// let unkeyed = Attempt::unkeyed();
+/// assert!(unkeyed.key().is_none());
+/// let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("order-1")?);
+/// assert_eq!(keyed.key().map(|(_, key)| key.as_str()), Some("order-1"));
+/// assert!(keyed.transaction().is_none());
+/// # Ok::<(), idem_core::KeyError>(())
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct Attempt {
+    key: Option<(Scope, IdempotencyKey)>,
+    transaction: Option<Arc<PgTransaction>>,
 }
 
 /// An operation the ledger applied.
@@ -56,8 +125,8 @@ pub struct AccountView {
     pub operations: u64,
 }
 
-/// Why an operation was not applied.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// Why an operation was not applied, or an account not read.
+#[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
     /// The balance would leave the range of a 64-bit integer.
     #[error("the balance of {account_id} would overflow")]
@@ -65,51 +134,193 @@ pub enum LedgerError {
         /// The account.
         account_id: String,
     },
+    /// The ledger's database failed, or the request's transaction had ended;
+    /// nothing was applied (in transactional mode the request's transaction
+    /// is rolled back with it).
+    #[error("the ledger is unavailable")]
+    Unavailable(#[source] BoxError),
 }
 
-#[derive(Debug, Default)]
-struct AccountState {
-    balance: i64,
-    operations: Vec<(Uuid, OperationKind, i64)>,
-}
+/// An operation carried the request's PostgreSQL transaction to a ledger that
+/// is not in that database: its writes could not commit with the record.
+#[derive(Debug, thiserror::Error)]
+#[error("the request runs in a PostgreSQL transaction, but the ledger is not on PostgreSQL")]
+struct ForeignTransaction;
 
 impl Ledger {
-    /// An empty ledger.
-    pub fn new() -> Self {
-        Self::default()
+    /// An empty ledger in memory.
+    pub fn memory() -> Self {
+        Self {
+            backend: Backend::Memory(MemoryLedger::default()),
+        }
     }
 
-    /// Adds `amount` to the account's balance and records the operation.
-    pub fn apply(
+    /// The ledger in the SQLite file of `pool` (the SQLite store's:
+    /// `SqliteStore::pool`). Call [`migrate`](Self::migrate) before use.
+    pub fn sqlite(pool: SqlitePool) -> Self {
+        Self {
+            backend: Backend::Sqlite(pool),
+        }
+    }
+
+    /// The ledger in the PostgreSQL database of `pool` (the store's:
+    /// `PgStore::pool`). Call [`migrate`](Self::migrate) before use.
+    pub fn postgres(pool: PgPool) -> Self {
+        Self {
+            backend: Backend::Postgres(pool),
+        }
+    }
+
+    /// Creates the ledger's tables if they are missing (nothing to do in memory).
+    pub async fn migrate(&self) -> Result<(), LedgerError> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(()),
+            Backend::Sqlite(pool) => sqlite::migrate(pool).await,
+            Backend::Postgres(pool) => postgres::migrate(pool).await,
+        }
+    }
+
+    /// Adds the operation's amount to the account's balance and records the
+    /// operation, with the attempt's key. When the attempt carries the request's
+    /// transaction, the writes are made in it (PostgreSQL only).
+    pub async fn apply(
         &self,
-        account_id: &str,
-        kind: OperationKind,
-        amount: i64,
+        operation: &Operation,
+        attempt: &Attempt,
     ) -> Result<Applied, LedgerError> {
-        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
-        let account = accounts.entry(account_id.to_owned()).or_default();
-        let balance = account
-            .balance
-            .checked_add(amount)
-            .ok_or_else(|| LedgerError::Overflow {
-                account_id: account_id.to_owned(),
-            })?;
         let id = Uuid::new_v4();
-        account.balance = balance;
-        account.operations.push((id, kind, amount));
-        Ok(Applied { id, balance })
+        match (&self.backend, attempt.transaction()) {
+            (Backend::Postgres(pool), None) => postgres::apply(pool, id, operation, attempt).await,
+            (Backend::Postgres(_), Some(transaction)) => {
+                postgres::apply_in(transaction, id, operation, attempt).await
+            }
+            (_, Some(_)) => Err(LedgerError::Unavailable(ForeignTransaction.into())),
+            (Backend::Memory(memory), None) => memory.apply(id, operation),
+            (Backend::Sqlite(pool), None) => sqlite::apply(pool, id, operation, attempt).await,
+        }
     }
 
     /// The account; an unknown one reads as balance 0 and no operations.
-    pub fn account(&self, account_id: &str) -> AccountView {
-        let accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
-        let (balance, operations) = accounts.get(account_id).map_or((0, 0), |account| {
-            (account.balance, account.operations.len() as u64)
-        });
-        AccountView {
+    pub async fn account(&self, account_id: &str) -> Result<AccountView, LedgerError> {
+        let (balance, operations) = match &self.backend {
+            Backend::Memory(memory) => memory.account(account_id),
+            Backend::Sqlite(pool) => sqlite::account(pool, account_id).await?,
+            Backend::Postgres(pool) => postgres::account(pool, account_id).await?,
+        };
+        Ok(AccountView {
             account_id: account_id.to_owned(),
             balance,
             operations,
+        })
+    }
+
+    /// Where the accounts live: `memory`, `SQLite` or `PostgreSQL`.
+    pub fn kind(&self) -> &'static str {
+        match self.backend {
+            Backend::Memory(_) => "memory",
+            Backend::Sqlite(_) => "SQLite",
+            Backend::Postgres(_) => "PostgreSQL",
         }
     }
 }
+
+impl Default for Ledger {
+    /// [`Ledger::memory`].
+    fn default() -> Self {
+        Self::memory()
+    }
+}
+
+impl fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ledger")
+            .field("kind", &self.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+impl OperationKind {
+    /// `charge` or `deposit`, as the ledger's tables spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Charge => "charge",
+            Self::Deposit => "deposit",
+        }
+    }
+}
+
+impl Operation {
+    /// An operation of `kind` adding `amount` (in `currency`) to `account_id`.
+    pub fn new(
+        kind: OperationKind,
+        account_id: impl Into<String>,
+        amount: i64,
+        currency: impl Into<String>,
+    ) -> Self {
+        Self {
+            kind,
+            account_id: account_id.into(),
+            amount,
+            currency: currency.into(),
+        }
+    }
+}
+
+impl Attempt {
+    /// A request without a key: its writes commit on their own, and every
+    /// delivery takes effect.
+    pub fn unkeyed() -> Self {
+        Self::default()
+    }
+
+    /// A request under `key`, which belongs to `scope` (the principal).
+    pub fn keyed(scope: Scope, key: IdempotencyKey) -> Self {
+        Self {
+            key: Some((scope, key)),
+            transaction: None,
+        }
+    }
+
+    /// The same attempt, whose writes join `transaction` when there is one: the
+    /// request's transaction in transactional mode, so that they commit with its
+    /// idempotency record, or not at all.
+    #[must_use]
+    pub fn within(self, transaction: Option<Arc<PgTransaction>>) -> Self {
+        Self {
+            transaction,
+            ..self
+        }
+    }
+
+    /// The scope and key, if the request had a key.
+    pub fn key(&self) -> Option<(&Scope, &IdempotencyKey)> {
+        self.key.as_ref().map(|(scope, key)| (scope, key))
+    }
+
+    /// The request's transaction, in transactional mode.
+    pub fn transaction(&self) -> Option<&PgTransaction> {
+        self.transaction.as_deref()
+    }
+
+    /// The scope and key as the ledger's rows store them.
+    fn recorded_key(&self) -> (Option<&str>, Option<&str>) {
+        match &self.key {
+            Some((scope, key)) => (Some(scope.as_str()), Some(key.as_str())),
+            None => (None, None),
+        }
+    }
+}
+
+impl LedgerError {
+    fn unavailable(error: impl Into<BoxError>) -> Self {
+        Self::Unavailable(error.into())
+    }
+}
+
+/// The guard of the balance update, in both SQL dialects: the new balance stays
+/// within a 64-bit integer (`excluded.balance` is the amount). A `CASE`, since
+/// neither database promises to evaluate `OR`'s operands in order, and the
+/// branch not taken would overflow.
+const BALANCE_IN_RANGE: &str = "CASE WHEN excluded.balance >= 0 \
+     THEN account.balance <= 9223372036854775807 - excluded.balance \
+     ELSE account.balance >= -9223372036854775807 - 1 - excluded.balance END";

@@ -1,0 +1,134 @@
+//! The idempotency middleware of each route: the store it keeps records in, and
+//! its policy.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{InProgress, Policy, Store};
+use idem_diesel::PgStore;
+
+/// How long, in transactional mode, a request waits for a running request
+/// with its key to commit before it is answered `409`.
+pub const TRANSACTIONAL_WAIT: Duration = Duration::from_secs(10);
+
+/// The idempotency middleware of both keyed routes. Each example puts
+/// [`charges`](Self::charges) on `POST /accounts/{account_id}/charges` and
+/// [`deposits`](Self::deposits) on `POST /accounts/{account_id}/deposits`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idem_core::KeyRequirement;
+/// use payments::Guards;
+///
+/// let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()));
+/// assert!(!guards.charges.is_transactional());
+/// assert_eq!(guards.charges.policy().key_requirement(), KeyRequirement::Required);
+/// assert_eq!(guards.deposits.policy().key_requirement(), KeyRequirement::Optional);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Guards {
+    /// `POST /accounts/{account_id}/charges`: key required.
+    pub charges: Guard,
+    /// `POST /accounts/{account_id}/deposits`: key optional.
+    pub deposits: Guard,
+}
+
+/// One route's idempotency middleware: its store and its policy.
+#[derive(Clone)]
+pub struct Guard {
+    store: Arc<dyn Store>,
+    policy: Policy,
+    transactional: bool,
+}
+
+/// The idempotency policy of `POST /accounts/{account_id}/charges` on a plain
+/// store: key required; a duplicate of a running charge is answered `409`.
+pub fn charge_policy() -> Policy {
+    Policy::required()
+}
+
+/// The idempotency policy of `POST /accounts/{account_id}/deposits` on a plain
+/// store: key optional (without one, every delivery takes effect).
+pub fn deposit_policy() -> Policy {
+    Policy::optional()
+}
+
+impl Guards {
+    /// Both routes on `store` (memory, SQLite, or PostgreSQL without
+    /// transactional mode): the claim, the handler's writes and the completion
+    /// are separate steps.
+    pub fn plain(store: Arc<dyn Store>) -> Self {
+        Self {
+            charges: Guard {
+                store: Arc::clone(&store),
+                policy: charge_policy(),
+                transactional: false,
+            },
+            deposits: Guard {
+                store,
+                policy: deposit_policy(),
+                transactional: false,
+            },
+        }
+    }
+
+    /// Both routes in transactional mode on `store` (CONTRACT §7): the claim,
+    /// the ledger's writes (through the request's
+    /// [`PgTransaction`](idem_diesel::PgTransaction)) and the completion commit
+    /// together, or not at all, so a crash at any point leaves one effect or
+    /// none.
+    ///
+    /// - **Deposits too**: a keyed deposit joins the transaction as a charge
+    ///   does. A deposit without a key has no record to commit with; it passes
+    ///   through, and its writes commit on their own.
+    /// - **Duplicates wait**: a request whose key is running sees only the
+    ///   running transaction's lock, not its record (uncommitted, so invisible),
+    ///   so a `409` would tell it nothing. It waits up to [`TRANSACTIONAL_WAIT`]
+    ///   for the commit instead and replays the committed answer (or gets `422`
+    ///   if its body differs; if the first request rolled back, it runs itself).
+    pub fn transactional(store: &PgStore) -> Self {
+        let store: Arc<dyn Store> = Arc::new(store.transactional());
+        let wait = InProgress::Wait {
+            up_to: TRANSACTIONAL_WAIT,
+        };
+        Self {
+            charges: Guard {
+                store: Arc::clone(&store),
+                policy: charge_policy().in_progress(wait),
+                transactional: true,
+            },
+            deposits: Guard {
+                store,
+                policy: deposit_policy().in_progress(wait),
+                transactional: true,
+            },
+        }
+    }
+}
+
+impl Guard {
+    /// The store the route's records are kept in.
+    pub fn store(&self) -> Arc<dyn Store> {
+        Arc::clone(&self.store)
+    }
+
+    /// The route's policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Whether the route runs its handler inside the store's transaction.
+    pub fn is_transactional(&self) -> bool {
+        self.transactional
+    }
+}
+
+impl fmt::Debug for Guard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Guard")
+            .field("policy", &self.policy)
+            .field("transactional", &self.transactional)
+            .finish_non_exhaustive()
+    }
+}

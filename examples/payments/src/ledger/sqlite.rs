@@ -1,0 +1,146 @@
+//! The ledger in the SQLite store's file.
+
+use diesel::connection::SimpleConnection;
+use diesel::sql_types::{BigInt, Nullable, Text};
+use diesel::{OptionalExtension, QueryResult, RunQueryDsl, SqliteConnection};
+use idem_diesel::SqlitePool;
+use uuid::Uuid;
+
+use super::{Applied, Attempt, BALANCE_IN_RANGE, LedgerError, Operation};
+
+/// The tables, created if missing.
+const MIGRATION: &str = include_str!("sqlite.sql");
+
+const INSERT_OPERATION: &str = "INSERT INTO payment_operations
+     (id, account_id, kind, amount, currency, balance_after, idempotency_scope, idempotency_key)
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
+
+const ACCOUNT: &str = "SELECT balance, operations FROM payment_accounts WHERE account_id = ?";
+
+/// The balance update (`?` account, `?` amount); an overflow updates nothing
+/// and returns no row.
+fn update_statement() -> String {
+    format!(
+        "INSERT INTO payment_accounts AS account (account_id, balance, operations)
+         VALUES (?, ?, 1)
+         ON CONFLICT (account_id) DO UPDATE
+             SET balance = account.balance + excluded.balance,
+                 operations = account.operations + 1
+             WHERE {BALANCE_IN_RANGE}
+         RETURNING balance"
+    )
+}
+
+#[derive(diesel::QueryableByName)]
+struct BalanceRow {
+    #[diesel(sql_type = BigInt)]
+    balance: i64,
+}
+
+#[derive(diesel::QueryableByName)]
+struct AccountRow {
+    #[diesel(sql_type = BigInt)]
+    balance: i64,
+    #[diesel(sql_type = BigInt)]
+    operations: i64,
+}
+
+/// An operation as the blocking task owns it.
+struct Row {
+    id: String,
+    operation: Operation,
+    scope: Option<String>,
+    key: Option<String>,
+}
+
+pub(super) async fn migrate(pool: &SqlitePool) -> Result<(), LedgerError> {
+    run(pool, |c| {
+        c.immediate_transaction(|c| c.batch_execute(MIGRATION))
+    })
+    .await
+}
+
+/// Applies the operation in an immediate transaction of its own.
+pub(super) async fn apply(
+    pool: &SqlitePool,
+    id: Uuid,
+    operation: &Operation,
+    attempt: &Attempt,
+) -> Result<Applied, LedgerError> {
+    let (scope, key) = attempt.recorded_key();
+    let row = Row {
+        id: id.to_string(),
+        operation: operation.clone(),
+        scope: scope.map(str::to_owned),
+        key: key.map(str::to_owned),
+    };
+    let balance = run(pool, move |c| c.immediate_transaction(|c| insert(c, &row))).await?;
+    match balance {
+        Some(balance) => Ok(Applied { id, balance }),
+        None => Err(LedgerError::Overflow {
+            account_id: operation.account_id.clone(),
+        }),
+    }
+}
+
+pub(super) async fn account(
+    pool: &SqlitePool,
+    account_id: &str,
+) -> Result<(i64, u64), LedgerError> {
+    let account_id = account_id.to_owned();
+    let row = run(pool, move |c| {
+        diesel::sql_query(ACCOUNT)
+            .bind::<Text, _>(&account_id)
+            .get_result::<AccountRow>(c)
+            .optional()
+    })
+    .await?;
+    Ok(row.map_or((0, 0), |row| {
+        (row.balance, u64::try_from(row.operations).unwrap_or(0))
+    }))
+}
+
+/// The balance update, then the operation's row; `None` on overflow.
+fn insert(c: &mut SqliteConnection, row: &Row) -> QueryResult<Option<i64>> {
+    let operation = &row.operation;
+    let updated = diesel::sql_query(update_statement())
+        .bind::<Text, _>(&operation.account_id)
+        .bind::<BigInt, _>(operation.amount)
+        .get_result::<BalanceRow>(c)
+        .optional()?;
+    let Some(BalanceRow { balance }) = updated else {
+        return Ok(None);
+    };
+    diesel::sql_query(INSERT_OPERATION)
+        .bind::<Text, _>(&row.id)
+        .bind::<Text, _>(&operation.account_id)
+        .bind::<Text, _>(operation.kind.as_str())
+        .bind::<BigInt, _>(operation.amount)
+        .bind::<Text, _>(&operation.currency)
+        .bind::<BigInt, _>(balance)
+        .bind::<Nullable<Text>, _>(row.scope.as_deref())
+        .bind::<Nullable<Text>, _>(row.key.as_deref())
+        .execute(c)?;
+    Ok(Some(balance))
+}
+
+/// Runs `task` on a pooled connection, on a blocking thread, as a Tokio task of
+/// its own: dropping the future of a blocking step makes diesel-async wait for
+/// it with `block_in_place`, which panics on a current-thread runtime (each
+/// actix-web worker runs on one). A handler dropped mid-step detaches instead,
+/// and the step finishes by itself.
+async fn run<R: Send + 'static>(
+    pool: &SqlitePool,
+    task: impl FnOnce(&mut SqliteConnection) -> QueryResult<R> + Send + 'static,
+) -> Result<R, LedgerError> {
+    let pool = pool.clone();
+    tokio::spawn(async move {
+        let mut connection = pool.get_owned().await.map_err(LedgerError::unavailable)?;
+        connection
+            .spawn_blocking(task)
+            .await
+            .map_err(LedgerError::unavailable)
+    })
+    .await
+    .map_err(LedgerError::unavailable)?
+}

@@ -1,0 +1,210 @@
+//! The checks both example binaries pass as processes on PostgreSQL (feature
+//! `test-util`), so that `payments-axum` and `payments-actix` are held to the
+//! same behaviour by the same code. Each example's `tests/postgres.rs` is one
+//! line:
+//!
+//! ```no_run
+//! fn main() -> std::process::ExitCode {
+//!     payments::testing::run("/path/to/payments-axum") // env!("CARGO_BIN_EXE_payments-axum")
+//! }
+//! ```
+//!
+//! [`run`] is the test binary's harness (libtest-mimic, so the usual filters
+//! and `--list` work): it starts a throwaway PostgreSQL cluster on first use
+//! (idem-diesel's `TestCluster`), gives each trial a fresh database, runs the
+//! trials, and removes the cluster at the end. Servers are started with
+//! `--listen 127.0.0.1:0` and killed (`SIGKILL`) when a trial is done with
+//! them, or drops them on a failure.
+//!
+//! The trials:
+//!
+//! - **the crash test** (`crash::sigkill_mid_charge_applies_each_charge_exactly_once`):
+//!   rounds of a server started with a random `--provider-latency-ms`, a batch
+//!   of charges with distinct keys (some sent twice at once), fired at random
+//!   moments, and a `SIGKILL`: in turn while the test holds the account's row
+//!   (so that charges are caught inside their transactions), as soon as the
+//!   first charge is answered (others are committing or answering), or after
+//!   a random delay. Then a new server on the same database, and every key
+//!   retried until it gets its `201`. The ledger must prove one effect per key:
+//!   `operations` is the number of keys, `balance` their sum, one charge row per
+//!   key, whose id is the receipt's; every answer seen before the kill is
+//!   replayed byte for byte; no record is left in progress. Set
+//!   `PAYMENTS_CRASH_SEED` to replay a run (a failure prints its seed).
+//! - a duplicate arriving while the first request's transaction is open waits
+//!   for the commit and replays the committed answer;
+//! - the ledger and the records survive a restart;
+//! - deposits (keyed and not), invalid bodies, an overflowing balance and two
+//!   principals with one key, on PostgreSQL.
+
+// Test support: a failed expectation is a panic, which fails the trial.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod crash;
+mod database;
+mod server;
+mod trials;
+
+use std::any::Any;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use idem_diesel::testing::TestCluster;
+use libtest_mimic::{Arguments, Failed, Trial};
+
+/// Runs every trial against `binary` (a payments example), as the harness of a
+/// test binary: parses the test arguments, reports, and answers the exit code.
+pub fn run(binary: &str) -> ExitCode {
+    let args = Arguments::from_args();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("cannot start a Tokio runtime for the tests: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let suite = Arc::new(Suite {
+        binary: PathBuf::from(binary),
+        cluster: OnceLock::new(),
+        databases: AtomicUsize::new(0),
+    });
+    let trials = TRIALS
+        .iter()
+        .map(|(name, test)| trial(&runtime, &suite, name, *test))
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    // Tasks left on the runtime (a trial that hung) may hold servers: ending
+    // them kills the servers, and then the cluster can go.
+    drop(runtime);
+    match Arc::try_unwrap(suite) {
+        Ok(suite) => drop(suite),
+        Err(_) => eprintln!("warning: the test cluster is still in use and was not removed"),
+    }
+    conclusion.exit_code()
+}
+
+/// A trial: an async function over the suite that panics on failure.
+type TestFn = fn(Arc<Suite>) -> Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Every trial, by name.
+const TRIALS: &[(&str, TestFn)] = &[
+    (
+        "crash::sigkill_mid_charge_applies_each_charge_exactly_once",
+        |suite| {
+            Box::pin(crash::sigkill_mid_charge_applies_each_charge_exactly_once(
+                suite,
+            ))
+        },
+    ),
+    (
+        "transactional::a_duplicate_during_the_transaction_replays_the_committed_answer",
+        |suite| {
+            Box::pin(trials::a_duplicate_during_the_transaction_replays_the_committed_answer(suite))
+        },
+    ),
+    (
+        "ledger::the_ledger_and_the_records_survive_a_restart",
+        |suite| Box::pin(trials::the_ledger_and_the_records_survive_a_restart(suite)),
+    ),
+    (
+        "routes::deposits_invalid_bodies_overflow_and_principals_on_postgres",
+        |suite| {
+            Box::pin(trials::deposits_invalid_bodies_overflow_and_principals_on_postgres(suite))
+        },
+    ),
+];
+
+/// How long a trial may run before it counts as hung (a guard against a hang,
+/// far above what any trial takes).
+const HANG: Duration = Duration::from_secs(600);
+
+/// What the trials share: the binary under test and the cluster.
+pub(crate) struct Suite {
+    binary: PathBuf,
+    cluster: OnceLock<Result<TestCluster, String>>,
+    databases: AtomicUsize,
+}
+
+impl Suite {
+    /// The binary under test.
+    pub(crate) fn binary(&self) -> &std::path::Path {
+        &self.binary
+    }
+
+    /// The shared cluster, started on first use; panics, saying why, when it
+    /// cannot start.
+    fn cluster(&self) -> &TestCluster {
+        let started = self
+            .cluster
+            .get_or_init(|| TestCluster::start().map_err(|error| error_chain(&error)));
+        match started {
+            Ok(cluster) => cluster,
+            Err(error) => panic!("could not start the PostgreSQL test cluster: {error}"),
+        }
+    }
+
+    /// The URL of a new, empty database on the cluster.
+    pub(crate) async fn fresh_database(self: &Arc<Self>) -> String {
+        let suite = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let name = format!(
+                "payments_{}",
+                suite.databases.fetch_add(1, Ordering::Relaxed)
+            );
+            let cluster = suite.cluster();
+            if let Err(error) = cluster.create_database(&name) {
+                panic!("{}", error_chain(&error));
+            }
+            cluster.url(&name)
+        })
+        .await
+        .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))
+    }
+}
+
+/// A trial that runs `test` on the shared runtime, as a task of its own, so
+/// that its panic becomes the trial's failure message.
+fn trial(runtime: &tokio::runtime::Runtime, suite: &Arc<Suite>, name: &str, test: TestFn) -> Trial {
+    let handle = runtime.handle().clone();
+    let suite = Arc::clone(suite);
+    Trial::test(name, move || {
+        handle.block_on(async move {
+            let task = tokio::spawn(test(suite));
+            match tokio::time::timeout(HANG, task).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(error)) if error.is_panic() => Err(panic_message(error.into_panic())),
+                Ok(Err(error)) => Err(Failed::from(error.to_string())),
+                Err(_) => Err(Failed::from(format!("did not finish within {HANG:?}"))),
+            }
+        })
+    })
+}
+
+fn panic_message(payload: Box<dyn Any + Send>) -> Failed {
+    let message = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "panicked".to_owned());
+    Failed::from(message)
+}
+
+/// An error and its sources, on one line.
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
