@@ -167,7 +167,7 @@ async fn the_binary_charges_once_per_key_on_the_memory_store() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_default_sqlite_store_replays_across_a_restart() {
+async fn the_default_sqlite_store_keeps_records_and_ledger_across_a_restart() {
     let scratch = Scratch::new();
     let (mut child, base) = spawn_binary(&scratch.0, &[]).await;
     let first = charge_once(&base).await;
@@ -178,11 +178,30 @@ async fn the_default_sqlite_store_replays_across_a_restart() {
     assert!(scratch.0.join("payments.db").exists());
 
     let (mut child, base) = spawn_binary(&scratch.0, &[]).await;
+    // The ledger is in the same file: the charge is still there, once.
+    let charged_once = json!({"account_id": "acct-1", "balance": 100, "operations": 1});
+    assert_eq!(account_of(&base).await, charged_once);
     let retry = charge_once(&base).await;
     assert_eq!(retry.status(), 201);
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(retry.json::<Value>().await.unwrap(), first);
+    assert_eq!(account_of(&base).await, charged_once);
     child.kill().await.unwrap();
+}
+
+/// `GET /accounts/acct-1` of the binary at `base`.
+async fn account_of(base: &str) -> Value {
+    let response = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .get(format!("{base}/accounts/acct-1"))
+        .bearer_auth("alice")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
 }
 
 #[tokio::test]
