@@ -59,7 +59,7 @@
 //!
 //! ## Testing
 //!
-//! The `test-util` feature adds [`testing`]: the checks both example binaries
+//! The `test-util` feature adds `payments::testing`: the checks both example binaries
 //! pass as processes on a throwaway PostgreSQL cluster, among them the crash
 //! test (servers killed with `SIGKILL` while charges are in flight; every
 //! charge takes effect exactly once).
