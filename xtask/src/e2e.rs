@@ -20,7 +20,7 @@ use crate::example::Example;
 use self::api::Failure;
 use self::postgres::Cluster;
 use self::report::{Row, Verdict};
-use self::scenarios::{CATALOG, Readiness, Scenario};
+use self::scenarios::{CATALOG, Scenario};
 use self::site::{Deployment, StoreKind, help_text};
 
 mod api;
@@ -142,14 +142,8 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
                 for &store in &options.stores {
                     let failure = Failure::new("did not build", why.clone());
                     for (index, scenario) in options.selected(store) {
-                        if let Readiness::NotBuilt(why) = scenario.readiness
-                            && !options.include_not_built
-                        {
-                            rows.extend(not_built(index, scenario, example, store, why));
-                        } else {
-                            let failed = Err(failure.clone());
-                            rows.extend(rows_of(index, scenario, example, store, &failed));
-                        }
+                        let failed = Err(failure.clone());
+                        rows.extend(rows_of(index, scenario, example, store, &failed));
                     }
                 }
             }

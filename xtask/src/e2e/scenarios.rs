@@ -38,17 +38,9 @@ pub(crate) struct Scenario {
 /// Whether the project has built what a scenario needs.
 pub(crate) enum Readiness {
     Built,
-    /// Not built yet, for the reason given. To enable the scenario once it is,
-    /// set its readiness to `Built` (`--include-not-built` runs it anyway).
-    NotBuilt(&'static str),
     /// Built once the example's `--help` offers every one of these flags.
     NeedsFlags(&'static [&'static str]),
 }
-
-/// A charge that a crash or an outage cuts off leaves one effect only when it
-/// runs inside the store's transaction. Set to `Readiness::Built` when the
-/// examples run charges in transactional mode on PostgreSQL.
-const TRANSACTIONAL_MODE: Readiness = Readiness::NotBuilt("transactional mode, CONTRACT §7");
 
 const EVERY_STORE: &[StoreKind] = &StoreKind::ALL;
 const DURABLE_STORES: &[StoreKind] = &[StoreKind::Sqlite, StoreKind::Postgres];
@@ -117,7 +109,7 @@ pub(crate) const CATALOG: &[Scenario] = &[
         checks: &[restarts::CRASH],
         stores: POSTGRES,
         alone: false,
-        readiness: TRANSACTIONAL_MODE,
+        readiness: Readiness::Built,
         run: |d| restarts::crash(d).boxed(),
     },
     Scenario {
@@ -133,7 +125,7 @@ pub(crate) const CATALOG: &[Scenario] = &[
         checks: &[outage::CUT_OFF],
         stores: POSTGRES,
         alone: false,
-        readiness: TRANSACTIONAL_MODE,
+        readiness: Readiness::Built,
         run: |d| outage::cut_off(d).boxed(),
     },
     Scenario {
@@ -151,7 +143,6 @@ impl Readiness {
     pub(crate) fn missing(&self, deployment: &Deployment) -> Option<String> {
         match self {
             Self::Built => None,
-            Self::NotBuilt(why) => Some((*why).to_owned()),
             Self::NeedsFlags(flags) => {
                 let absent: Vec<&str> = flags
                     .iter()
