@@ -5,6 +5,7 @@ use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -333,25 +334,63 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    let mut body = pin!(body);
     if body.size_hint().lower() > limit as u64 {
+        drain(body.as_mut()).await;
         return Err(Unread::TooLarge);
     }
-    let mut body = pin!(body);
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut len = 0;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|error| Unread::Failed(error.into()))?;
+    loop {
+        let frame = match body.frame().await {
+            None => return Ok(join(chunks, len)),
+            Some(frame) => frame.map_err(|error| Unread::Failed(error.into()))?,
+        };
         let Ok(chunk) = frame.into_data() else {
             continue;
         };
         len += chunk.len();
         if len > limit {
-            return Err(Unread::TooLarge);
+            break;
         }
         fingerprint.update(&chunk);
         chunks.push(chunk);
     }
-    Ok(join(chunks, len))
+    drain(body.as_mut()).await;
+    Err(Unread::TooLarge)
+}
+
+/// The most of a refused body that is read (and dropped) before the `413`.
+const DRAIN_BYTES: u64 = 8 * 1024 * 1024;
+/// The longest a refused body is read before the `413`.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Reads and drops what is left of a refused body, within bounds, so that a
+/// client still sending it reads the `413` rather than a reset connection (a
+/// server that closes with unread bytes in its socket resets it). A body that is
+/// declared or turns out larger than the bound, or slower than the time bound, is
+/// left unread: the connection then closes after the answer.
+async fn drain<B>(mut body: Pin<&mut B>)
+where
+    B: Body<Data = Bytes>,
+{
+    if body.size_hint().lower() > DRAIN_BYTES {
+        return;
+    }
+    let read = async {
+        let mut drained = 0u64;
+        loop {
+            let chunk = match body.frame().await {
+                Some(Ok(frame)) => frame.into_data().ok(),
+                None | Some(Err(_)) => return,
+            };
+            drained += chunk.map_or(0, |c| c.len() as u64);
+            if drained > DRAIN_BYTES {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIME, read).await;
 }
 
 /// Reads the answer's body until it ends or passes `limit` bytes.
