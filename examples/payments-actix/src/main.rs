@@ -35,7 +35,7 @@ fn main() -> ExitCode {
 
 /// Opens the store, binds, prints the listening line, and serves until Ctrl-C.
 async fn serve(options: Options) -> Result<(), ServeError> {
-    let Storage { guards, ledger } = options.store_url()?.open().await?;
+    let Storage { guards, ledger } = options.store_url()?.open(options.expiry()).await?;
     let listener = options.bind()?;
     let addr = listener.local_addr()?;
     let payments = Payments::new(ledger, options.provider_latency());

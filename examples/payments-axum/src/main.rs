@@ -36,7 +36,7 @@ fn main() -> ExitCode {
 }
 
 async fn serve(options: Options) -> Result<(), ServeError> {
-    let Storage { guards, ledger } = options.store_url()?.open().await?;
+    let Storage { guards, ledger } = options.store_url()?.open(options.expiry()).await?;
     let listener = tokio::net::TcpListener::from_std(options.bind()?)?;
     let payments = Payments::new(ledger, options.provider_latency());
     {

@@ -105,6 +105,30 @@ impl Guards {
             },
         }
     }
+
+    /// Keeps both routes' completed records for `retention` (the policies'
+    /// default is the contract's 24 h); after that a retry runs afresh.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use payments::Guards;
+    ///
+    /// let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()))
+    ///     .retention(Duration::from_secs(60));
+    /// assert_eq!(guards.charges.policy().retention_duration(), Duration::from_secs(60));
+    /// assert_eq!(guards.deposits.policy().retention_duration(), Duration::from_secs(60));
+    /// ```
+    pub fn retention(self, retention: Duration) -> Self {
+        let keep = |guard: Guard| Guard {
+            policy: guard.policy.retention(retention),
+            ..guard
+        };
+        Self {
+            charges: keep(self.charges),
+            deposits: keep(self.deposits),
+        }
+    }
 }
 
 impl Guard {

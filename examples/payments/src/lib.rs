@@ -38,7 +38,10 @@
 //!
 //! `open` migrates the store's table and the ledger's
 //! (`payment_accounts`, `payment_operations`; see [`Ledger`]) and starts the
-//! store's cleanup job.
+//! store's cleanup job. `--retention-secs` (default 86 400, the contract's
+//! 24 h) is how long the keyed routes keep a completed record, and
+//! `--cleanup-interval-secs` (default 60) how often the job deletes the
+//! expired ones ([`Expiry`]).
 //!
 //! ```
 //! use std::time::Duration;
@@ -75,5 +78,5 @@ pub use guards::{Guard, Guards, TRANSACTIONAL_WAIT, charge_policy, deposit_polic
 pub use ledger::{AccountView, Applied, Attempt, Ledger, LedgerError, Operation, OperationKind};
 pub use service::{Answer, OperationRequest, PaymentError, Payments, Principal, Receipt};
 pub use start::{
-    DEFAULT_STORE, Options, StartError, Storage, StoreUrl, init_tracing, listening_line,
+    DEFAULT_STORE, Expiry, Options, StartError, Storage, StoreUrl, init_tracing, listening_line,
 };

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use idem_core::MemoryStore;
-use idem_diesel::{PgStore, SetupError, SqliteStore};
+use idem_diesel::{Cleanup, PgStore, SetupError, SqliteStore};
 
 use crate::{Guards, Ledger, LedgerError};
 
@@ -19,6 +19,12 @@ pub const DEFAULT_STORE: &str = "sqlite://payments.db";
 /// included), besides the waiting duplicates' polls and the ledger's reads.
 const POSTGRES_POOL_SIZE: u32 = 32;
 
+/// The longest `--retention-secs`: a year.
+const MAX_RETENTION_SECS: u64 = 365 * 24 * 60 * 60;
+
+/// The longest `--cleanup-interval-secs`: a day.
+const MAX_CLEANUP_INTERVAL_SECS: u64 = 24 * 60 * 60;
+
 /// The command line of both payments services (CONTRACT §8).
 ///
 /// ```
@@ -28,6 +34,7 @@ const POSTGRES_POOL_SIZE: u32 = 32;
 /// let options = Options::try_parse_from(["payments", "--listen", "127.0.0.1:0", "--store", "memory"])?;
 /// assert_eq!(options.store_url()?, StoreUrl::Memory);
 /// assert_eq!(options.provider_latency().as_millis(), 0);
+/// assert_eq!(options.expiry(), payments::Expiry::default());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug, Parser)]
@@ -46,6 +53,42 @@ pub struct Options {
     /// The simulated payment provider's latency inside a charge, in milliseconds.
     #[arg(long, default_value_t = 0)]
     pub provider_latency_ms: u64,
+    /// How long completed idempotency records are kept, in seconds; a retry after that runs afresh.
+    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=MAX_RETENTION_SECS))]
+    pub retention_secs: u64,
+    /// How often the cleanup job deletes expired records, in seconds.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=MAX_CLEANUP_INTERVAL_SECS))]
+    pub cleanup_interval_secs: u64,
+}
+
+/// How long the keyed routes keep their completed records, and how often the
+/// store's cleanup job deletes the expired ones (`--retention-secs`,
+/// `--cleanup-interval-secs`).
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let expiry = payments::Expiry::default();
+/// assert_eq!(expiry.retention, Duration::from_secs(24 * 60 * 60));
+/// assert_eq!(expiry.cleanup_interval, Duration::from_secs(60));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expiry {
+    /// The routes' policies' retention: a completed record counts as absent
+    /// after this.
+    pub retention: Duration,
+    /// The time from the end of one cleanup sweep to the start of the next.
+    pub cleanup_interval: Duration,
+}
+
+impl Default for Expiry {
+    /// The contract's 24 h retention; a sweep a minute.
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(24 * 60 * 60),
+            cleanup_interval: Duration::from_secs(60),
+        }
+    }
 }
 
 /// A store named on the command line.
@@ -134,6 +177,14 @@ impl Options {
         Duration::from_millis(self.provider_latency_ms)
     }
 
+    /// The retention and the cleanup interval.
+    pub fn expiry(&self) -> Expiry {
+        Expiry {
+            retention: Duration::from_secs(self.retention_secs),
+            cleanup_interval: Duration::from_secs(self.cleanup_interval_secs),
+        }
+    }
+
     /// Binds the listen address (a non-blocking std listener, for any runtime).
     pub fn bind(&self) -> Result<TcpListener, StartError> {
         let failed = |source| StartError::Listen {
@@ -170,14 +221,28 @@ impl StoreUrl {
 
     /// Opens the store and the ledger in its database: connects, creates or
     /// upgrades the idempotency table and the ledger's tables, and starts the
-    /// store's cleanup job (deleting expired records) on the current Tokio
-    /// runtime. See [`Storage`] for what each store gives.
-    pub async fn open(&self) -> Result<Storage, StartError> {
+    /// store's cleanup job (deleting expired records every
+    /// `expiry.cleanup_interval`) on the current Tokio runtime. The routes keep
+    /// their completed records for `expiry.retention`. See [`Storage`] for what
+    /// each store gives.
+    ///
+    /// The memory store needs no job to be correct (an expired record counts as
+    /// absent, and is removed when next touched), but it runs one all the same,
+    /// so that expired records free their memory.
+    pub async fn open(&self, expiry: Expiry) -> Result<Storage, StartError> {
         let storage = match self {
-            Self::Memory => Storage {
-                guards: Guards::plain(Arc::new(MemoryStore::new())),
-                ledger: Ledger::memory(),
-            },
+            Self::Memory => {
+                let store = MemoryStore::new();
+                tokio::spawn(
+                    Cleanup::new(store.clone())
+                        .interval(expiry.cleanup_interval)
+                        .run(std::future::pending()),
+                );
+                Storage {
+                    guards: Guards::plain(Arc::new(store)),
+                    ledger: Ledger::memory(),
+                }
+            }
             Self::Sqlite(path) => {
                 let kind = "SQLite";
                 let failed = |source| StartError::Store { kind, source };
@@ -188,7 +253,12 @@ impl StoreUrl {
                     .migrate()
                     .await
                     .map_err(|source| StartError::Ledger { kind, source })?;
-                tokio::spawn(store.cleanup().run(std::future::pending()));
+                tokio::spawn(
+                    store
+                        .cleanup()
+                        .interval(expiry.cleanup_interval)
+                        .run(std::future::pending()),
+                );
                 Storage {
                     guards: Guards::plain(Arc::new(store)),
                     ledger,
@@ -208,15 +278,26 @@ impl StoreUrl {
                     .migrate()
                     .await
                     .map_err(|source| StartError::Ledger { kind, source })?;
-                tokio::spawn(store.cleanup().run(std::future::pending()));
+                tokio::spawn(
+                    store
+                        .cleanup()
+                        .interval(expiry.cleanup_interval)
+                        .run(std::future::pending()),
+                );
                 Storage {
                     guards: Guards::transactional(&store),
                     ledger,
                 }
             }
         };
+        let storage = Storage {
+            guards: storage.guards.retention(expiry.retention),
+            ..storage
+        };
         tracing::info!(
             ledger = storage.ledger.kind(),
+            retention_secs = expiry.retention.as_secs(),
+            cleanup_interval_secs = expiry.cleanup_interval.as_secs(),
             transactional = storage.guards.charges.is_transactional(),
             "store and ledger opened"
         );
