@@ -205,6 +205,54 @@ async fn account_of(base: &str) -> Value {
 }
 
 #[tokio::test]
+async fn the_help_lists_retention_and_cleanup_interval_with_their_defaults() {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_payments-axum"))
+        .arg("--help")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success());
+    let help = String::from_utf8_lossy(&output.stdout);
+    let line_of = |flag: &str| {
+        let mut lines = help
+            .lines()
+            .skip_while(|line| !line.trim().starts_with(flag));
+        assert!(lines.next().is_some(), "{flag} not in\n{help}");
+        lines.next().unwrap_or_default().to_owned()
+    };
+    assert!(
+        line_of("--retention-secs <RETENTION_SECS>").ends_with("[default: 86400]"),
+        "{help}"
+    );
+    assert!(
+        line_of("--cleanup-interval-secs <CLEANUP_INTERVAL_SECS>").ends_with("[default: 60]"),
+        "{help}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_retried_after_its_retention_runs_afresh() {
+    let scratch = Scratch::new();
+    let flags = ["--retention-secs", "1", "--cleanup-interval-secs", "1"];
+    let (mut child, base) = spawn_binary(&scratch.0, &flags).await;
+    let first = charge_once(&base).await;
+    assert_eq!(first.status(), 201);
+    let retry = charge_once(&base).await;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    // Past the retention (and a sweep of the cleanup job), the key is new again.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let later = charge_once(&base).await;
+    assert_eq!(later.status(), 201);
+    assert!(later.headers().get("idempotent-replayed").is_none());
+    assert_eq!(
+        account_of(&base).await,
+        json!({"account_id": "acct-1", "balance": 200, "operations": 2})
+    );
+    child.kill().await.unwrap();
+}
+
+#[tokio::test]
 async fn the_binary_refuses_an_unknown_store() {
     let scratch = Scratch::new();
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_payments-axum"))
