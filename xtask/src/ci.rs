@@ -2,7 +2,8 @@
 
 use crate::shell::{self, cargo};
 
-/// Runs formatting, clippy, docs and every test; stops at the first failure.
+/// Runs formatting, clippy, docs, every test, the end-to-end run of both examples
+/// on every store, and the benchmarks' quick mode; stops at the first failure.
 pub(crate) fn run(_args: &[String]) -> Result<(), String> {
     shell::run(
         "cargo fmt --check",
@@ -31,5 +32,9 @@ pub(crate) fn run(_args: &[String]) -> Result<(), String> {
         "cargo test",
         &mut cargo(&["test", "--workspace", "--all-features"]),
     )?;
+    eprintln!("\n==> cargo xtask e2e");
+    crate::e2e::run(&[])?;
+    eprintln!("\n==> cargo xtask bench --quick");
+    crate::bench::run(&["--quick".to_owned()])?;
     Ok(())
 }

@@ -16,7 +16,7 @@ usage: cargo xtask <task>
 
 tasks:
   bench   what idem costs per request, against the bare handler and pgbench (--quick: seconds)
-  ci      formatting, clippy (warnings denied), docs (warnings denied) and every test
+  ci      fmt, clippy and docs (warnings denied), every test, e2e, bench --quick
   demo    the experiment that motivates idem, against payments-axum
   e2e     both examples on every store as real processes, every scenario; a table
 ";
