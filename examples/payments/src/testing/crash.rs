@@ -113,29 +113,36 @@ async fn crash_rounds(suite: Arc<Suite>, seed: u64) {
         }
 
         // The batch: each key sent once or twice at once, at a random moment
-        // within the provider's latency.
+        // within the provider's latency. A request whose moment comes after
+        // the kill is not sent: the dead server's port may already be another
+        // process's (a server or a database of a test running beside this one).
         let (answered, mut first_answer) = tokio::sync::mpsc::unbounded_channel();
+        let (killing, killed) = tokio::sync::watch::channel(false);
         let mut sent = Vec::new();
         for (index, charge) in charges.iter().enumerate() {
             let copies = if rng.random_bool(0.3) { 2 } else { 1 };
             let offset = Duration::from_millis(rng.random_range(0..=latency + 40));
             for _ in 0..copies {
                 let (endpoint, charge) = (server.endpoint().clone(), Arc::clone(charge));
-                let answered = answered.clone();
+                let (answered, mut killed) = (answered.clone(), killed.clone());
                 sent.push((
                     index,
                     tokio::spawn(async move {
-                        tokio::time::sleep(offset).await;
+                        tokio::select! {
+                            biased;
+                            _ = killed.wait_for(|killed| *killed) => return None,
+                            () = tokio::time::sleep(offset) => {}
+                        }
                         let reply = endpoint.post(post(&charge)).await;
                         if reply.as_ref().is_ok_and(|reply| reply.status == 201) {
                             let _ = answered.send(());
                         }
-                        reply
+                        Some(reply)
                     }),
                 ));
             }
         }
-        drop(answered);
+        drop((answered, killed));
 
         // The kill.
         match kill {
@@ -151,6 +158,7 @@ async fn crash_rounds(suite: Arc<Suite>, seed: u64) {
                 tokio::time::sleep(Duration::from_millis(delay)).await;
             }
         }
+        let _ = killing.send(true);
         server.kill().await;
         if kill == Kill::Held {
             holder.release().await;
@@ -158,14 +166,14 @@ async fn crash_rounds(suite: Arc<Suite>, seed: u64) {
         let mut before_kill = vec![Vec::new(); charges.len()];
         for (index, attempt) in sent {
             match attempt.await.expect("a first attempt's task") {
-                Ok(reply) if reply.status == 201 => before_kill[index].push(reply),
-                Ok(reply) => assert!(
+                Some(Ok(reply)) if reply.status == 201 => before_kill[index].push(reply),
+                Some(Ok(reply)) => assert!(
                     matches!(reply.status, 409 | 503),
                     "round {round}, {}: {reply:?}",
                     charges[index].key
                 ),
-                // Cut off by the kill.
-                Err(_) => {}
+                // Cut off by the kill, or not sent before it.
+                Some(Err(_)) | None => {}
             }
         }
 
@@ -212,7 +220,8 @@ async fn crash_rounds(suite: Arc<Suite>, seed: u64) {
 struct Report {
     /// Keys that got their `201` before the kill.
     answered: usize,
-    /// Keys whose every attempt before the kill was cut off (or refused).
+    /// Keys without a `201` before the kill: every attempt was cut off by it,
+    /// refused (`409`, `503`), or not yet sent.
     cut_off: usize,
     /// Cut-off keys whose charge had committed: the retry replayed it.
     committed_unanswered: usize,
