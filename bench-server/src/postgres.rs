@@ -7,9 +7,8 @@ use std::time::{Duration, Instant};
 use diesel::QueryableByName;
 use diesel::sql_types::Text;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use idem_core::{
-    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, OwnerToken, Scope, Store,
-};
+use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
+use idem_core::{Fingerprint, IdempotencyKey, Scope, Store};
 use idem_diesel::testing::TestCluster;
 use idem_diesel::{PgStore, SweepReport};
 

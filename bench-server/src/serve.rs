@@ -5,9 +5,8 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{
-    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, Scope, Store,
-};
+use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
+use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Scope, Store};
 use idem_diesel::PgStore;
 
 use crate::BoxError;

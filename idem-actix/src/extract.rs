@@ -8,7 +8,8 @@ use std::sync::Arc;
 use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, ResponseError};
-use idem_core::{ExecutionContext, IdempotencyKey, Scope};
+use idem_core::store::ExecutionContext;
+use idem_core::{IdempotencyKey, Scope};
 
 /// What the middleware tells the handler of a keyed request it let run, in the
 /// request's extensions: the key, the scope, and whether the execution is

@@ -14,10 +14,8 @@ use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
 use idem_actix::{ExecutionInfo, Idempotency, Key};
-use idem_core::{
-    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, InProgress, MemoryStore, Policy, Record,
-    Scope, Store, StoreFuture, StoredResponse,
-};
+use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
+use idem_core::{IdempotencyKey, InProgress, MemoryStore, Policy, Scope, Store, StoredResponse};
 use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
 use idem_diesel::{PgStore, SqliteStore};
 use idem_scenarios::durable::{

@@ -7,7 +7,8 @@ use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::request::Parts;
-use idem_core::{ExecutionContext, IdempotencyKey, Scope};
+use idem_core::store::ExecutionContext;
+use idem_core::{IdempotencyKey, Scope};
 
 /// What the middleware tells the handler of a keyed request it let run, in the
 /// request's extensions: the key, the scope, and whether the execution is

@@ -13,9 +13,10 @@ use http::request::Parts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
+use idem_core::store::ExecutionContext;
 use idem_core::{
-    Admission, Begin, Engine, Execution, ExecutionContext, Fingerprint, FingerprintBuilder,
-    IdempotencyKey, KEY_HEADER, RequestHead, Scope, Settlement, StoredResponse,
+    Admission, Begin, Engine, Execution, Fingerprint, FingerprintBuilder, IdempotencyKey,
+    KEY_HEADER, RequestHead, Scope, Settlement, StoredResponse,
 };
 use tower_service::Service;
 use tracing::Instrument;

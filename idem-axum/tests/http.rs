@@ -22,10 +22,8 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_axum::{ExecutionInfo, IdempotencyLayer, Key, RequestBody};
-use idem_core::{
-    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, MemoryStore, OnStoreFailure, Record, Scope,
-    Store, StoreFuture, StoredResponse,
-};
+use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
+use idem_core::{IdempotencyKey, MemoryStore, OnStoreFailure, Scope, Store, StoredResponse};
 use idem_diesel::testing::{DEFAULT_DATABASE, TestCluster};
 use idem_diesel::{PgStore, SqliteStore};
 use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};

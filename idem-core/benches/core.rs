@@ -10,9 +10,10 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Fingerprint, FingerprintSpec, Header, HeaderSource, IdempotencyKey,
-    MemoryStore, OwnerToken, RequestHead, Scope, Store, StoredResponse,
+    Fingerprint, FingerprintSpec, Header, HeaderSource, IdempotencyKey, MemoryStore, RequestHead,
+    Scope, Store, StoredResponse,
 };
 
 /// The size of the chunks a body streams in, as hyper commonly delivers them.

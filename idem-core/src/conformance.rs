@@ -56,10 +56,8 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 
-use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Fingerprint, Header, IdempotencyKey, OwnerToken, Record,
-    RecordState, Scope, Store, StoreError, StoredResponse,
-};
+use crate::store::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
+use crate::{Fingerprint, Header, IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 /// One case of the suite: it panics, naming the broken behaviour, when the store
 /// fails it.

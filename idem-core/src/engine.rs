@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, OwnerToken};
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Fingerprint, FingerprintBuilder, Header,
-    IdempotencyKey, InProgress, KeyRequirement, OnStoreFailure, OwnerToken, Policy, Problem,
-    ProblemKind, REPLAYED_HEADER, RequestHead, Scope, Store, StoreError, StoredResponse,
+    Fingerprint, FingerprintBuilder, Header, IdempotencyKey, InProgress, KeyRequirement,
+    OnStoreFailure, Policy, Problem, ProblemKind, REPLAYED_HEADER, RequestHead, Scope, Store,
+    StoreError, StoredResponse,
 };
 
 /// The state machine over a store, with a route's policy. Cheap to clone.
@@ -547,7 +548,8 @@ pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
-    use crate::{Fingerprint, IdempotencyKey, MemoryStore, ProblemKind, Record, StoreFuture};
+    use crate::store::{Record, StoreFuture};
+    use crate::{Fingerprint, IdempotencyKey, MemoryStore, ProblemKind};
 
     fn fp(n: u8) -> Fingerprint {
         Fingerprint::from_bytes([n; 32])

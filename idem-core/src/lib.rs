@@ -6,7 +6,6 @@ mod fingerprint;
 mod key;
 mod policy;
 mod problem;
-mod record;
 mod response;
 pub mod retry;
 mod scope;
@@ -24,7 +23,6 @@ pub use policy::{
     InProgress, KeyRequirement, OnStoreFailure, Policy, ProblemStatuses, StatusFilter,
 };
 pub use problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Problem, ProblemKind};
-pub use record::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
 pub use response::{Header, REPLAYED_HEADER, StoredResponse};
 pub use scope::Scope;
-pub use store::{ExecutionContext, MemoryStore, Store, StoreError, StoreFuture};
+pub use store::{MemoryStore, Store, StoreError};

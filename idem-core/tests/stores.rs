@@ -18,9 +18,9 @@ mod state_machine {
     use std::collections::HashMap;
     use std::time::{Duration, SystemTime};
 
+    use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
     use idem_core::{
-        Claim, ClaimOutcome, ClaimRequest, Fingerprint, Header, IdempotencyKey, MemoryStore,
-        OwnerToken, Record, RecordState, Scope, Store, StoreError, StoredResponse,
+        Fingerprint, Header, IdempotencyKey, MemoryStore, Scope, Store, StoreError, StoredResponse,
     };
     use proptest::collection::vec;
     use proptest::prelude::*;

@@ -6,7 +6,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Store, StoreError, StoreFuture};
+use idem_core::store::StoreFuture;
+use idem_core::{Store, StoreError};
 
 /// Deletes expired records, in batches, for as long as the application runs.
 ///

@@ -13,8 +13,9 @@ use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
 };
 use diesel_migrations::{EmbeddedMigrations, embed_migrations};
+use idem_core::StoreError;
 use idem_core::store::BoxError;
-use idem_core::{StoreError, StoreFuture};
+use idem_core::store::StoreFuture;
 
 use crate::SetupError;
 use crate::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};

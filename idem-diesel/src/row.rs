@@ -9,10 +9,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Binary, Bool, Integer, Nullable, Text};
-use idem_core::{
-    ClaimOutcome, Fingerprint, IdempotencyKey, OwnerToken, Record, RecordState, Scope, StoreError,
-    StoredResponse,
-};
+use idem_core::store::{ClaimOutcome, OwnerToken, Record, RecordState};
+use idem_core::{Fingerprint, IdempotencyKey, Scope, StoreError, StoredResponse};
 use uuid::Uuid;
 
 /// The `state` column of an in-progress record.

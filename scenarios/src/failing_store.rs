@@ -2,10 +2,8 @@
 
 use std::time::Duration;
 
-use idem_core::{
-    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, Store, StoreError,
-    StoreFuture, StoredResponse,
-};
+use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
+use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 /// Words in the failing store's error that must never reach a client.
 pub const FAILING_STORE_SECRET: &str = "db-password-in-error-message";

@@ -12,11 +12,9 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
 use super::{Store, StoreError, StoreFuture};
-use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Fingerprint, Header, IdempotencyKey, OwnerToken, Record,
-    RecordState, Scope, StoredResponse,
-};
+use crate::{Fingerprint, Header, IdempotencyKey, Scope, StoredResponse};
 
 /// Records in this process's memory: sharded, bounded by record count and bytes.
 ///

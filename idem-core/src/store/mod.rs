@@ -7,11 +7,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, StoredResponse};
+use crate::{IdempotencyKey, Scope};
 
 mod memory;
+mod record;
 
+pub use crate::response::{Header, StoredResponse};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+pub use record::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
 
 /// The future a store step returns: `Send`, so one trait serves Tower and actix.
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;

@@ -18,10 +18,8 @@ use diesel_async::pooled_connection::{
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use idem_core::store::BoxError;
-use idem_core::{
-    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, Store, StoreError,
-    StoreFuture, StoredResponse,
-};
+use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
+use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 use crate::cleanup::{Cleanup, SweepGuard, SweepLock};
 use crate::pool::{self, ConnectFailures};

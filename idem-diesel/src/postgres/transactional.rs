@@ -11,10 +11,10 @@ use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text, Uuid as SqlUuid};
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
-use idem_core::{
-    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, IdempotencyKey, OwnerToken, Record, Scope,
-    Store, StoreError, StoreFuture, StoredResponse,
+use idem_core::store::{
+    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, OwnerToken, Record, StoreFuture,
 };
+use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
 use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore};

@@ -20,10 +20,8 @@ use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_async::{AsyncConnection, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use idem_core::store::BoxError;
-use idem_core::{
-    Claim, ClaimOutcome, ClaimRequest, IdempotencyKey, Record, Scope, Store, StoreError,
-    StoreFuture, StoredResponse,
-};
+use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
+use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 use crate::cleanup::Cleanup;
 use crate::pool::{self, ConnectFailures};

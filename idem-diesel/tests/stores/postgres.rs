@@ -7,10 +7,8 @@ use std::time::{Duration, Instant};
 use diesel::QueryableByName;
 use diesel::sql_types::BigInt;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idem_core::{
-    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, OwnerToken, Scope, Store, StoreError,
-    StoredResponse,
-};
+use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
+use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use idem_diesel::testing::TestCluster;
 use idem_diesel::{PgStore, SetupError};
 
@@ -108,7 +106,7 @@ pub(crate) fn request(
     }
 }
 
-pub(crate) async fn claimed(store: &dyn Store, request: &ClaimRequest) -> idem_core::Claim {
+pub(crate) async fn claimed(store: &dyn Store, request: &ClaimRequest) -> idem_core::store::Claim {
     match store.claim(request).await {
         Ok(ClaimOutcome::Claimed(claim)) => claim,
         other => panic!("a claim of a new record answered {other:?}"),

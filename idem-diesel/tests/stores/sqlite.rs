@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use diesel::QueryableByName;
 use diesel::sql_types::BigInt;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use idem_core::{ClaimOutcome, Scope, Store, StoredResponse};
+use idem_core::store::ClaimOutcome;
+use idem_core::{Scope, Store, StoredResponse};
 use idem_diesel::{SetupError, SqliteStore};
 
 use crate::postgres::{claimed, request};

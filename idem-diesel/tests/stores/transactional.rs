@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use idem_core::store::RecordState;
 use idem_core::{
-    Begin, Engine, Execution, Fingerprint, InProgress, Policy, ProblemKind, RecordState, Scope,
-    Settlement, Store, StoredResponse,
+    Begin, Engine, Execution, Fingerprint, InProgress, Policy, ProblemKind, Scope, Settlement,
+    Store, StoredResponse,
 };
 use idem_diesel::{PgStore, PgTransaction, TransactionEnded, TransactionalPgStore};
 
