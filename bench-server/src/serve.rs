@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
-use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Scope, Store};
+use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Policy, Scope, Store};
 use idem_diesel::PgStore;
 
 use crate::BoxError;
@@ -136,7 +136,8 @@ async fn axum_server(listener: TcpListener, store: Arc<dyn Store>) -> Result<(),
     let app = Router::new().route("/bare", post(charge)).route(
         "/layered",
         post(charge).route_layer(
-            IdempotencyLayer::from_shared(store).scope_with(|_| Some(Scope::new(SCOPE))),
+            IdempotencyLayer::new(store, Policy::required())
+                .scope_with(|_| Some(Scope::new(SCOPE))),
         ),
     );
     announce(&listener)?;
@@ -164,7 +165,7 @@ async fn actix_server(
         App::new().route("/bare", web::post().to(charge)).service(
             web::resource("/layered")
                 .wrap(
-                    Idempotency::from_shared(Arc::clone(&store))
+                    Idempotency::new(Arc::clone(&store), Policy::required())
                         .scope_with(|_| Some(Scope::new(SCOPE))),
                 )
                 .route(web::post().to(charge)),

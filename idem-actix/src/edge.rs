@@ -7,26 +7,26 @@ use actix_web::body::BoxBody;
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
 use actix_web::{HttpResponse, ResponseError};
-use idem_core::{Header, HeaderSource, Problem, StoredResponse};
+use idem_core::{Header, HeaderSource, StoredResponse};
 
-/// A problem answered as an actix-web error, where no request is left to answer
-/// it with (the handler panicked with it).
+/// An answer sent as an actix-web error, where no request is left to answer it
+/// with (the handler panicked, or its task was lost).
 #[derive(Debug)]
-pub(crate) struct ProblemError(pub(crate) Problem);
+pub(crate) struct AnswerError(pub(crate) StoredResponse);
 
-impl fmt::Display for ProblemError {
+impl fmt::Display for AnswerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.0.kind.slug(), self.0.detail)
+        write!(f, "answered {}", self.0.status)
     }
 }
 
-impl ResponseError for ProblemError {
+impl ResponseError for AnswerError {
     fn status_code(&self) -> StatusCode {
         status_code(self.0.status)
     }
 
     fn error_response(&self) -> HttpResponse<BoxBody> {
-        into_http_response(self.0.to_response())
+        into_http_response(self.0.clone())
     }
 }
 
@@ -36,6 +36,12 @@ pub(crate) struct RequestHeaders<'a>(pub(crate) &'a HeaderMap);
 impl HeaderSource for RequestHeaders<'_> {
     fn header(&self, name: &str) -> Option<&[u8]> {
         self.0.get(name).map(HeaderValue::as_bytes)
+    }
+
+    fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
+        self.0
+            .get_all(name)
+            .for_each(|value| each(value.as_bytes()));
     }
 }
 
@@ -48,11 +54,6 @@ pub(crate) fn stored_headers(headers: &HeaderMap) -> Vec<Header> {
         .iter()
         .map(|(name, value)| Header::new(name.as_str(), bytes_of(value)))
         .collect()
-}
-
-/// The status as the core counts it.
-pub(crate) fn stored_status(status: StatusCode) -> u16 {
-    status.as_u16()
 }
 
 /// A stored answer (a replay or a problem) as an actix-web response.

@@ -6,6 +6,7 @@ mod extract;
 mod middleware;
 
 pub use extract::{ExecutionInfo, Key, NoIdempotencyKey};
+pub use idem_core;
 pub use middleware::Idempotency;
 #[doc(hidden)]
 pub use middleware::IdempotencyMiddleware;

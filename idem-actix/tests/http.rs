@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -14,14 +13,7 @@ use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
 use idem_actix::{ExecutionInfo, Idempotency, Key};
-use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
-use idem_core::{IdempotencyKey, InProgress, MemoryStore, Policy, Scope, Store, StoredResponse};
-use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
-use idem_diesel::{PgStore, SqliteStore};
-use idem_scenarios::durable::{
-    ServerFuture, StoreServer, one_key_over_instances_executes_once,
-    store_outage_fails_closed_then_recovers,
-};
+use idem_core::{InProgress, MemoryStore, Policy, Scope, Store};
 use idem_scenarios::{
     ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, routes, scenario_tests,
 };
@@ -91,8 +83,7 @@ async fn start_scenario_app(store: Arc<dyn Store>) -> Target {
             config.service(
                 web::resource(route.path)
                     .wrap(
-                        Idempotency::from_shared(Arc::clone(&store))
-                            .policy(route.policy)
+                        Idempotency::new(Arc::clone(&store), route.policy)
                             .scope_from_extension::<Scope>(),
                     )
                     // The app's authentication: it names the principal first.
@@ -145,166 +136,42 @@ scenario_tests!(start_scenario_app);
 
 /// The suite over a fresh SQLite file per case.
 mod sqlite {
-    use super::{sqlite_store, start_scenario_app};
+    use super::start_scenario_app;
 
-    idem_scenarios::scenario_tests!(start_scenario_app, store = sqlite_store);
+    idem_scenarios::scenario_tests!(
+        start_scenario_app,
+        store = idem_scenarios::stores::sqlite_store
+    );
 }
 
-/// The suite over a fresh PostgreSQL cluster per case.
+/// The suite over a fresh PostgreSQL database per case.
 mod postgres {
-    use super::{postgres_store, start_scenario_app};
+    use super::start_scenario_app;
 
-    idem_scenarios::scenario_tests!(start_scenario_app, store = postgres_store);
+    idem_scenarios::scenario_tests!(
+        start_scenario_app,
+        store = idem_scenarios::stores::postgres_store
+    );
 }
 
-/// A store, and what must live exactly as long as it: its temporary directory,
-/// its database server. Dropped with the store's last handle.
-struct Owning<S, G> {
-    store: S,
-    _owned: G,
-}
+/// Durable stores beyond the suite: instances sharing one database, and the
+/// database going away under a running app.
+mod durable {
+    use idem_scenarios::durable::{Start, instances_over_one_postgres_database};
 
-impl<S: Store, G: Send + Sync + 'static> Store for Owning<S, G> {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
-        self.store.claim(request)
+    use super::{axum_instance, start_scenario_app};
+
+    idem_scenarios::durable_tests!(start_scenario_app);
+
+    /// One instance of each adapter, each with its own `PgStore` (its own
+    /// pool), over one database: 200 concurrent requests with one key, spread
+    /// over both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_actix_and_an_axum_instance_share_one_postgres_database() {
+        let actix: Start = |store| Box::pin(start_scenario_app(store));
+        let axum: Start = |store| Box::pin(axum_instance::start(store));
+        instances_over_one_postgres_database(&[actix, axum]).await;
     }
-    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
-        self.store.renew(claim, lease)
-    }
-    fn complete<'a>(
-        &'a self,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-        retention: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.store.complete(claim, response, retention)
-    }
-    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
-        self.store.release(claim)
-    }
-    fn load<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-    ) -> StoreFuture<'a, Option<Record>> {
-        self.store.load(scope, key)
-    }
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-        self.store.delete_expired(batch)
-    }
-    fn changed<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        poll: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.store.changed(scope, key, poll)
-    }
-}
-
-/// A temporary directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-async fn sqlite_store() -> Arc<dyn Store> {
-    let dir = TempDir(std::env::temp_dir().join(format!("idem-actix-{}", uuid::Uuid::new_v4())));
-    std::fs::create_dir_all(&dir.0).unwrap();
-    let path = dir.0.join("idem.db");
-    let store = SqliteStore::connect(path.to_str().unwrap()).await.unwrap();
-    store.migrate().await.unwrap();
-    Arc::new(Owning { store, _owned: dir })
-}
-
-async fn postgres_store() -> Arc<dyn Store> {
-    let cluster = start_cluster().await;
-    let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
-        .await
-        .unwrap();
-    store.migrate().await.unwrap();
-    Arc::new(Owning {
-        store,
-        _owned: cluster,
-    })
-}
-
-async fn start_cluster() -> TestCluster {
-    tokio::task::spawn_blocking(TestCluster::start)
-        .await
-        .unwrap()
-        .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"))
-}
-
-// ---------------------------------------------------------------------------
-// Durable stores beyond the suite: an actix and an axum instance over one
-// database, and the database going away under a running app. (idem-axum's
-// tests/http.rs runs the same cases with two axum instances.) Each test has a
-// cluster of its own: the outage stops it.
-// ---------------------------------------------------------------------------
-
-/// One instance of each adapter, each with its own `PgStore` (its own pool),
-/// over one database: 200 concurrent requests with one key, spread over both.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_actix_and_an_axum_instance_share_one_postgres_database() {
-    let cluster = start_cluster().await;
-    let url = cluster.url(DEFAULT_DATABASE);
-    let actix_store = PgStore::connect(&url).await.unwrap();
-    actix_store.migrate().await.unwrap();
-    let axum_store = PgStore::connect(&url).await.unwrap();
-    axum_store.migrate().await.unwrap();
-    let instances = vec![
-        start_scenario_app(Arc::new(actix_store)).await,
-        axum_instance::start(Arc::new(axum_store)).await,
-    ];
-    one_key_over_instances_executes_once(instances).await;
-    stop_cluster(cluster).await;
-}
-
-/// PostgreSQL stops under the running actix app, then starts again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_outage_fails_closed_then_recovers() {
-    let cluster = Arc::new(start_cluster().await);
-    let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
-        .await
-        .unwrap();
-    store.migrate().await.unwrap();
-    let target = start_scenario_app(Arc::new(store)).await;
-    store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
-    stop_cluster(Arc::into_inner(cluster).unwrap()).await;
-}
-
-/// A test cluster as the outage case stops and resumes it.
-struct Stoppable(Arc<TestCluster>);
-
-impl StoreServer for Stoppable {
-    fn stop(&self) -> ServerFuture<'_> {
-        let cluster = Arc::clone(&self.0);
-        Box::pin(blocking(move || cluster.stop()))
-    }
-
-    fn resume(&self) -> ServerFuture<'_> {
-        let cluster = Arc::clone(&self.0);
-        Box::pin(blocking(move || cluster.resume()))
-    }
-}
-
-/// Runs a step of the cluster on a blocking thread; panics with its error.
-async fn blocking(step: impl FnOnce() -> Result<(), ClusterError> + Send + 'static) {
-    tokio::task::spawn_blocking(step)
-        .await
-        .unwrap()
-        .unwrap_or_else(|error| panic!("the test cluster failed: {error}"));
-}
-
-/// Stops and deletes the cluster here, before the test ends.
-async fn stop_cluster(cluster: TestCluster) {
-    tokio::task::spawn_blocking(move || drop(cluster))
-        .await
-        .unwrap();
 }
 
 /// The axum build of the scenario app, as idem-axum's tests/http.rs has it,
@@ -330,8 +197,7 @@ mod axum_instance {
             .route("/executions", get(executions))
             .route("/gates/{name}", post(open_gate));
         for route in idem_scenarios::routes() {
-            let idempotency = IdempotencyLayer::from_shared(Arc::clone(&store))
-                .policy(route.policy)
+            let idempotency = IdempotencyLayer::new(Arc::clone(&store), route.policy)
                 .scope_with(|parts| Some(principal(&parts.headers)));
             router = router.route(route.path, any(guarded).layer(idempotency));
         }
@@ -530,21 +396,25 @@ fn start(store: Arc<dyn Store>) -> (Server, web::Data<Ledger>) {
         config.app_data(data.clone());
         config.service(
             web::resource("/charges")
-                .wrap(Idempotency::from_shared(store.clone()).scope_with(bearer))
+                .wrap(Idempotency::new(store.clone(), Policy::required()).scope_with(bearer))
                 .route(web::post().to(charge)),
         );
         config.service(
             web::resource("/deposits")
-                .wrap(Idempotency::from_shared(store.clone()).optional())
+                .wrap(Idempotency::new(store.clone(), Policy::optional()).global_scope())
                 .route(web::post().to(charge)),
         );
         config.service(
             web::resource("/held")
-                .wrap(Idempotency::from_shared(store.clone()).policy(
-                    Policy::required().in_progress(InProgress::Wait {
-                        up_to: Duration::from_secs(30),
-                    }),
-                ))
+                .wrap(
+                    Idempotency::new(
+                        store.clone(),
+                        Policy::required().in_progress(InProgress::Wait {
+                            up_to: Duration::from_secs(30),
+                        }),
+                    )
+                    .global_scope(),
+                )
                 .route(web::post().to(charge))
                 .wrap_fn({
                     let ledger = data.clone();
@@ -560,7 +430,10 @@ fn start(store: Arc<dyn Store>) -> (Server, web::Data<Ledger>) {
         );
         config.service(
             web::resource("/sized")
-                .wrap(Idempotency::from_shared(store.clone()).stored_body_limit(1500))
+                .wrap(
+                    Idempotency::new(store.clone(), Policy::required().stored_body_limit(1500))
+                        .global_scope(),
+                )
                 .route(web::post().to(sized)),
         );
         config.service(
@@ -578,12 +451,15 @@ fn start(store: Arc<dyn Store>) -> (Server, web::Data<Ledger>) {
                         response.await
                     }
                 })
-                .wrap(Idempotency::from_shared(store.clone()))
+                .wrap(Idempotency::new(store.clone(), Policy::required()).global_scope())
                 .route(web::post().to(charge)),
         );
         config.service(
             web::scope("/tenants")
-                .wrap(Idempotency::from_shared(store.clone()).scope_from_extension::<Tenant>())
+                .wrap(
+                    Idempotency::new(store.clone(), Policy::required())
+                        .scope_from_extension::<Tenant>(),
+                )
                 // The tenants' auth middleware, registered after so it runs first.
                 .wrap_fn(|request, service| {
                     let tenant = request

@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use idem_core::{Header, HeaderSource, Problem, StoredResponse};
+use idem_core::{Header, HeaderSource, StoredResponse};
 
 use crate::ResponseBody;
 
@@ -12,6 +12,13 @@ pub(crate) struct HttpHeaders<'a>(pub(crate) &'a HeaderMap);
 impl HeaderSource for HttpHeaders<'_> {
     fn header(&self, name: &str) -> Option<&[u8]> {
         self.0.get(name).map(HeaderValue::as_bytes)
+    }
+
+    fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
+        self.0
+            .get_all(name)
+            .iter()
+            .for_each(|value| each(value.as_bytes()));
     }
 }
 
@@ -52,10 +59,6 @@ pub(crate) fn to_http<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
 }
 
 /// The response to send for a problem.
-pub(crate) fn problem<B>(problem: &Problem) -> Response<ResponseBody<B>> {
-    to_http(problem.to_response())
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]

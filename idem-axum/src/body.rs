@@ -1,13 +1,17 @@
 //! The bodies the middleware hands on: the request body the inner service gets,
 //! and the response body the client gets.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
+use futures_util::Stream;
 use http_body::{Body, Frame, SizeHint};
+use idem_core::protocol::Delivered;
 use pin_project_lite::pin_project;
+
+/// A boxed body error: what the response body answers for any body it wraps.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pin_project! {
     /// The request body the inner service gets: the original body of a request
@@ -46,7 +50,16 @@ pin_project! {
     enum ResponseKind<B> {
         Original { #[pin] body: B },
         Whole { data: Option<Bytes> },
-        Resumed { read: VecDeque<Bytes>, rest: Pin<Box<B>> },
+        Resumed { read: Option<Bytes>, rest: Pin<Box<Chunks<B>>> },
+    }
+}
+
+pin_project! {
+    /// A body's data frames as a stream of chunks, for the protocol to read
+    /// (trailers are skipped).
+    pub(crate) struct Chunks<B> {
+        #[pin]
+        body: B,
     }
 }
 
@@ -113,9 +126,17 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn resumed(read: VecDeque<Bytes>, rest: Pin<Box<B>>) -> Self {
-        Self {
-            kind: ResponseKind::Resumed { read, rest },
+    /// The body the protocol delivers.
+    pub(crate) fn delivered(body: Delivered<Chunks<B>>) -> Self {
+        match body {
+            Delivered::Complete(data) => Self::whole(data),
+            Delivered::Untouched(chunks) => Self::original(chunks.body),
+            Delivered::Resumed { read, rest } => Self {
+                kind: ResponseKind::Resumed {
+                    read: Some(read),
+                    rest,
+                },
+            },
         }
     }
 }
@@ -123,20 +144,21 @@ impl<B> ResponseBody<B> {
 impl<B> Body for ResponseBody<B>
 where
     B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
 {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
-            ResponseKindProj::Original { body } => body.poll_frame(cx),
+            ResponseKindProj::Original { body } => body.poll_frame(cx).map_err(Into::into),
             ResponseKindProj::Whole { data } => Poll::Ready(data.take().map(Frame::data).map(Ok)),
-            ResponseKindProj::Resumed { read, rest } => match read.pop_front() {
+            ResponseKindProj::Resumed { read, rest } => match read.take() {
                 Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
-                None => rest.as_mut().poll_frame(cx),
+                None => rest.as_mut().poll_next(cx).map_ok(Frame::data),
             },
         }
     }
@@ -145,7 +167,7 @@ where
         match &self.kind {
             ResponseKind::Original { body } => body.is_end_stream(),
             ResponseKind::Whole { data } => data.is_none(),
-            ResponseKind::Resumed { read, rest } => read.is_empty() && rest.is_end_stream(),
+            ResponseKind::Resumed { read, rest } => read.is_none() && rest.body.is_end_stream(),
         }
     }
 
@@ -154,8 +176,8 @@ where
             ResponseKind::Original { body } => body.size_hint(),
             ResponseKind::Whole { data } => exact(data),
             ResponseKind::Resumed { read, rest } => {
-                let read: u64 = read.iter().map(|chunk| chunk.len() as u64).sum();
-                let rest = rest.size_hint();
+                let read = read.as_ref().map_or(0, |chunk| chunk.len() as u64);
+                let rest = rest.body.size_hint();
                 let mut hint = SizeHint::new();
                 hint.set_lower(rest.lower() + read);
                 if let Some(upper) = rest.upper() {
@@ -163,6 +185,34 @@ where
                 }
                 hint
             }
+        }
+    }
+}
+
+impl<B> Chunks<B> {
+    pub(crate) fn new(body: B) -> Self {
+        Self { body }
+    }
+}
+
+impl<B> Stream for Chunks<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Item = Result<Bytes, BoxError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let mut body = self.project().body;
+        loop {
+            return match ready!(body.as_mut().poll_frame(cx)) {
+                None => Poll::Ready(None),
+                Some(Err(error)) => Poll::Ready(Some(Err(error.into()))),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => Poll::Ready(Some(Ok(data))),
+                    Err(_trailers) => continue,
+                },
+            };
         }
     }
 }
@@ -191,8 +241,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_resumed_body_sends_what_was_read_then_the_rest() {
-        let read = VecDeque::from([Bytes::from_static(b"ab"), Bytes::from_static(b"cd")]);
-        let body = ResponseBody::resumed(read, Box::pin(stream(&["ef", "g"])));
+        let body = ResponseBody::delivered(Delivered::Resumed {
+            read: Bytes::from_static(b"abcd"),
+            rest: Box::pin(Chunks::new(stream(&["ef", "g"]))),
+        });
         let bytes = body.collect().await.unwrap().to_bytes();
         assert_eq!(bytes, "abcdefg");
     }

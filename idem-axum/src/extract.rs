@@ -1,27 +1,17 @@
 //! Axum extractors: what the middleware tells the handler it let through.
 
-use std::any::Any;
-use std::sync::Arc;
+use std::ops::Deref;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::request::Parts;
-use idem_core::store::ExecutionContext;
-use idem_core::{IdempotencyKey, Scope};
+use idem_core::IdempotencyKey;
 
-/// What the middleware tells the handler of a keyed request it let run, in the
-/// request's extensions: the key, the scope, and whether the execution is
-/// guarded.
-///
-/// A replayed answer never reaches the handler: the middleware sends it without
-/// calling the handler. So a handler that sees an `ExecutionInfo` with
-/// [`is_guarded`](Self::is_guarded) is *the* execution of its `(scope, key)`:
-/// while it runs, no other request with the key runs, and its answer (when the
-/// status is stored) is what every retry gets. It may still be a re-run of an
-/// earlier attempt that failed (a 5xx, a panic) and was released, so effects
-/// outside the handler's own answer should be idempotent downstream; forwarding
-/// [`key`](Self::key) to a payment provider is the usual way.
+/// What the middleware tells the handler of a keyed request it let run: the
+/// key, the scope, whether the execution is guarded, what the store hands it,
+/// whether its lease still holds. Its accessors are [`idem_core::ExecutionInfo`]'s
+/// (through `Deref`); this type makes it an axum extractor.
 ///
 /// Requests without a key (an optional route, an uncovered method) carry no
 /// `ExecutionInfo`: extract `Option<ExecutionInfo>` there.
@@ -34,13 +24,30 @@ use idem_core::{IdempotencyKey, Scope};
 /// }
 /// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
 /// ```
+///
+/// With idem-diesel's transactional store, the handler's writes commit with the
+/// record through the context:
+///
+/// ```no_run
+/// use idem_axum::ExecutionInfo;
+/// use idem_diesel::PgTransaction;
+/// use http::StatusCode;
+///
+/// async fn charge(execution: ExecutionInfo) -> StatusCode {
+///     let Some(transaction) = execution.context::<PgTransaction>() else {
+///         return StatusCode::SERVICE_UNAVAILABLE;
+///     };
+///     let Ok(connection) = transaction.connection().await else {
+///         return StatusCode::SERVICE_UNAVAILABLE;
+///     };
+///     // … diesel-async writes on `&mut *connection`, committed with the answer.
+///     # drop(connection);
+///     StatusCode::CREATED
+/// }
+/// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
+/// ```
 #[derive(Clone, Debug)]
-pub struct ExecutionInfo {
-    key: IdempotencyKey,
-    scope: Scope,
-    guarded: bool,
-    context: Option<ExecutionContext>,
-}
+pub struct ExecutionInfo(pub idem_core::ExecutionInfo);
 
 /// The request's idempotency key, as the middleware parsed it.
 ///
@@ -67,66 +74,11 @@ pub struct Key(pub IdempotencyKey);
 )]
 pub struct NoIdempotencyKey;
 
-impl ExecutionInfo {
-    pub(crate) fn new(key: IdempotencyKey, scope: Scope, guarded: bool) -> Self {
-        Self {
-            key,
-            scope,
-            guarded,
-            context: None,
-        }
-    }
+impl Deref for ExecutionInfo {
+    type Target = idem_core::ExecutionInfo;
 
-    /// The same, with what the store hands the handler.
-    pub(crate) fn with_context(self, context: Option<ExecutionContext>) -> Self {
-        Self { context, ..self }
-    }
-
-    /// The request's key.
-    pub fn key(&self) -> &IdempotencyKey {
-        &self.key
-    }
-
-    /// The scope the key belongs to.
-    pub fn scope(&self) -> &Scope {
-        &self.scope
-    }
-
-    /// `true` when this execution holds the claim of its `(scope, key)`; `false`
-    /// when the store failed and the route fails open
-    /// ([`OnStoreFailure::FailOpen`](idem_core::OnStoreFailure::FailOpen)): the
-    /// handler then runs unguarded, and a retry runs it again.
-    pub fn is_guarded(&self) -> bool {
-        self.guarded
-    }
-
-    /// What the store hands the handler, as a `T`
-    /// ([`Execution::context`](idem_core::Execution::context)): with
-    /// idem-diesel's transactional store, the open
-    /// [`PgTransaction`](https://docs.rs/idem-diesel) that commits the handler's
-    /// writes with the record. `None` with plain stores, for another type, and
-    /// when the handler runs unguarded.
-    ///
-    /// ```no_run
-    /// use idem_axum::ExecutionInfo;
-    /// use idem_diesel::PgTransaction;
-    /// use http::StatusCode;
-    ///
-    /// async fn charge(execution: ExecutionInfo) -> StatusCode {
-    ///     let Some(transaction) = execution.context::<PgTransaction>() else {
-    ///         return StatusCode::SERVICE_UNAVAILABLE;
-    ///     };
-    ///     let Ok(connection) = transaction.connection().await else {
-    ///         return StatusCode::SERVICE_UNAVAILABLE;
-    ///     };
-    ///     // … diesel-async writes on `&mut *connection`, committed with the answer.
-    ///     # drop(connection);
-    ///     StatusCode::CREATED
-    /// }
-    /// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
-    /// ```
-    pub fn context<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
-        Arc::clone(self.context.as_ref()?).downcast().ok()
+    fn deref(&self) -> &Self::Target {
+        &self.0
     }
 }
 
@@ -166,7 +118,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Key {
         parts
             .extensions
             .get::<ExecutionInfo>()
-            .map(|execution| Self(execution.key.clone()))
+            .map(|execution| Self(execution.key().clone()))
             .ok_or(NoIdempotencyKey)
     }
 }
@@ -181,6 +133,6 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Key {
         Ok(parts
             .extensions
             .get::<ExecutionInfo>()
-            .map(|execution| Self(execution.key.clone())))
+            .map(|execution| Self(execution.key().clone())))
     }
 }

@@ -10,5 +10,6 @@ mod service;
 pub use body::{RequestBody, ResponseBody};
 pub use extract::{ExecutionInfo, Key, NoIdempotencyKey};
 pub use future::ResponseFuture;
+pub use idem_core;
 pub use layer::IdempotencyLayer;
 pub use service::Idempotency;

@@ -6,10 +6,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::convert::Infallible;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -22,10 +20,7 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_axum::{ExecutionInfo, IdempotencyLayer, Key, RequestBody};
-use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
-use idem_core::{IdempotencyKey, MemoryStore, OnStoreFailure, Scope, Store, StoredResponse};
-use idem_diesel::testing::{DEFAULT_DATABASE, TestCluster};
-use idem_diesel::{PgStore, SqliteStore};
+use idem_core::{MemoryStore, OnStoreFailure, Policy, Scope, Store};
 use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -94,8 +89,7 @@ fn scenario_router(store: &Arc<dyn Store>) -> Router {
         .route("/executions", get(executions))
         .route("/gates/{name}", post(open_gate));
     for route in idem_scenarios::routes() {
-        let idempotency = IdempotencyLayer::from_shared(Arc::clone(store))
-            .policy(route.policy)
+        let idempotency = IdempotencyLayer::new(Arc::clone(store), route.policy)
             .scope_from_extension::<Principal>();
         // `any` routes have no method routes for `route_layer` to wrap.
         router = router.route(route.path, any(guarded).layer(idempotency));
@@ -133,197 +127,24 @@ mod scenarios {
 
 /// The suite over a fresh SQLite file per case.
 mod sqlite {
-    use super::{sqlite_store, start};
+    use super::start;
 
-    idem_scenarios::scenario_tests!(start, store = sqlite_store);
+    idem_scenarios::scenario_tests!(start, store = idem_scenarios::stores::sqlite_store);
 }
 
-/// The suite over a fresh PostgreSQL cluster per case.
+/// The suite over a fresh PostgreSQL database per case.
 mod postgres {
-    use super::{postgres_store, start};
+    use super::start;
 
-    idem_scenarios::scenario_tests!(start, store = postgres_store);
-}
-
-/// A store, and what must live exactly as long as it: its temporary directory,
-/// its database server. Dropped with the app's last handle to the store.
-struct Owning<S, G> {
-    store: S,
-    _owned: G,
-}
-
-impl<S: Store, G: Send + Sync + 'static> Store for Owning<S, G> {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
-        self.store.claim(request)
-    }
-    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
-        self.store.renew(claim, lease)
-    }
-    fn complete<'a>(
-        &'a self,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-        retention: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.store.complete(claim, response, retention)
-    }
-    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
-        self.store.release(claim)
-    }
-    fn load<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-    ) -> StoreFuture<'a, Option<Record>> {
-        self.store.load(scope, key)
-    }
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-        self.store.delete_expired(batch)
-    }
-    fn changed<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        poll: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.store.changed(scope, key, poll)
-    }
-}
-
-/// A temporary directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-async fn sqlite_store() -> Arc<dyn Store> {
-    let dir = TempDir(std::env::temp_dir().join(format!("idem-axum-{}", uuid::Uuid::new_v4())));
-    std::fs::create_dir_all(&dir.0).unwrap();
-    let path = dir.0.join("idem.db");
-    let store = SqliteStore::connect(path.to_str().unwrap()).await.unwrap();
-    store.migrate().await.unwrap();
-    Arc::new(Owning { store, _owned: dir })
-}
-
-async fn postgres_store() -> Arc<dyn Store> {
-    let cluster = tokio::task::spawn_blocking(TestCluster::start)
-        .await
-        .unwrap()
-        .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"));
-    let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
-        .await
-        .unwrap();
-    store.migrate().await.unwrap();
-    Arc::new(Owning {
-        store,
-        _owned: cluster,
-    })
+    idem_scenarios::scenario_tests!(start, store = idem_scenarios::stores::postgres_store);
 }
 
 /// Durable stores beyond the suite: instances of the app sharing one database,
 /// and the database going away under a running app.
-///
-/// Here rather than in idem-diesel's `stores` binary: the cases need an app,
-/// and the axum build of the scenario app is this file's. Each test starts a
-/// cluster of its own, since the outage stops it and the suite's PostgreSQL
-/// tests each have theirs too.
 mod durable {
-    use std::sync::Arc;
+    use super::start;
 
-    use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
-    use idem_diesel::{PgStore, SqliteStore};
-    use idem_scenarios::durable::{
-        ServerFuture, StoreServer, one_key_over_instances_executes_once,
-        store_outage_fails_closed_then_recovers,
-    };
-
-    use super::{TempDir, start};
-
-    /// Two instances, each with its own `PgStore` (its own pool), over one
-    /// database: 200 concurrent requests with one key, spread over both.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn two_instances_share_one_postgres_database() {
-        let cluster = start_cluster().await;
-        let url = cluster.url(DEFAULT_DATABASE);
-        let mut instances = Vec::new();
-        for _ in 0..2 {
-            let store = PgStore::connect(&url).await.unwrap();
-            store.migrate().await.unwrap();
-            instances.push(start(Arc::new(store)).await);
-        }
-        one_key_over_instances_executes_once(instances).await;
-        stop_cluster(cluster).await;
-    }
-
-    /// Two instances on one machine, each with its own `SqliteStore` (its own
-    /// pool) over one file.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn two_instances_share_one_sqlite_file() {
-        let dir = TempDir(std::env::temp_dir().join(format!("idem-axum-{}", uuid::Uuid::new_v4())));
-        std::fs::create_dir_all(&dir.0).unwrap();
-        let path = dir.0.join("idem.db");
-        let mut instances = Vec::new();
-        for _ in 0..2 {
-            let store = SqliteStore::connect(path.to_str().unwrap()).await.unwrap();
-            store.migrate().await.unwrap();
-            instances.push(start(Arc::new(store)).await);
-        }
-        one_key_over_instances_executes_once(instances).await;
-    }
-
-    /// PostgreSQL stops under the running app, then starts again.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_outage_fails_closed_then_recovers() {
-        let cluster = Arc::new(start_cluster().await);
-        let store = PgStore::connect(&cluster.url(DEFAULT_DATABASE))
-            .await
-            .unwrap();
-        store.migrate().await.unwrap();
-        let target = start(Arc::new(store)).await;
-        store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
-        stop_cluster(Arc::into_inner(cluster).unwrap()).await;
-    }
-
-    /// A test cluster as the outage case stops and resumes it.
-    struct Stoppable(Arc<TestCluster>);
-
-    impl StoreServer for Stoppable {
-        fn stop(&self) -> ServerFuture<'_> {
-            let cluster = Arc::clone(&self.0);
-            Box::pin(blocking(move || cluster.stop()))
-        }
-
-        fn resume(&self) -> ServerFuture<'_> {
-            let cluster = Arc::clone(&self.0);
-            Box::pin(blocking(move || cluster.resume()))
-        }
-    }
-
-    /// Runs a step of the cluster on a blocking thread; panics with its error.
-    async fn blocking(step: impl FnOnce() -> Result<(), ClusterError> + Send + 'static) {
-        tokio::task::spawn_blocking(step)
-            .await
-            .unwrap()
-            .unwrap_or_else(|error| panic!("the test cluster failed: {error}"));
-    }
-
-    async fn start_cluster() -> TestCluster {
-        tokio::task::spawn_blocking(TestCluster::start)
-            .await
-            .unwrap()
-            .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"))
-    }
-
-    /// Stops and deletes the cluster here, before the test ends (the apps may
-    /// still hold pools to it; they go with the runtime).
-    async fn stop_cluster(cluster: TestCluster) {
-        tokio::task::spawn_blocking(move || drop(cluster))
-            .await
-            .unwrap();
-    }
+    idem_scenarios::durable_tests!(start);
 }
 
 // ---------------------------------------------------------------------------
@@ -372,12 +193,14 @@ async fn extractors_see_the_key_the_scope_and_the_claim() {
         .route(
             "/described",
             post(describe).route_layer(
-                IdempotencyLayer::new(store.clone()).scope_with(|_| Some(Scope::new("tenant-7"))),
+                IdempotencyLayer::new(store.clone(), Policy::required())
+                    .scope_with(|_| Some(Scope::new("tenant-7"))),
             ),
         )
         .route(
             "/optional",
-            post(describe_optional).route_layer(IdempotencyLayer::new(store).optional()),
+            post(describe_optional)
+                .route_layer(IdempotencyLayer::new(store, Policy::optional()).global_scope()),
         );
     let response = app
         .clone()
@@ -424,7 +247,8 @@ async fn a_request_without_a_scope_is_refused_and_not_run() {
     let app = Router::new().route(
         "/charges",
         post(counted).route_layer(
-            IdempotencyLayer::new(MemoryStore::new()).scope_from_extension::<Principal>(),
+            IdempotencyLayer::new(MemoryStore::new(), Policy::required())
+                .scope_from_extension::<Principal>(),
         ),
     );
     let response = app
@@ -445,7 +269,11 @@ async fn a_fail_open_route_tells_the_handler_it_is_unguarded() {
     let app = Router::new().route(
         "/described",
         post(describe).route_layer(
-            IdempotencyLayer::new(FailingStore).on_store_failure(OnStoreFailure::FailOpen),
+            IdempotencyLayer::new(
+                FailingStore,
+                Policy::required().on_store_failure(OnStoreFailure::FailOpen),
+            )
+            .global_scope(),
         ),
     );
     let response = app
@@ -496,7 +324,7 @@ fn plain_request(path: &str, body: &'static str) -> http::Request<Full<Bytes>> {
 async fn it_guards_a_plain_tower_service_in_a_service_builder() {
     let runs = Arc::new(AtomicU64::new(0));
     let service = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(MemoryStore::new()))
+        .layer(IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope())
         .service(counting_service(Arc::clone(&runs)));
     let first = service
         .clone()
@@ -526,7 +354,7 @@ async fn it_guards_a_plain_tower_service_in_a_service_builder() {
 async fn a_service_error_is_returned_and_releases_the_claim() {
     let runs = Arc::new(AtomicU64::new(0));
     let service = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(MemoryStore::new()))
+        .layer(IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope())
         .service(counting_service(Arc::clone(&runs)));
     let failed = service.clone().oneshot(plain_request("/fail", "x")).await;
     assert_eq!(failed.err(), Some("the service failed"));
@@ -541,14 +369,16 @@ async fn problems_use_the_configured_statuses_and_limits() {
     let app = Router::new().route(
         "/small",
         post(|| async { "ran" }).route_layer(
-            IdempotencyLayer::new(MemoryStore::new())
-                .request_body_limit(4)
-                .configure(|policy| {
-                    policy.problem_statuses(idem_core::ProblemStatuses {
+            IdempotencyLayer::new(
+                MemoryStore::new(),
+                Policy::required().request_body_limit(4).problem_statuses(
+                    idem_core::ProblemStatuses {
                         payload_too_large: 400,
                         ..Default::default()
-                    })
-                }),
+                    },
+                ),
+            )
+            .global_scope(),
         ),
     );
     let response = app
@@ -576,7 +406,10 @@ async fn uncovered_methods_can_be_configured() {
     };
     let app = Router::new().route(
         "/items",
-        any(counted).layer(IdempotencyLayer::new(MemoryStore::new()).methods(["PUT"])),
+        any(counted).layer(
+            IdempotencyLayer::new(MemoryStore::new(), Policy::required().methods(["PUT"]))
+                .global_scope(),
+        ),
     );
     for method in [Method::PUT, Method::PUT, Method::POST, Method::POST] {
         let request = Request::builder()

@@ -1,21 +1,25 @@
 //! The engine: the one place where the state machine lives.
 //!
-//! Adapters parse nothing and decide nothing about states: they hand the engine
-//! the request's method and key fields ([`Engine::admit`]), its fingerprint, and
-//! then do what [`Engine::begin`] answers.
+//! HTTP adapters drive it through the protocol ([`Engine::start`] and the steps
+//! after it); other callers (a message consumer, a job runner) can claim a
+//! fingerprinted request themselves with [`Engine::begin`], run it with
+//! [`Execution::run`] and record its answer with [`Execution::settle`].
 
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::execution::ExecutionInfo;
+use crate::metrics;
+
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, OwnerToken};
 use crate::{
-    Fingerprint, FingerprintBuilder, Header, IdempotencyKey, InProgress, KeyRequirement,
-    OnStoreFailure, Policy, Problem, ProblemKind, REPLAYED_HEADER, RequestHead, Scope, Store,
-    StoreError, StoredResponse,
+    Fingerprint, Header, IdempotencyKey, InProgress, KeyRequirement, OnStoreFailure, Policy,
+    Problem, ProblemKind, REPLAYED_HEADER, Scope, Store, StoreError, StoredResponse,
 };
 
 /// The state machine over a store, with a route's policy. Cheap to clone.
@@ -27,18 +31,6 @@ pub struct Engine {
 struct Inner {
     store: Arc<dyn Store>,
     policy: Policy,
-}
-
-/// What to do with a request, decided from its method and key fields alone.
-#[derive(Debug)]
-pub enum Admission {
-    /// Not covered (method, or optional key absent): pass it through untouched.
-    PassThrough,
-    /// Answer this problem; do not run the handler.
-    Reject(Problem),
-    /// Covered, with a valid key: fingerprint the request and call
-    /// [`Engine::begin`].
-    Keyed(IdempotencyKey),
 }
 
 /// What [`Engine::begin`] decided.
@@ -59,14 +51,14 @@ pub enum Begin {
 
 /// A claimed request: the right to run the handler once and record its answer.
 ///
-/// Dropping an execution without [`settle`](Self::settle),
-/// [`finish`](Self::finish) or [`fail`](Self::fail) releases the claim in the
+/// Dropping an execution without [`settle`](Self::settle) releases the claim in the
 /// background (when a Tokio runtime is there to run it), so a retry need not
 /// wait for the lease to lapse.
 pub struct Execution {
     engine: Engine,
     claim: Claim,
     context: Option<ExecutionContext>,
+    lease_lost: Arc<AtomicBool>,
     settled: bool,
 }
 
@@ -115,22 +107,28 @@ impl Engine {
     }
 
     /// Decides from the method and the values of every `Idempotency-Key` field
-    /// whether the request is covered, refused, or keyed.
-    pub fn admit<'a, I>(&self, method: &str, key_fields: I) -> Admission
+    /// whether the request is covered (`Ok(Some(key))`), passes through
+    /// (`Ok(None)`), or is refused.
+    pub(crate) fn admit<'a, I>(
+        &self,
+        method: &str,
+        key_fields: I,
+    ) -> Result<Option<IdempotencyKey>, Problem>
     where
         I: IntoIterator<Item = &'a [u8]>,
     {
         let policy = self.policy();
         if !policy.covers(method) {
-            return Admission::PassThrough;
+            return Ok(None);
         }
         match IdempotencyKey::from_fields(key_fields) {
-            Ok(Some(key)) => Admission::Keyed(key),
+            Ok(Some(key)) => Ok(Some(key)),
             Ok(None) => match policy.key_requirement() {
-                KeyRequirement::Optional => Admission::PassThrough,
+                KeyRequirement::Optional => Ok(None),
                 KeyRequirement::Required => {
                     tracing::debug!(target: "idem", outcome = "rejected", reason = "missing-key");
-                    Admission::Reject(self.problem(
+                    metrics::outcome(metrics::Outcome::Refused);
+                    Err(self.problem(
                         ProblemKind::MissingKey,
                         "this route requires an Idempotency-Key header",
                     ))
@@ -138,42 +136,59 @@ impl Engine {
             },
             Err(error) => {
                 tracing::debug!(target: "idem", outcome = "rejected", reason = "invalid-key", %error);
-                Admission::Reject(self.problem(ProblemKind::InvalidKey, error.to_string()))
+                metrics::outcome(metrics::Outcome::Refused);
+                Err(self.problem(ProblemKind::InvalidKey, error.to_string()))
             }
         }
     }
 
-    /// Starts the fingerprint of a request; feed it the body as it streams.
-    pub fn fingerprint(&self, head: &RequestHead<'_>) -> FingerprintBuilder {
-        self.policy().fingerprint_spec().start(head)
-    }
-
     /// The answer to a request body over the limit.
-    pub fn payload_too_large(&self) -> Problem {
+    pub(crate) fn payload_too_large(&self) -> Problem {
         let limit = self.policy().request_body_limit_bytes();
         tracing::debug!(target: "idem", outcome = "rejected", reason = "payload-too-large", limit);
+        metrics::outcome(metrics::Outcome::Refused);
         self.problem(
             ProblemKind::PayloadTooLarge,
             format!("the request body is larger than {limit} bytes"),
         )
     }
 
-    /// The answer when the application could not name the request's scope.
-    pub fn scope_unavailable(&self) -> Problem {
+    /// The answer to a request body that failed to arrive whole.
+    pub(crate) fn body_unreadable(&self) -> Problem {
+        metrics::outcome(metrics::Outcome::Refused);
+        self.problem(
+            ProblemKind::BodyUnreadable,
+            "the request body could not be read whole",
+        )
+    }
+
+    /// The answer when the application could not name the request's scope:
+    /// logged at error level with what the source expected, since it is a
+    /// misconfiguration (most often the authentication that sets the scope runs
+    /// after the idempotency middleware instead of before it).
+    pub(crate) fn scope_unavailable(&self, expected: &str) -> Problem {
         tracing::error!(
             target: "idem",
             outcome = "rejected",
             reason = "scope-unavailable",
-            "no idempotency scope for the request: the route's scope source found nothing",
+            expected,
+            "no idempotency scope for the request: the route's scope source found nothing. It looks for {expected}: is the middleware that provides it (authentication) applied before the idempotency middleware, i.e. as an outer layer?",
         );
+        metrics::outcome(metrics::Outcome::Refused);
         self.problem(
             ProblemKind::ScopeUnavailable,
             "the request could not be attributed to a scope",
         )
     }
 
+    /// The answer when the task that ran a keyed request was lost (its runtime
+    /// shut down): its claim, if any, was released.
+    pub fn handler_lost(&self) -> StoredResponse {
+        self.handler_failed().to_response()
+    }
+
     /// The answer when the handler panicked or failed (after its claim was released).
-    pub fn handler_failed(&self) -> Problem {
+    pub(crate) fn handler_failed(&self) -> Problem {
         self.problem(
             ProblemKind::HandlerFailed,
             "the request failed; it may be retried with the same key",
@@ -181,7 +196,7 @@ impl Engine {
     }
 
     /// A problem of `kind` with the status the policy gives it.
-    pub fn problem(&self, kind: ProblemKind, detail: impl Into<String>) -> Problem {
+    pub(crate) fn problem(&self, kind: ProblemKind, detail: impl Into<String>) -> Problem {
         Problem::new(kind, self.policy().status_of(kind), detail)
     }
 
@@ -211,7 +226,10 @@ impl Engine {
             retention: policy.retention,
         };
         loop {
-            let outcome = match self.store().claim(&request).await {
+            let timer = metrics::Timer::start();
+            let claimed = self.store().claim(&request).await;
+            metrics::store_time("claim", timer);
+            let outcome = match claimed {
                 Ok(outcome) => outcome,
                 Err(error) => return self.store_failed(&request, error),
             };
@@ -223,6 +241,7 @@ impl Engine {
                         engine: self.clone(),
                         claim,
                         context,
+                        lease_lost: Arc::new(AtomicBool::new(false)),
                         settled: false,
                     });
                 }
@@ -239,12 +258,14 @@ impl Engine {
                 ClaimOutcome::Completed { response, .. } => {
                     if !response.replayable {
                         tracing::info!(target: "idem", outcome = "not-replayable", scope = %request.scope, key = %request.key.redacted());
+                        metrics::outcome(metrics::Outcome::NotReplayable);
                         return Begin::Reject(self.problem(
                             ProblemKind::ResponseNotStored,
                             "the request with this key was executed, but its response was too large to store; it is not executed again",
                         ));
                     }
                     tracing::info!(target: "idem", outcome = "replayed", scope = %request.scope, key = %request.key.redacted(), status = response.status);
+                    metrics::outcome(metrics::Outcome::Replayed);
                     return Begin::Replay(replayed(response));
                 }
                 ClaimOutcome::InProgress { .. } => {
@@ -266,6 +287,7 @@ impl Engine {
                         (InProgress::Wait { .. }, _) => Duration::from_secs(1),
                     };
                     tracing::info!(target: "idem", outcome = "conflict", scope = %request.scope, key = %request.key.redacted());
+                    metrics::outcome(metrics::Outcome::Conflict);
                     return Begin::Reject(
                         self.problem(
                             ProblemKind::RequestInProgress,
@@ -280,6 +302,7 @@ impl Engine {
 
     fn mismatch(&self, request: &ClaimRequest) -> Begin {
         tracing::info!(target: "idem", outcome = "mismatch", scope = %request.scope, key = %request.key.redacted());
+        metrics::outcome(metrics::Outcome::Mismatch);
         Begin::Reject(self.problem(
             ProblemKind::KeyReused,
             "this idempotency key was already used for a different request",
@@ -291,10 +314,12 @@ impl Engine {
         match policy.on_store_failure {
             OnStoreFailure::FailOpen => {
                 tracing::warn!(target: "idem", outcome = "unguarded", scope = %request.scope, key = %request.key.redacted(), error = %error_chain(&error), "store failed; failing open: the handler runs without idempotency");
+                metrics::outcome(metrics::Outcome::Unguarded);
                 Begin::Unguarded
             }
             OnStoreFailure::FailClosed => {
                 tracing::error!(target: "idem", outcome = "store-unavailable", scope = %request.scope, key = %request.key.redacted(), error = %error_chain(&error), "store failed; the handler does not run");
+                metrics::outcome(metrics::Outcome::StoreFailure);
                 Begin::Reject(
                     self.problem(
                         ProblemKind::StoreUnavailable,
@@ -328,41 +353,75 @@ impl Execution {
 
     /// What the store hands the handler (see [`Store::execution_context`]): for
     /// a transactional store, the open transaction that the claim was made in
-    /// and that the completion commits. `None` for plain stores. Adapters pass
-    /// it on to the handler; the handler downcasts it to the store's type.
+    /// and that the completion commits. `None` for plain stores.
     pub fn context(&self) -> Option<&ExecutionContext> {
         self.context.as_ref()
     }
 
-    /// The largest response body that is kept for replay.
-    pub fn stored_body_limit(&self) -> usize {
-        self.engine.policy().stored_body_limit_bytes()
+    /// What the handler is told about this execution.
+    pub fn info(&self) -> ExecutionInfo {
+        ExecutionInfo::new(
+            self.claim.key.clone(),
+            self.claim.scope.clone(),
+            true,
+            self.context.clone(),
+            Arc::clone(&self.lease_lost),
+        )
     }
 
-    /// Runs `handler` to completion while renewing the lease every third of it, so
-    /// a handler slower than the lease is never run twice. The handler need not be
-    /// `Send` (actix's are not).
+    /// Runs `handler` to completion while keeping the lease, so a handler slower
+    /// than the lease is never run twice. The handler need not be `Send`
+    /// (actix's are not).
+    ///
+    /// The lease is renewed every quarter of it, so that a renewal is due well
+    /// before a third of the lease is gone. A renewal that fails is retried
+    /// promptly (from 50 ms, doubling, at most a tenth of the lease apart), so a
+    /// store outage shorter than the lease less one renewal interval does not
+    /// let it lapse. When the store refuses a renewal (another owner holds the
+    /// record) or renewals fail until the lease has certainly run out, the lease
+    /// is lost: logged at error level, counted (`idem_lease_lost_total`) and
+    /// signalled on [`ExecutionInfo::lease_lost`]; the handler runs on, and its
+    /// answer is sent but not recorded.
     pub async fn run<F: Future>(&self, handler: F) -> F::Output {
         let lease = self.claim.lease;
-        let every = (lease / 3).max(Duration::from_millis(1));
+        let every = (lease / 4).max(Duration::from_millis(1));
+        let retry_cap = (lease / 10).max(Duration::from_millis(1));
         let mut handler = pin!(handler);
         let mut renewing = true;
+        // The lease certainly holds until this instant: it is counted from
+        // before the renewal was sent.
+        let mut held_until = Instant::now() + lease;
         let mut next = Instant::now() + every;
+        let mut retry = Duration::from_millis(50).min(retry_cap);
         loop {
             let tick = tokio::time::sleep_until(next);
             tokio::select! {
                 biased;
                 output = &mut handler => return output,
                 () = tick, if renewing => {
-                    next = Instant::now() + every;
-                    match self.engine.store().renew(&self.claim, lease).await {
-                        Ok(()) => {}
+                    let sent = Instant::now();
+                    let timer = metrics::Timer::start();
+                    let renewed = self.engine.store().renew(&self.claim, lease).await;
+                    metrics::store_time("renew", timer);
+                    match renewed {
+                        Ok(()) => {
+                            held_until = sent + lease;
+                            next = Instant::now() + every;
+                            retry = Duration::from_millis(50).min(retry_cap);
+                        }
                         Err(StoreError::StaleOwner) => {
-                            tracing::warn!(target: "idem", outcome = "lease-lost", scope = %self.claim.scope, key = %self.claim.key.redacted(), "the claim was lost while the handler ran; its answer will not be recorded");
+                            self.lose_lease("the store refused the renewal: another request holds the key");
+                            renewing = false;
+                        }
+                        Err(error) if Instant::now() + retry >= held_until => {
+                            tracing::warn!(target: "idem", error = %error_chain(&error), "lease renewal failed");
+                            self.lose_lease("renewals failed until the lease ran out");
                             renewing = false;
                         }
                         Err(error) => {
-                            tracing::warn!(target: "idem", scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "lease renewal failed; retrying");
+                            tracing::warn!(target: "idem", error = %error_chain(&error), retry_in_ms = retry.as_millis() as u64, "lease renewal failed; retrying");
+                            next = Instant::now() + retry;
+                            retry = (retry * 2).min(retry_cap);
                         }
                     }
                 }
@@ -370,46 +429,53 @@ impl Execution {
         }
     }
 
+    fn lose_lease(&self, why: &str) {
+        self.lease_lost.store(true, Ordering::Release);
+        metrics::lease_lost();
+        tracing::error!(target: "idem", outcome = "lease-lost", scope = %self.claim.scope, key = %self.claim.key.redacted(), "the claim was lost while the handler ran ({why}); another request with the key may run, and this answer will not be recorded");
+    }
+
     /// Records the handler's answer: completes the record when the policy stores
     /// `response.status`, releases it otherwise (so a retry runs the handler
-    /// again). Pass a response with `replayable: false` when its body was over
-    /// [`stored_body_limit`](Self::stored_body_limit).
-    ///
-    /// A failure is logged and returned for the caller's information. Adapters
-    /// call [`settle`](Self::settle) instead, which also says what to send: with
-    /// a transactional store a failed completion means the handler's writes were
-    /// rolled back, and its answer must not reach the client.
-    pub async fn finish(mut self, response: &StoredResponse) -> Result<Finished, StoreError> {
+    /// again). A failure is logged and returned.
+    async fn record(&mut self, response: &StoredResponse) -> Result<Recorded, StoreError> {
         self.settled = true;
         let engine = self.engine.clone();
         let policy = engine.policy();
         if !policy.stores(response.status) {
             tracing::info!(target: "idem", outcome = "executed", stored = false, status = response.status, scope = %self.claim.scope, key = %self.claim.key.redacted());
+            metrics::outcome(metrics::Outcome::Executed);
             self.release_now().await?;
-            return Ok(Finished::Released);
+            return Ok(Recorded::Released);
         }
         let mut attempt = 1;
         loop {
-            match engine
+            let timer = metrics::Timer::start();
+            let completed = engine
                 .store()
                 .complete(&self.claim, response, policy.retention)
-                .await
-            {
+                .await;
+            metrics::store_time("complete", timer);
+            match completed {
                 Ok(()) => {
                     tracing::info!(target: "idem", outcome = "executed", stored = true, replayable = response.replayable, status = response.status, scope = %self.claim.scope, key = %self.claim.key.redacted());
-                    return Ok(Finished::Completed);
+                    metrics::outcome(metrics::Outcome::Executed);
+                    return Ok(Recorded::Completed);
                 }
                 Err(StoreError::StaleOwner) => {
                     tracing::warn!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), "completion refused: the claim was lost (lease lapsed) while the handler ran");
+                    metrics::outcome(metrics::Outcome::Executed);
                     return Err(StoreError::StaleOwner);
                 }
                 // The transaction is gone: trying again cannot bring it back.
                 Err(error @ StoreError::Uncommitted(_)) => {
                     tracing::error!(target: "idem", outcome = "uncommitted", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "the completion was not committed and the handler's writes were rolled back with it; a retry runs the handler again");
+                    metrics::outcome(metrics::Outcome::StoreFailure);
                     return Err(error);
                 }
                 Err(error) if attempt >= COMPLETE_ATTEMPTS => {
                     tracing::error!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "could not record the answer; a retry after the lease lapses will run the handler again");
+                    metrics::outcome(metrics::Outcome::Executed);
                     return Err(error);
                 }
                 Err(error) => {
@@ -421,10 +487,17 @@ impl Execution {
         }
     }
 
-    /// Records the handler's answer as [`finish`](Self::finish) does, and says
-    /// what to send: the handler's answer, or (when a transactional store could
-    /// not commit, so the handler's writes were rolled back) a
-    /// `503 store-unavailable` problem with `Retry-After`.
+    /// Records the handler's answer and says what to send: the handler's
+    /// answer, or (when a transactional store could not commit, so the
+    /// handler's writes were rolled back) a `503 store-unavailable` problem with
+    /// `Retry-After`.
+    ///
+    /// The answer is recorded when the policy stores its status (retries replay
+    /// it) and released otherwise (a retry runs the handler again). Pass a
+    /// response built with [`StoredResponse::without_body`] when its body was
+    /// over the stored-body limit. A plain store that fails to record is logged
+    /// and the handler's answer is still delivered: its effect happened outside
+    /// the store.
     ///
     /// ```
     /// use idem_core::{Begin, Engine, IdempotencyKey, MemoryStore, Policy, Scope, StoredResponse};
@@ -442,37 +515,40 @@ impl Execution {
     /// assert_eq!(sent.status, 201);
     /// # });
     /// ```
-    pub async fn settle(self, response: &StoredResponse) -> Settlement {
-        let engine = self.engine.clone();
-        match self.finish(response).await {
+    pub async fn settle(mut self, response: &StoredResponse) -> Settlement {
+        match self.record(response).await {
             Err(StoreError::Uncommitted(_)) => {
-                let policy = engine.policy();
+                let engine = &self.engine;
                 Settlement::Retract(
                     engine
                         .problem(
                             ProblemKind::StoreUnavailable,
                             "the request's outcome could not be committed; retry it with the same key",
                         )
-                        .with_retry_after(policy.store_retry_after),
+                        .with_retry_after(engine.policy().store_retry_after),
                 )
             }
             Ok(_) | Err(_) => Settlement::Deliver,
         }
     }
 
-    /// Releases the claim after the handler panicked or failed, and answers the
-    /// problem to send (`500 handler-failed`).
-    pub async fn fail(mut self) -> Problem {
+    /// Releases the claim after the handler panicked or failed, so that a retry
+    /// runs it again. (Dropping an execution unsettled does the same in the
+    /// background.)
+    pub async fn release(mut self) {
         self.settled = true;
         tracing::warn!(target: "idem", outcome = "handler-failed", scope = %self.claim.scope, key = %self.claim.key.redacted(), "the handler failed; claim released");
+        metrics::outcome(metrics::Outcome::HandlerFailed);
         if let Err(error) = self.release_now().await {
             tracing::error!(target: "idem", error = %error_chain(&error), "could not release the claim; it will lapse with its lease");
         }
-        self.engine.handler_failed()
     }
 
     async fn release_now(&self) -> Result<(), StoreError> {
-        self.engine.store().release(&self.claim).await
+        let timer = metrics::Timer::start();
+        let released = self.engine.store().release(&self.claim).await;
+        metrics::store_time("release", timer);
+        released
     }
 }
 
@@ -497,9 +573,9 @@ impl Settlement {
     }
 }
 
-/// What [`Execution::finish`] did with the answer.
+/// What [`Execution::settle`] did with the answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finished {
+enum Recorded {
     /// The record completed; retries replay the answer.
     Completed,
     /// The status is not stored: the claim was released; a retry runs again.
@@ -587,8 +663,8 @@ mod tests {
         let scope = Scope::new("s");
         let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
         assert_eq!(
-            exec.finish(&ok(201, "made")).await.unwrap(),
-            Finished::Completed
+            finish(exec, &ok(201, "made")).await.unwrap(),
+            Recorded::Completed
         );
 
         let Begin::Replay(replay) = engine.begin(scope, key("k"), fp(1)).await else {
@@ -618,7 +694,7 @@ mod tests {
         let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
         let p = expect_problem(engine.begin(scope.clone(), key("k"), fp(2)).await);
         assert_eq!((p.kind, p.status), (ProblemKind::KeyReused, 422));
-        exec.finish(&ok(200, "")).await.unwrap();
+        finish(exec, &ok(200, "")).await.unwrap();
         let p = expect_problem(engine.begin(scope, key("k"), fp(2)).await);
         assert_eq!((p.kind, p.status), (ProblemKind::KeyReused, 422));
     }
@@ -641,8 +717,8 @@ mod tests {
             let k = key(&format!("k{status}"));
             let exec = expect_execute(engine.begin(scope.clone(), k.clone(), fp(1)).await);
             assert_eq!(
-                exec.finish(&ok(status, "")).await.unwrap(),
-                Finished::Released
+                finish(exec, &ok(status, "")).await.unwrap(),
+                Recorded::Released
             );
             expect_execute(engine.begin(scope.clone(), k, fp(1)).await);
         }
@@ -653,7 +729,8 @@ mod tests {
         let engine = Engine::new(MemoryStore::new(), Policy::required());
         let scope = Scope::new("s");
         let exec = expect_execute(engine.begin(scope.clone(), key("a"), fp(1)).await);
-        let p = exec.fail().await;
+        exec.release().await;
+        let p = engine.handler_failed();
         assert_eq!((p.kind, p.status), (ProblemKind::HandlerFailed, 500));
         expect_execute(engine.begin(scope.clone(), key("a"), fp(1)).await);
 
@@ -681,7 +758,7 @@ mod tests {
         let engine = Engine::new(MemoryStore::new(), Policy::required());
         let scope = Scope::new("s");
         let exec = expect_execute(engine.begin(scope.clone(), key("k"), fp(1)).await);
-        exec.finish(&StoredResponse::without_body(200, vec![]))
+        finish(exec, &StoredResponse::without_body(200, vec![]))
             .await
             .unwrap();
         let p = expect_problem(engine.begin(scope, key("k"), fp(1)).await);
@@ -702,7 +779,7 @@ mod tests {
             async move { engine.begin(scope, key("k"), fp(1)).await }
         });
         tokio::time::sleep(Duration::from_millis(700)).await;
-        exec.finish(&ok(201, "done")).await.unwrap();
+        finish(exec, &ok(201, "done")).await.unwrap();
         match waiter.await.unwrap() {
             Begin::Replay(r) => assert_eq!(&r.body[..], b"done"),
             other => panic!("expected a replay, got {other:?}"),
@@ -747,8 +824,8 @@ mod tests {
         let p = expect_problem(probe.await.unwrap());
         assert_eq!(p.kind, ProblemKind::RequestInProgress);
         assert_eq!(
-            exec.finish(&ok(200, "")).await.unwrap(),
-            Finished::Completed
+            finish(exec, &ok(200, "")).await.unwrap(),
+            Recorded::Completed
         );
     }
 
@@ -964,26 +1041,28 @@ mod tests {
     #[test]
     fn admit_covers_methods_and_keys() {
         let engine = Engine::new(FailingStore, Policy::required());
-        assert!(matches!(
-            engine.admit("GET", [&b"k"[..]]),
-            Admission::PassThrough
-        ));
-        assert!(matches!(
-            engine.admit("POST", [&b"k"[..]]),
-            Admission::Keyed(_)
-        ));
+        assert!(matches!(engine.admit("GET", [&b"k"[..]]), Ok(None)));
+        assert!(matches!(engine.admit("POST", [&b"k"[..]]), Ok(Some(_))));
         match engine.admit("POST", std::iter::empty()) {
-            Admission::Reject(p) => assert_eq!((p.kind, p.status), (ProblemKind::MissingKey, 400)),
+            Err(p) => assert_eq!((p.kind, p.status), (ProblemKind::MissingKey, 400)),
             other => panic!("{other:?}"),
         }
         match engine.admit("PATCH", [&b"a"[..], &b"b"[..]]) {
-            Admission::Reject(p) => assert_eq!((p.kind, p.status), (ProblemKind::InvalidKey, 400)),
+            Err(p) => assert_eq!((p.kind, p.status), (ProblemKind::InvalidKey, 400)),
             other => panic!("{other:?}"),
         }
         let optional = Engine::new(FailingStore, Policy::optional());
         assert!(matches!(
             optional.admit("POST", std::iter::empty()),
-            Admission::PassThrough
+            Ok(None)
         ));
+    }
+
+    /// A test's way to record an answer and see what was done with it.
+    async fn finish(
+        mut execution: Execution,
+        response: &StoredResponse,
+    ) -> Result<Recorded, StoreError> {
+        execution.record(response).await
     }
 }

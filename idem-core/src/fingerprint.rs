@@ -110,6 +110,15 @@ impl fmt::Display for Fingerprint {
 pub trait HeaderSource {
     /// The value of the first field named `name` (lower-case), if any.
     fn header(&self, name: &str) -> Option<&[u8]>;
+
+    /// Calls `each` with the value of every field named `name` (lower-case), in
+    /// order. Repeats matter for `Idempotency-Key`, which must appear once; the
+    /// default reports the first field only, so adapters override it.
+    fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
+        if let Some(value) = self.header(name) {
+            each(value);
+        }
+    }
 }
 
 /// The parts of a request that come before its body.
@@ -153,7 +162,7 @@ pub enum BodyMode {
 /// In [`BodyMode::Exact`] chunks are hashed as they arrive and nothing is kept; the
 /// JSON modes keep the body (bounded by the request-body limit upstream) until
 /// [`finish`](Self::finish).
-pub struct FingerprintBuilder {
+pub struct FingerprintHasher {
     hasher: Sha256,
     body: BodyFeed,
 }
@@ -170,7 +179,7 @@ enum BodyFeed {
 
 impl FingerprintSpec {
     /// Starts a fingerprint of the request whose head is `head`.
-    pub fn start(&self, head: &RequestHead<'_>) -> FingerprintBuilder {
+    pub fn start(&self, head: &RequestHead<'_>) -> FingerprintHasher {
         let mut hasher = Sha256::new();
         part(&mut hasher, VERSION_TAG);
         part(&mut hasher, head.method.as_bytes());
@@ -196,11 +205,11 @@ impl FingerprintSpec {
             ),
         };
         part(&mut hasher, mode);
-        FingerprintBuilder { hasher, body }
+        FingerprintHasher { hasher, body }
     }
 }
 
-impl FingerprintBuilder {
+impl FingerprintHasher {
     /// Feeds the next chunk of the body.
     pub fn update(&mut self, chunk: &[u8]) {
         match &mut self.body {
@@ -240,14 +249,14 @@ impl FingerprintBuilder {
     }
 }
 
-impl fmt::Debug for FingerprintBuilder {
+impl fmt::Debug for FingerprintHasher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mode = match self.body {
             BodyFeed::Exact => "exact",
             BodyFeed::CanonicalJson(_) => "canonical-json",
             BodyFeed::Fields { .. } => "fields",
         };
-        f.debug_struct("FingerprintBuilder")
+        f.debug_struct("FingerprintHasher")
             .field("mode", &mode)
             .finish_non_exhaustive()
     }
@@ -788,7 +797,7 @@ mod tests {
         let builder = spec(BodyMode::CanonicalJson, &[]).start(&head);
         assert_eq!(
             format!("{builder:?}"),
-            r#"FingerprintBuilder { mode: "canonical-json", .. }"#
+            r#"FingerprintHasher { mode: "canonical-json", .. }"#
         );
     }
 

@@ -2,10 +2,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod engine;
+mod execution;
 mod fingerprint;
 mod key;
+mod metrics;
 mod policy;
 mod problem;
+pub mod protocol;
 mod response;
 pub mod retry;
 mod scope;
@@ -14,9 +17,10 @@ pub mod store;
 #[cfg(feature = "test-util")]
 pub mod conformance;
 
-pub use engine::{Admission, Begin, Engine, Execution, Finished, Settlement};
+pub use engine::{Begin, Engine, Execution, Settlement};
+pub use execution::ExecutionInfo;
 pub use fingerprint::{
-    BodyMode, Fingerprint, FingerprintBuilder, FingerprintSpec, HeaderSource, RequestHead,
+    BodyMode, Fingerprint, FingerprintHasher, FingerprintSpec, HeaderSource, RequestHead,
 };
 pub use key::{IdempotencyKey, KEY_HEADER, KeyError, MAX_KEY_LEN, Redacted};
 pub use policy::{
@@ -24,5 +28,5 @@ pub use policy::{
 };
 pub use problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Problem, ProblemKind};
 pub use response::{Header, REPLAYED_HEADER, StoredResponse};
-pub use scope::Scope;
+pub use scope::{ChosenScope, Scope, ScopeSource, Unscoped};
 pub use store::{MemoryStore, Store, StoreError};

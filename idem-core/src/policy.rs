@@ -91,6 +91,8 @@ pub struct ProblemStatuses {
     pub request_in_progress: u16,
     /// `payload-too-large`, default 413.
     pub payload_too_large: u16,
+    /// `body-unreadable`, default 400.
+    pub body_unreadable: u16,
     /// `store-unavailable`, default 503.
     pub store_unavailable: u16,
     /// `response-not-stored`, default 410.
@@ -109,6 +111,7 @@ impl Default for ProblemStatuses {
             key_reused: 422,
             request_in_progress: 409,
             payload_too_large: 413,
+            body_unreadable: 400,
             store_unavailable: 503,
             response_not_stored: 410,
             handler_failed: 500,
@@ -130,6 +133,7 @@ impl ProblemStatuses {
             ProblemKind::ResponseNotStored => self.response_not_stored,
             ProblemKind::HandlerFailed => self.handler_failed,
             ProblemKind::ScopeUnavailable => self.scope_unavailable,
+            ProblemKind::BodyUnreadable => self.body_unreadable,
         }
     }
 }

@@ -12,6 +12,7 @@ pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
 
 /// Every answer idem gives in place of the handler's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ProblemKind {
     /// A required key is absent. `400 missing-key`.
     MissingKey,
@@ -23,6 +24,9 @@ pub enum ProblemKind {
     RequestInProgress,
     /// The request body is over the limit. `413 payload-too-large`.
     PayloadTooLarge,
+    /// The request body did not arrive whole (the client went away mid-body, a
+    /// malformed chunked encoding). `400 body-unreadable`.
+    BodyUnreadable,
     /// The store failed; the handler did not run. `503 store-unavailable`.
     StoreUnavailable,
     /// The request ran, but its response was too large to keep, so it cannot be
@@ -50,12 +54,13 @@ pub struct Problem {
 
 impl ProblemKind {
     /// Every kind, for tests and documentation.
-    pub const ALL: [ProblemKind; 9] = [
+    pub const ALL: [ProblemKind; 10] = [
         Self::MissingKey,
         Self::InvalidKey,
         Self::KeyReused,
         Self::RequestInProgress,
         Self::PayloadTooLarge,
+        Self::BodyUnreadable,
         Self::StoreUnavailable,
         Self::ResponseNotStored,
         Self::HandlerFailed,
@@ -74,6 +79,7 @@ impl ProblemKind {
             Self::ResponseNotStored => "response-not-stored",
             Self::HandlerFailed => "handler-failed",
             Self::ScopeUnavailable => "scope-unavailable",
+            Self::BodyUnreadable => "body-unreadable",
         }
     }
 
@@ -89,6 +95,7 @@ impl ProblemKind {
             Self::ResponseNotStored => "Original response was not stored",
             Self::HandlerFailed => "The request failed",
             Self::ScopeUnavailable => "Idempotency scope unavailable",
+            Self::BodyUnreadable => "Request body unreadable",
         }
     }
 

@@ -12,9 +12,12 @@
 //! `PATH`. `initdb` refuses to run as root: as root, the cluster runs as the
 //! `postgres` user (through `runuser`).
 //!
-//! A test binary should start one cluster and drop it before it exits: statics
-//! are never dropped, so a cluster kept in one would outlive the tests. Give each
-//! test its own database ([`create_database`](TestCluster::create_database)).
+//! A test binary should start one cluster and give each test its own database
+//! ([`create_database`](TestCluster::create_database)):
+//! [`TestCluster::shared`] starts the binary's cluster on first use and hands
+//! out the same one after, and a watchdog process stops and deletes it once the
+//! test process has exited (statics are never dropped). A test that stops the
+//! server starts a cluster of its own with [`TestCluster::start`].
 //!
 //! ```no_run
 //! use idem_diesel::testing::TestCluster;
@@ -31,6 +34,7 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 use std::{env, fmt, fs, io};
@@ -150,6 +154,60 @@ impl TestCluster {
                 Err(_) => continue,
             }
         }
+    }
+
+    /// The test process's shared cluster: started on first use, stopped and
+    /// deleted by a watchdog process once this process has exited.
+    pub fn shared() -> Result<&'static TestCluster, ClusterError> {
+        static SHARED: Mutex<Option<&'static TestCluster>> = Mutex::new(None);
+        let mut shared = SHARED
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(cluster) = *shared {
+            return Ok(cluster);
+        }
+        let cluster = Self::start()?;
+        cluster.watch(std::process::id())?;
+        let cluster: &'static TestCluster = Box::leak(Box::new(cluster));
+        *shared = Some(cluster);
+        Ok(cluster)
+    }
+
+    /// A unique, valid database name starting with `prefix`.
+    pub fn fresh_database(&self, prefix: &str) -> Result<String, ClusterError> {
+        static DATABASES: AtomicU64 = AtomicU64::new(0);
+        let name = format!("{prefix}_{}", DATABASES.fetch_add(1, Ordering::Relaxed));
+        self.create_database(&name)?;
+        Ok(name)
+    }
+
+    /// Starts a process that stops the server and deletes the directory once
+    /// the process `pid` is gone.
+    fn watch(&self, pid: u32) -> Result<(), ClusterError> {
+        let quote =
+            |path: &Path| format!("'{}'", path.display().to_string().replace('\'', "'\\''"));
+        let pg_ctl = quote(&self.bin.join("pg_ctl"));
+        let as_user = self
+            .run_as
+            .map_or(String::new(), |user| format!("runuser -u {user} -- "));
+        let script = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 0.2; done; \
+             {as_user}{pg_ctl} -D {data} -m immediate -w stop >/dev/null 2>&1; rm -rf {root}",
+            data = quote(&self.data_dir()),
+            root = quote(&self.root),
+        );
+        Command::new("sh")
+            .arg("-c")
+            .arg(&script)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map(drop)
+            .map_err(|source| ClusterError::Spawn {
+                command: script,
+                source,
+            })
     }
 
     /// The server's port on 127.0.0.1.

@@ -10,12 +10,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+
+use idem_core::Store;
+use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
+use idem_diesel::{PgStore, SqliteStore};
 
 use crate::Target;
 use crate::cases::{assert_retry_after, joined, spawn_send, the_executed_one};
 use crate::client::{
     Answer, Call, Client, Executions, assert_executed, assert_problem, assert_replay_of,
 };
+use crate::stores::TempDir;
 
 /// How many requests with one key [`one_key_over_instances_executes_once`]
 /// sends at once, spread over the instances.
@@ -192,4 +198,143 @@ fn assert_leaks_nothing(answer: &Answer) {
             "the answer tells the client about the store ({word:?}): {body}"
         );
     }
+}
+
+/// How a test file starts its app over a store, boxed so that instances of
+/// different adapters can be started side by side.
+pub type Start = fn(Arc<dyn Store>) -> Pin<Box<dyn Future<Output = Target> + Send>>;
+
+/// [`one_key_over_instances_executes_once`] over one instance per `starts`,
+/// each with a `PgStore` (a pool) of its own over one fresh database of the
+/// binary's shared cluster.
+///
+/// # Panics
+///
+/// When PostgreSQL cannot be started or the instances misbehave.
+pub async fn instances_over_one_postgres_database(starts: &[Start]) {
+    let url = tokio::task::spawn_blocking(|| {
+        let cluster = TestCluster::shared()?;
+        let database = cluster.fresh_database("instances")?;
+        Ok::<_, ClusterError>(cluster.url(&database))
+    })
+    .await
+    .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
+    .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"));
+    let mut instances = Vec::new();
+    for start in starts {
+        let store = PgStore::connect(&url)
+            .await
+            .unwrap_or_else(|error| panic!("cannot connect to {url}: {error}"));
+        store
+            .migrate()
+            .await
+            .unwrap_or_else(|error| panic!("cannot migrate {url}: {error}"));
+        instances.push(start(Arc::new(store)).await);
+    }
+    one_key_over_instances_executes_once(instances).await;
+}
+
+/// [`one_key_over_instances_executes_once`] over one instance per `starts`,
+/// each with a `SqliteStore` of its own over one file.
+///
+/// # Panics
+///
+/// When the file cannot be made or the instances misbehave.
+pub async fn instances_over_one_sqlite_file(starts: &[Start]) {
+    let dir = TempDir::new();
+    let path = dir.file("idem.db");
+    let mut instances = Vec::new();
+    for start in starts {
+        let store = SqliteStore::connect(&path)
+            .await
+            .unwrap_or_else(|error| panic!("cannot open {path}: {error}"));
+        store
+            .migrate()
+            .await
+            .unwrap_or_else(|error| panic!("cannot migrate {path}: {error}"));
+        instances.push(start(Arc::new(store)).await);
+    }
+    one_key_over_instances_executes_once(instances).await;
+}
+
+/// [`store_outage_fails_closed_then_recovers`] with PostgreSQL: a cluster of
+/// the test's own (it is stopped), under the app `start` builds.
+///
+/// # Panics
+///
+/// When PostgreSQL cannot be started or the app misbehaves.
+pub async fn postgres_outage(start: Start) {
+    let cluster = Arc::new(
+        tokio::task::spawn_blocking(TestCluster::start)
+            .await
+            .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
+            .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}")),
+    );
+    let url = cluster.url(DEFAULT_DATABASE);
+    let store = PgStore::connect(&url)
+        .await
+        .unwrap_or_else(|error| panic!("cannot connect to {url}: {error}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|error| panic!("cannot migrate {url}: {error}"));
+    let target = start(Arc::new(store)).await;
+    store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
+    // Stopped and deleted here, on a blocking thread (the app's pools go with
+    // the runtime).
+    let _ = tokio::task::spawn_blocking(move || drop(cluster)).await;
+}
+
+/// A test cluster as the outage case stops and resumes it.
+struct Stoppable(Arc<TestCluster>);
+
+impl StoreServer for Stoppable {
+    fn stop(&self) -> ServerFuture<'_> {
+        let cluster = Arc::clone(&self.0);
+        Box::pin(blocking(move || cluster.stop()))
+    }
+
+    fn resume(&self) -> ServerFuture<'_> {
+        let cluster = Arc::clone(&self.0);
+        Box::pin(blocking(move || cluster.resume()))
+    }
+}
+
+/// Runs a step of the cluster on a blocking thread; panics with its error.
+async fn blocking(step: impl FnOnce() -> Result<(), ClusterError> + Send + 'static) {
+    tokio::task::spawn_blocking(step)
+        .await
+        .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
+        .unwrap_or_else(|error| panic!("the test cluster failed: {error}"));
+}
+
+/// Generates the durable-store tests for an adapter whose test file starts its
+/// app with `start` (an `async fn(Arc<dyn Store>) -> Target`): two instances
+/// over one PostgreSQL database and over one SQLite file, and PostgreSQL
+/// stopped under the running app.
+#[macro_export]
+macro_rules! durable_tests {
+    ($start:path $(,)?) => {
+        /// Two instances, each with its own `PgStore` (its own pool), over one
+        /// database: 200 concurrent requests with one key, spread over both.
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn two_instances_share_one_postgres_database() {
+            let start: $crate::durable::Start = |store| ::std::boxed::Box::pin($start(store));
+            $crate::durable::instances_over_one_postgres_database(&[start, start]).await;
+        }
+
+        /// Two instances, each with its own `SqliteStore` (its own pool), over
+        /// one file.
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn two_instances_share_one_sqlite_file() {
+            let start: $crate::durable::Start = |store| ::std::boxed::Box::pin($start(store));
+            $crate::durable::instances_over_one_sqlite_file(&[start, start]).await;
+        }
+
+        /// PostgreSQL stops under the running app, then starts again.
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn postgres_outage_fails_closed_then_recovers() {
+            $crate::durable::postgres_outage(|store| ::std::boxed::Box::pin($start(store))).await;
+        }
+    };
 }

@@ -5,6 +5,7 @@ mod cases;
 mod client;
 pub mod durable;
 mod failing_store;
+pub mod stores;
 mod target;
 
 use std::future::Future;

@@ -54,9 +54,7 @@ pub fn app(
     >,
 > {
     let guarded = |guard: &Guard| {
-        Idempotency::from_shared(guard.store())
-            .policy(guard.policy().clone())
-            .scope_from_extension::<Principal>()
+        Idempotency::new(guard.store(), guard.policy().clone()).scope_from_extension::<Principal>()
     };
     App::new()
         .app_data(web::Data::new(payments))

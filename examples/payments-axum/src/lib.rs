@@ -37,8 +37,7 @@ use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 /// stores and policies), over `payments`.
 pub fn app(guards: Guards, payments: Payments) -> Router {
     let guarded = |guard: &Guard| {
-        IdempotencyLayer::from_shared(guard.store())
-            .policy(guard.policy().clone())
+        IdempotencyLayer::new(guard.store(), guard.policy().clone())
             .scope_from_extension::<Principal>()
     };
     Router::new()

@@ -1,0 +1,136 @@
+//! The durable stores the suite runs over, fresh for each case: a SQLite file
+//! in a temporary directory, and a database of its own on the test binary's
+//! shared PostgreSQL cluster ([`TestCluster::shared`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Record, StoreFuture};
+use idem_core::{IdempotencyKey, Scope, Store, StoredResponse};
+use idem_diesel::testing::TestCluster;
+use idem_diesel::{PgStore, SqliteStore};
+
+/// A fresh SQLite store in a temporary directory, deleted with the store.
+///
+/// # Panics
+///
+/// When the file cannot be made or migrated.
+pub async fn sqlite_store() -> Arc<dyn Store> {
+    let dir = TempDir::new();
+    let store = SqliteStore::connect(&dir.file("idem.db"))
+        .await
+        .unwrap_or_else(|error| panic!("cannot open a SQLite store: {error}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|error| panic!("cannot migrate a SQLite store: {error}"));
+    Arc::new(Owning { store, _owned: dir })
+}
+
+/// A fresh PostgreSQL store: a new database on the binary's shared cluster.
+///
+/// # Panics
+///
+/// When PostgreSQL cannot be started (the message says what to install) or the
+/// database made.
+pub async fn postgres_store() -> Arc<dyn Store> {
+    let url = tokio::task::spawn_blocking(|| {
+        let cluster = TestCluster::shared()?;
+        let database = cluster.fresh_database("scenario")?;
+        Ok::<_, idem_diesel::testing::ClusterError>(cluster.url(&database))
+    })
+    .await
+    .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
+    .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"));
+    let store = PgStore::connect(&url)
+        .await
+        .unwrap_or_else(|error| panic!("cannot connect to {url}: {error}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|error| panic!("cannot migrate {url}: {error}"));
+    Arc::new(store)
+}
+
+/// A temporary directory, deleted when dropped.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A fresh directory under the system's temporary directory.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot be made.
+    pub fn new() -> Self {
+        let path = std::env::temp_dir().join(format!("idem-test-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&path)
+            .unwrap_or_else(|error| panic!("cannot make {}: {error}", path.display()));
+        Self(path)
+    }
+
+    /// The path of `name` in the directory, as a string.
+    pub fn file(&self, name: &str) -> String {
+        self.0.join(name).display().to_string()
+    }
+}
+
+impl Default for TempDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A store and what must live exactly as long as it (its temporary directory).
+struct Owning<S, G> {
+    store: S,
+    _owned: G,
+}
+
+impl<S: Store, G: Send + Sync + 'static> Store for Owning<S, G> {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+        self.store.claim(request)
+    }
+    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+        self.store.renew(claim, lease)
+    }
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        self.store.complete(claim, response, retention)
+    }
+    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+        self.store.release(claim)
+    }
+    fn load<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> StoreFuture<'a, Option<Record>> {
+        self.store.load(scope, key)
+    }
+    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        self.store.delete_expired(batch)
+    }
+    fn changed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        poll: Duration,
+    ) -> StoreFuture<'a, ()> {
+        self.store.changed(scope, key, poll)
+    }
+    fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
+        self.store.execution_context(claim)
+    }
+}
