@@ -54,10 +54,8 @@ use crate::{Fingerprint, Header, IdempotencyKey, Scope, StoredResponse};
 /// ```
 /// use std::time::Duration;
 ///
-/// use idem_core::{
-///     ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, Scope,
-///     Store, StoredResponse,
-/// };
+/// use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
+/// use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Scope, Store, StoredResponse};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
