@@ -136,7 +136,10 @@ macro_rules! scenario_tests {
             client_disconnect_does_not_cancel_the_handler: UnderTest,
             handler_slower_than_its_lease_runs_once: UnderTest,
             scopes_are_isolated: UnderTest,
+            oversized_body_is_answered_413_not_reset: UnderTest,
+            broken_request_body_is_400_body_unreadable: UnderTest,
             failing_store_fails_closed: Failing,
+            unguarded_panicking_handler_is_a_500_problem: Failing,
         }
     };
     (@emit [list] $($case:ident: $store:ident,)*) => {

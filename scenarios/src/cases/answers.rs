@@ -229,3 +229,92 @@ pub(crate) async fn response_over_the_stored_body_limit_is_sent_but_not_replayed
     assert_replay_of(&client.send(&at).await, &first);
     assert_eq!(client.executions().await.started, 3);
 }
+
+/// A declared body far over the limit is refused with `413`, and the client
+/// reads that answer rather than a reset connection: the refused body is read
+/// and dropped (within bounds) before the answer.
+pub(crate) async fn oversized_body_is_answered_413_not_reset(target: Target) {
+    let client = Client::new(&target);
+    let over = Bytes::from(pattern(4 * 1024 * 1024));
+    for attempt in 0..3 {
+        let key = format!("oversized-{attempt}");
+        let answer = client
+            .send(&Call::post("/limited", &key, "").body(over.clone()))
+            .await;
+        assert_problem(&answer, 413, "payload-too-large");
+    }
+    assert_eq!(client.executions().await.started, 0);
+}
+
+/// A chunked body that breaks off mid-way (a malformed chunk) is answered
+/// `400 body-unreadable`; nothing is claimed or run.
+pub(crate) async fn broken_request_body_is_400_body_unreadable(target: Target) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let base = target.base().trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&base)
+        .await
+        .unwrap_or_else(|error| panic!("cannot connect to {base}: {error}"));
+    let request = format!(
+        "POST /required HTTP/1.1\r\nHost: {base}\r\nIdempotency-Key: broken-1\r\n\
+         Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n\
+         5\r\n{{\"a\":\r\nzz\r\n"
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .unwrap_or_else(|error| panic!("cannot send the request: {error}"));
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        let mut buffer = [0u8; 4096];
+        loop {
+            match stream.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buffer[..n]);
+                    if String::from_utf8_lossy(&answer).contains("body-unreadable") {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no answer within 10 s");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 400"),
+        "a broken body must be answered 400, got: {answer}"
+    );
+    assert!(
+        answer.contains("https://idem.rs/problems/body-unreadable"),
+        "the problem names the broken body: {answer}"
+    );
+    assert_eq!(client_executions(&target).await, 0);
+    // The key was never claimed: a whole request with it runs.
+    let whole = Client::new(&target)
+        .send(&Call::post("/required", "broken-1", "{\"a\":1}"))
+        .await;
+    assert_executed(&whole, 201);
+}
+
+async fn client_executions(target: &Target) -> u64 {
+    Client::new(target).executions().await.started
+}
+
+/// With the store down, a fail-open route runs its handler unguarded; a handler
+/// that panics there is answered `500 handler-failed` as a guarded one is, and
+/// the app is unharmed.
+pub(crate) async fn unguarded_panicking_handler_is_a_500_problem(target: Target) {
+    let client = Client::new(&target);
+    let call = Call::post("/fail-open?panic=true", "open-panic-1", "{}");
+    for attempt in 1..=2 {
+        let answer = client.send(&call).await;
+        assert_problem(&answer, 500, "handler-failed");
+        assert_eq!(client.executions().await.started, attempt);
+    }
+    let fine = client
+        .send(&Call::post("/fail-open", "open-panic-2", "{}"))
+        .await;
+    assert_executed(&fine, 201);
+}
