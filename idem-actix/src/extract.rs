@@ -7,7 +7,6 @@ use std::ops::Deref;
 use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, ResponseError};
-use idem_core::IdempotencyKey;
 
 /// What the middleware tells the handler of a keyed request it let run: the
 /// key, the scope, whether the execution is guarded, what the store hands it,
@@ -29,22 +28,7 @@ use idem_core::IdempotencyKey;
 #[derive(Clone, Debug)]
 pub struct ExecutionInfo(pub idem_core::ExecutionInfo);
 
-/// The request's idempotency key, as the middleware parsed it.
-///
-/// Extract `Option<Key>` on routes where the key is optional.
-///
-/// ```
-/// use idem_actix::Key;
-///
-/// async fn deposit(key: Option<Key>) -> &'static str {
-///     if key.is_some() { "deposited once" } else { "deposited (no key: every delivery counts)" }
-/// }
-/// # let _ = actix_web::web::post().to(deposit);
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Key(pub IdempotencyKey);
-
-/// The error of [`Key`] and [`ExecutionInfo`] when the request carries none: the
+/// The error of [`ExecutionInfo`] when the request carries none: the
 /// handler is not behind [`Idempotency`](crate::Idempotency), or the request had
 /// no key. `500`: the route is misconfigured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -77,21 +61,6 @@ impl FromRequest for ExecutionInfo {
                 .extensions()
                 .get::<Self>()
                 .cloned()
-                .ok_or(NoIdempotencyKey),
-        )
-    }
-}
-
-impl FromRequest for Key {
-    type Error = NoIdempotencyKey;
-    type Future = Ready<Result<Self, Self::Error>>;
-
-    fn from_request(request: &HttpRequest, _: &mut Payload) -> Self::Future {
-        ready(
-            request
-                .extensions()
-                .get::<ExecutionInfo>()
-                .map(|execution| Self(execution.key().clone()))
                 .ok_or(NoIdempotencyKey),
         )
     }

@@ -5,7 +5,7 @@ mod edge;
 mod extract;
 mod middleware;
 
-pub use extract::{ExecutionInfo, Key, NoIdempotencyKey};
+pub use extract::{ExecutionInfo, NoIdempotencyKey};
 pub use idem_core;
 pub use middleware::Idempotency;
 #[doc(hidden)]

@@ -12,7 +12,7 @@ use std::time::Duration;
 use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
-use idem_actix::{ExecutionInfo, Idempotency, Key};
+use idem_actix::{ExecutionInfo, Idempotency};
 use idem_core::{InProgress, MemoryStore, Policy, Scope, Store};
 use idem_scenarios::{
     ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, routes, scenario_tests,
@@ -365,10 +365,10 @@ async fn charge(
 }
 
 /// A body of known size, over `/sized`'s stored-body limit.
-async fn sized(ledger: web::Data<Ledger>, key: Key) -> HttpResponse {
+async fn sized(ledger: web::Data<Ledger>, execution: ExecutionInfo) -> HttpResponse {
     ledger.executions.fetch_add(1, Ordering::SeqCst);
     HttpResponse::Ok()
-        .insert_header(("x-key", key.0.as_str().to_owned()))
+        .insert_header(("x-key", execution.key().as_str().to_owned()))
         .body(vec![b'y'; 5000])
 }
 

@@ -6,7 +6,6 @@ use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::request::Parts;
-use idem_core::IdempotencyKey;
 
 /// What the middleware tells the handler of a keyed request it let run: the
 /// key, the scope, whether the execution is guarded, what the store hands it,
@@ -49,22 +48,7 @@ use idem_core::IdempotencyKey;
 #[derive(Clone, Debug)]
 pub struct ExecutionInfo(pub idem_core::ExecutionInfo);
 
-/// The request's idempotency key, as the middleware parsed it.
-///
-/// Extract `Option<Key>` on routes where the key is optional.
-///
-/// ```
-/// use idem_axum::Key;
-///
-/// async fn deposit(key: Option<Key>) -> &'static str {
-///     if key.is_some() { "deposited once" } else { "deposited (no key: every delivery counts)" }
-/// }
-/// # let _: axum::routing::MethodRouter = axum::routing::post(deposit);
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Key(pub IdempotencyKey);
-
-/// The rejection of [`Key`] and [`ExecutionInfo`] when the request carries none:
+/// The rejection of [`ExecutionInfo`] when the request carries none:
 /// the handler is not behind an [`IdempotencyLayer`](crate::IdempotencyLayer), or
 /// the request had no key. `500`, as axum's `Extension` answers a missing one:
 /// the route is misconfigured.
@@ -108,31 +92,5 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for ExecutionInfo {
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
         Ok(parts.extensions.get::<Self>().cloned())
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for Key {
-    type Rejection = NoIdempotencyKey;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<ExecutionInfo>()
-            .map(|execution| Self(execution.key().clone()))
-            .ok_or(NoIdempotencyKey)
-    }
-}
-
-impl<S: Send + Sync> OptionalFromRequestParts<S> for Key {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts
-            .extensions
-            .get::<ExecutionInfo>()
-            .map(|execution| Self(execution.key().clone())))
     }
 }
