@@ -1,4 +1,4 @@
-//! The request fingerprint (CONTRACT §3).
+//! The request fingerprint (`docs/contract.md` §3).
 //!
 //! Stores persist fingerprints, so the encoding hashed is part of the stored data:
 //! it is written out on [`Fingerprint`] and pinned by test vectors. Never change it

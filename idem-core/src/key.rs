@@ -1,4 +1,4 @@
-//! The `Idempotency-Key` header: parsing and validation (CONTRACT §2).
+//! The `Idempotency-Key` header: parsing and validation (`docs/contract.md` §2).
 
 use std::fmt;
 use std::sync::Arc;

@@ -7,7 +7,8 @@ use std::time::Duration;
 use crate::{FingerprintSpec, ProblemKind};
 
 /// How a route treats idempotency keys. Built with consuming setters from
-/// [`Policy::required`] or [`Policy::optional`]; every default is CONTRACT's.
+/// [`Policy::required`] or [`Policy::optional`]; every default is the one the
+/// behaviour specification (`docs/contract.md`) names.
 ///
 /// ```
 /// use std::time::Duration;
@@ -139,7 +140,7 @@ impl ProblemStatuses {
 }
 
 impl StatusFilter {
-    /// CONTRACT §5: every status below 500 except 408, 425 and 429.
+    /// `docs/contract.md` §5: every status below 500 except 408, 425 and 429.
     pub fn contract() -> Self {
         Self(Arc::new(|status| {
             status < 500 && !matches!(status, 408 | 425 | 429)
@@ -215,7 +216,7 @@ impl Policy {
         self
     }
 
-    /// Which statuses are stored (default: CONTRACT §5).
+    /// Which statuses are stored (default: `docs/contract.md` §5).
     pub fn stored_statuses(mut self, filter: StatusFilter) -> Self {
         self.stored = filter;
         self

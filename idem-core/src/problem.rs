@@ -1,4 +1,4 @@
-//! Problem answers: RFC 9457 `application/problem+json` bodies (CONTRACT §4).
+//! Problem answers: RFC 9457 `application/problem+json` bodies (`docs/contract.md` §4).
 
 use std::time::Duration;
 

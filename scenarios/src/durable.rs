@@ -1,5 +1,5 @@
 //! Cases for durable stores, beyond one app over a store of its own: instances of
-//! an application sharing one store (CONTRACT §1: exactly one claimer wins
+//! an application sharing one store (`docs/contract.md` §1: exactly one claimer wins
 //! "across processes and machines"; §6: PostgreSQL "shared by many app
 //! instances"), and a store that goes away under a running app and comes back
 //! (§4: a store that is unreachable fails closed).
@@ -110,7 +110,7 @@ pub async fn one_key_over_instances_executes_once(instances: Vec<Target>) {
 ///   `409 request-in-progress`, not run a second time. (The route's lease is an
 ///   hour, so the case does not depend on how long the outage takes. Once a
 ///   lease lapses a retry runs the handler again: exactly one effect across an
-///   outage mid-request is what transactional mode, CONTRACT §7, is for.)
+///   outage mid-request is what transactional mode, `docs/contract.md` §7, is for.)
 /// - **Once it is back**, the same app recovers without a restart: the key
 ///   refused during the outage executes, its retry replays byte for byte, and
 ///   the answer recorded before the outage replays.

@@ -1,4 +1,4 @@
-//! The payments service on actix-web (CONTRACT §8): the routes of the
+//! The payments service on actix-web (`docs/contract.md` §8): the routes of the
 //! [`payments`] domain behind [`idem_actix::Idempotency`], scoped by the
 //! bearer-token principal. The same routes and answers as `payments-axum`.
 //!

@@ -1,5 +1,5 @@
 //! payments-actix over real HTTP: the binary as a process, and the app in process
-//! (actix's own server on 127.0.0.1) for the rest of CONTRACT §8.
+//! (actix's own server on 127.0.0.1) for the rest of `docs/contract.md` §8.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

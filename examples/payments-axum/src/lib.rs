@@ -1,4 +1,4 @@
-//! The payments service on axum (CONTRACT §8): the routes of the
+//! The payments service on axum (`docs/contract.md` §8): the routes of the
 //! [`payments`] domain behind [`idem_axum::IdempotencyLayer`], scoped by the
 //! bearer-token principal.
 //!

@@ -1,5 +1,5 @@
 //! payments-axum over real HTTP: the binary as a process, and the router in
-//! process for the rest of CONTRACT §8.
+//! process for the rest of `docs/contract.md` §8.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -73,7 +73,7 @@ impl Guards {
         }
     }
 
-    /// Both routes in transactional mode on `store` (CONTRACT §7): the claim,
+    /// Both routes in transactional mode on `store` (`docs/contract.md` §7): the claim,
     /// the ledger's writes (through the request's
     /// [`PgTransaction`](idem_diesel::PgTransaction)) and the completion commit
     /// together, or not at all, so a crash at any point leaves one effect or
@@ -107,7 +107,7 @@ impl Guards {
     }
 
     /// Keeps both routes' completed records for `retention` (the policies'
-    /// default is the contract's 24 h); after that a retry runs afresh.
+    /// default is the 24 h of `docs/contract.md` §6); after that a retry runs afresh.
     ///
     /// ```
     /// use std::sync::Arc;

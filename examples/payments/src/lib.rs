@@ -1,5 +1,5 @@
 //! The payments domain shared by `payments-axum` and `payments-actix`
-//! (CONTRACT §8): the command line, the store it names, the bearer-token
+//! (`docs/contract.md` §8): the command line, the store it names, the bearer-token
 //! principal, the request and answer types and their validation, the ledger and
 //! the simulated payment provider. No web framework in here: each example wires
 //! these into its routes, and both behave the same.
@@ -38,8 +38,8 @@
 //!
 //! `open` migrates the store's table and the ledger's
 //! (`payment_accounts`, `payment_operations`; see [`Ledger`]) and starts the
-//! store's cleanup job. `--retention-secs` (default 86 400, the contract's
-//! 24 h) is how long the keyed routes keep a completed record, and
+//! store's cleanup job. `--retention-secs` (default 86 400, the 24 h
+//! of `docs/contract.md` §6) is how long the keyed routes keep a completed record, and
 //! `--cleanup-interval-secs` (default 60) how often the job deletes the
 //! expired ones ([`Expiry`]).
 //!

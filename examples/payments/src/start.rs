@@ -25,7 +25,7 @@ const MAX_RETENTION_SECS: u64 = 365 * 24 * 60 * 60;
 /// The longest `--cleanup-interval-secs`: a day.
 const MAX_CLEANUP_INTERVAL_SECS: u64 = 24 * 60 * 60;
 
-/// The command line of both payments services (CONTRACT §8).
+/// The command line of both payments services (`docs/contract.md` §8).
 ///
 /// ```
 /// use clap::Parser;
@@ -82,7 +82,7 @@ pub struct Expiry {
 }
 
 impl Default for Expiry {
-    /// The contract's 24 h retention; a sweep a minute.
+    /// The 24 h retention of `docs/contract.md` §6; a sweep a minute.
     fn default() -> Self {
         Self {
             retention: Duration::from_secs(24 * 60 * 60),

@@ -1,5 +1,5 @@
 //! Transactional mode: the claim, the handler's writes and the completion in
-//! one PostgreSQL transaction (CONTRACT §7).
+//! one PostgreSQL transaction (`docs/contract.md` §7).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -38,7 +38,7 @@ const EXECUTION_RUNNING: &str =
     "SELECT NOT pg_try_advisory_xact_lock($2, hashtext($1)) AS in_progress";
 
 /// A [`PgStore`] in transactional mode: the claim, the handler's own writes and
-/// the completion commit together, or not at all (CONTRACT §7).
+/// the completion commit together, or not at all (`docs/contract.md` §7).
 ///
 /// `claim` checks a connection out of the pool, `BEGIN`s, takes a
 /// transaction-scoped advisory lock on the key and writes the in-progress record

@@ -1,4 +1,4 @@
-//! Transactional mode on PostgreSQL (CONTRACT §7): the engine drives a
+//! Transactional mode on PostgreSQL (`docs/contract.md` §7): the engine drives a
 //! `TransactionalPgStore`, and the handler writes to a `ledger` table through
 //! the execution's transaction. Every test checks the outcome from another
 //! connection: the record and the ledger rows together, or neither.

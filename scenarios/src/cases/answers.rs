@@ -1,5 +1,5 @@
 //! What the client gets: first answers, replays, stored and released statuses,
-//! body limits (CONTRACT §4 and §5).
+//! body limits (`docs/contract.md` §4 and §5).
 
 use bytes::Bytes;
 use serde_json::json;

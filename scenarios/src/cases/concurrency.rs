@@ -1,5 +1,5 @@
 //! Requests that meet while one of them runs: conflicts, waiting, many at once,
-//! clients that give up, handlers slower than their lease (CONTRACT §1, §4, §5).
+//! clients that give up, handlers slower than their lease (`docs/contract.md` §1, §4, §5).
 
 use std::time::Duration;
 

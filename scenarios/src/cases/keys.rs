@@ -1,4 +1,4 @@
-//! The `Idempotency-Key` header and which requests are covered (CONTRACT §2).
+//! The `Idempotency-Key` header and which requests are covered (`docs/contract.md` §2).
 
 use crate::Target;
 use crate::client::{Call, Client, assert_executed, assert_problem, assert_replay_of};

@@ -1,5 +1,5 @@
 //! Scopes and stores: who sees which record, and a store that is down
-//! (CONTRACT §1, §4).
+//! (`docs/contract.md` §1, §4).
 
 use serde_json::json;
 

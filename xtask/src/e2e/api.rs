@@ -1,8 +1,8 @@
-//! A client of one payments example (CONTRACT §8), speaking plain HTTP.
+//! A client of one payments example (`docs/contract.md` §8), speaking plain HTTP.
 //!
-//! The strings of the contract (header names, problem slugs) are written out
-//! here rather than taken from idem-core: this harness checks the contract,
-//! not the implementation's idea of it.
+//! The strings of the behaviour specification (header names, problem slugs)
+//! are written out here rather than taken from idem-core: this harness checks
+//! the specification, not the implementation's idea of it.
 
 use std::collections::BTreeMap;
 use std::fmt;

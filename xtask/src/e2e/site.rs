@@ -118,7 +118,7 @@ impl Deployment {
             .map_err(|e| Failure::new("no directory", format!("{}: {e}", dir.display())))?;
         let url = match self.store {
             StoreKind::Memory => "memory".to_owned(),
-            // Relative to the server's working directory, as in the contract's default.
+            // Relative to the server's working directory, the default of `docs/contract.md` §8.
             StoreKind::Sqlite => "sqlite://payments.db".to_owned(),
             StoreKind::Postgres => {
                 let Some(cluster) = cluster.clone() else {

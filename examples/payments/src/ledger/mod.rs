@@ -24,7 +24,7 @@ use memory::MemoryLedger;
 /// - [`Ledger::postgres`]: tables in the PostgreSQL store's database, through
 ///   its pool; an operation whose [`Attempt`] carries the request's
 ///   [`PgTransaction`] is written in that transaction, so it commits with the
-///   idempotency record or not at all (transactional mode, CONTRACT §7).
+///   idempotency record or not at all (transactional mode, `docs/contract.md` §7).
 ///
 /// The database ledgers create their tables with [`migrate`](Self::migrate)
 /// (`src/ledger/postgres.sql`, `src/ledger/sqlite.sql`): `payment_accounts`

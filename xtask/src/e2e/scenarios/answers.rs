@@ -1,4 +1,4 @@
-//! The answers of CONTRACT §4 and §5 that one idle server can show, each on
+//! The answers of `docs/contract.md` §4 and §5 that one idle server can show, each on
 //! an account of its own.
 
 use std::sync::Arc;
@@ -35,7 +35,7 @@ pub(super) const CHECKS: &[&str] = &[
     OPTIONAL,
 ];
 
-/// The default request body limit (CONTRACT §4).
+/// The default request body limit (`docs/contract.md` §4).
 const BODY_LIMIT: usize = 1024 * 1024;
 
 pub(super) async fn run(deployment: Arc<Deployment>) -> Result<Checks, Failure> {

@@ -25,7 +25,7 @@ pub(super) async fn in_progress(deployment: Arc<Deployment>) -> Result<Checks, F
             Duplicate::Conflict(retry_after) => Ok(format!(
                 "409 request-in-progress, Retry-After: {retry_after}; then 201, replay; 1 operation"
             )),
-            // The route waits for the running request (CONTRACT §4, "configured
+            // The route waits for the running request (`docs/contract.md` §4, "configured
             // to wait"); past its bound the answer is 409.
             Duplicate::Waited => match duplicate_in_flight(&site, PAST_ANY_WAIT).await? {
                 Duplicate::Conflict(retry_after) => Ok(format!(

@@ -75,7 +75,7 @@ pub(super) async fn down(deployment: Arc<Deployment>) -> Result<Checks, Failure>
 }
 
 /// Charges in flight when it stops: whatever they answered, their retries
-/// settle with one effect each. This takes transactional mode (CONTRACT §7):
+/// settle with one effect each. This takes transactional mode (`docs/contract.md` §7):
 /// without it a charge's effect outlives its unrecorded answer.
 pub(super) async fn cut_off(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
     let flags = ["--provider-latency-ms", "500"];

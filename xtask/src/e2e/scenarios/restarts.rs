@@ -30,7 +30,7 @@ pub(super) async fn restart(deployment: Arc<Deployment>) -> Result<Checks, Failu
             Failure::wrong(&call, "the replay of the answer given before the restart", &again, &why)
         })?;
         // Whether accounts outlive the process is the example's business
-        // (CONTRACT §8 is silent); a second effect is never right.
+        // (`docs/contract.md` §8 is silent); a second effect is never right.
         let seen = after.api.account(principal, account).await?;
         if seen.operations > 1 {
             return Err(Failure::new(
