@@ -355,7 +355,7 @@ async fn stored_4xx(api: &Api, principal: &str) -> Outcome {
     again.replays(&first).map_err(|why| {
         Failure::wrong(
             &call,
-            "the replay of the stored 400 (CONTRACT §5)",
+            "the replay of the stored 400 (docs/contract.md §5)",
             &again,
             &why,
         )

@@ -204,7 +204,7 @@ pub(super) async fn disconnect(deployment: Arc<Deployment>) -> Result<Checks, Fa
             // A fresh 201 means the first charge was cancelled with its client.
             return Err(Failure::unexpected(
                 &call,
-                "the replay of the charge the client gave up on (CONTRACT §5)",
+                "the replay of the charge the client gave up on (docs/contract.md §5)",
                 answer,
             ));
         }
