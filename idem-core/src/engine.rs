@@ -59,6 +59,9 @@ pub struct Execution {
     claim: Claim,
     context: Option<ExecutionContext>,
     lease_lost: Arc<AtomicBool>,
+    /// Until when the lease certainly holds (on this process's clock, counted
+    /// from before the claim or renewal that set it was sent).
+    held_until: std::sync::Mutex<Instant>,
     settled: bool,
 }
 
@@ -80,7 +83,8 @@ pub enum Settlement {
     Retract(Problem),
 }
 
-/// How many times a completion is attempted before it is given up on.
+/// How many times a completion is attempted at least before it is given up on
+/// (it goes on while the lease certainly holds).
 const COMPLETE_ATTEMPTS: u32 = 3;
 
 impl Engine {
@@ -229,6 +233,7 @@ impl Engine {
             let timer = metrics::Timer::start();
             let claimed = self.store().claim(&request).await;
             metrics::store_time("claim", timer);
+            let claimed_at = Instant::now();
             let outcome = match claimed {
                 Ok(outcome) => outcome,
                 Err(error) => return self.store_failed(&request, error),
@@ -242,6 +247,7 @@ impl Engine {
                         claim,
                         context,
                         lease_lost: Arc::new(AtomicBool::new(false)),
+                        held_until: std::sync::Mutex::new(claimed_at + policy.lease),
                         settled: false,
                     });
                 }
@@ -390,7 +396,7 @@ impl Execution {
         let mut renewing = true;
         // The lease certainly holds until this instant: it is counted from
         // before the renewal was sent.
-        let mut held_until = Instant::now() + lease;
+        let mut held_until = self.held_until();
         let mut next = Instant::now() + every;
         let mut retry = Duration::from_millis(50).min(retry_cap);
         loop {
@@ -406,6 +412,7 @@ impl Execution {
                     match renewed {
                         Ok(()) => {
                             held_until = sent + lease;
+                            self.hold_until(held_until);
                             next = Instant::now() + every;
                             retry = Duration::from_millis(50).min(retry_cap);
                         }
@@ -429,6 +436,14 @@ impl Execution {
         }
     }
 
+    fn held_until(&self) -> Instant {
+        *self.held_until.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn hold_until(&self, until: Instant) {
+        *self.held_until.lock().unwrap_or_else(|p| p.into_inner()) = until;
+    }
+
     fn lose_lease(&self, why: &str) {
         self.lease_lost.store(true, Ordering::Release);
         metrics::lease_lost();
@@ -449,6 +464,8 @@ impl Execution {
             return Ok(Recorded::Released);
         }
         let mut attempt = 1;
+        let backoff_cap = (self.claim.lease / 10).max(Duration::from_millis(20));
+        let mut backoff = Duration::from_millis(20).min(backoff_cap);
         loop {
             let timer = metrics::Timer::start();
             let completed = engine
@@ -473,14 +490,21 @@ impl Execution {
                     metrics::outcome(metrics::Outcome::StoreFailure);
                     return Err(error);
                 }
-                Err(error) if attempt >= COMPLETE_ATTEMPTS => {
+                // Retried while the lease certainly holds (a store blip must not
+                // leave the record to lapse and the handler to run again), and
+                // at least a few times.
+                Err(error)
+                    if attempt >= COMPLETE_ATTEMPTS
+                        && Instant::now() + backoff >= self.held_until() =>
+                {
                     tracing::error!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "could not record the answer; a retry after the lease lapses will run the handler again");
                     metrics::outcome(metrics::Outcome::Executed);
                     return Err(error);
                 }
                 Err(error) => {
                     tracing::warn!(target: "idem", attempt, error = %error_chain(&error), "completion failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(backoff_cap);
                     attempt += 1;
                 }
             }
@@ -1007,13 +1031,20 @@ mod tests {
     async fn a_plain_store_failure_still_delivers_the_handlers_answer() {
         let store = TransactionalFake::new(|| Err(StoreError::unavailable(Refused)));
         let engine = Engine::from_shared(store.clone(), Policy::required());
+        let started = Instant::now();
         let exec = expect_execute(engine.begin(Scope::new("s"), key("k"), fp(1)).await);
         let settlement = exec.settle(&ok(201, "made")).await;
         assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
-        assert_eq!(
-            store.completions(),
-            COMPLETE_ATTEMPTS,
-            "a failing plain completion is retried"
+        // Retried while the lease (30 s) certainly held, then given up on.
+        let spent = started.elapsed();
+        assert!(
+            spent >= Duration::from_secs(26) && spent <= Duration::from_secs(30),
+            "completion retried for {spent:?}"
+        );
+        assert!(
+            store.completions() > COMPLETE_ATTEMPTS,
+            "a failing plain completion is retried: {} attempts",
+            store.completions()
         );
     }
 

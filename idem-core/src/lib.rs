@@ -16,6 +16,8 @@ pub mod store;
 
 #[cfg(feature = "test-util")]
 pub mod conformance;
+#[cfg(feature = "test-util")]
+pub mod faults;
 
 pub use engine::{Begin, Engine, Execution, Settlement};
 pub use execution::ExecutionInfo;
