@@ -396,7 +396,7 @@ impl Store for TransactionalPgStore {
 
     /// The advisory lock, not the lease, keeps others out: renewal checks that
     /// the transaction is still open and keeps the server from ending it as
-    /// idle (see [`PgTransaction::keep_alive`]).
+    /// idle (a no-op statement on its connection, unless the handler holds it).
     fn renew<'a>(&'a self, claim: &'a Claim, _lease: Duration) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let transaction = self.transactions().get(&claim.owner).cloned();
