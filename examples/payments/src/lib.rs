@@ -10,7 +10,17 @@
 //!   [`Guards::deposits`]): [`Payments::deposit`], `201` [`Receipt`].
 //! - `GET /accounts/{account_id}`: [`Payments::account`], `200` [`AccountView`].
 //! - Every route: [`Principal::from_authorization`] first, a missing or malformed
-//!   bearer token is `401`; the principal is the idempotency scope.
+//!   bearer token is `401`; the principal is the idempotency scope, named by
+//!   a hash of the token ([`Principal::from_token`]), never the token itself.
+//!
+//! ## Logs
+//!
+//! [`init_tracing`] logs to stderr, filtered by `RUST_LOG` (default `info`).
+//! No line, at any level, carries a bearer token, a full idempotency key or a
+//! request body: the scope is the token's hash, idem logs keys redacted (their
+//! first characters and length), the service logs the account, kind, amount
+//! and balance of what it applied, and the PostgreSQL driver, which at `debug`
+//! would write each statement's parameters, logs at `info` at most.
 //!
 //! Every answer is an [`Answer`] (status, content type, `Retry-After`, body),
 //! so that an example only converts it to its framework's response. A handler

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use idem_core::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Scope};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::{AccountView, Attempt, Ledger, LedgerError, Operation, OperationKind};
@@ -37,10 +38,21 @@ pub struct Payments {
     provider_latency: Duration,
 }
 
-/// The authenticated caller: the token of `Authorization: Bearer TOKEN`. It is
-/// the idempotency scope, so two callers never share keys.
+/// The authenticated caller, named by the token of `Authorization: Bearer TOKEN`,
+/// and the idempotency scope, so two callers never share keys.
+///
+/// It holds the [scope derived from the token](Self::from_token), never the
+/// token itself: the scope is logged (target `idem`, at info level), and a
+/// credential must not be.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Principal(String);
+
+/// What the token's hash is taken over, before the token: a scope from this
+/// service is never the bare hash of a token that another system may log.
+const SCOPE_CONTEXT: &[u8] = b"payments scope v1\n";
+
+/// How many hex digits of the hash name a scope: 128 bits.
+const SCOPE_HEX_DIGITS: usize = 32;
 
 /// The body of a charge or a deposit.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -205,7 +217,8 @@ impl Principal {
     /// ```
     /// use payments::{PaymentError, Principal};
     ///
-    /// assert_eq!(Principal::from_authorization(Some(b"Bearer alice"))?.as_str(), "alice");
+    /// let alice = Principal::from_authorization(Some(b"Bearer alice"))?;
+    /// assert_eq!(alice, Principal::from_token("alice"));
     /// assert!(matches!(Principal::from_authorization(None), Err(PaymentError::Unauthorized)));
     /// assert!(matches!(
     ///     Principal::from_authorization(Some(b"Basic YTpi")),
@@ -220,10 +233,36 @@ impl Principal {
             .map(str::trim)
             .filter(|token| !token.is_empty())
             .ok_or(PaymentError::Unauthorized)?;
-        Ok(Self(token.to_owned()))
+        Ok(Self::from_token(token))
     }
 
-    /// The token.
+    /// The principal named by `token`: its scope is the first 32 hex digits
+    /// (128 bits) of the SHA-256 of the token, after a context string. The same
+    /// token always gives the same scope, two tokens practically never do, and
+    /// the scope does not give the token back.
+    ///
+    /// ```
+    /// use payments::Principal;
+    ///
+    /// let alice = Principal::from_token("alice");
+    /// assert_eq!(alice.as_str().len(), 32);
+    /// assert!(!alice.as_str().contains("alice"));
+    /// assert_eq!(alice, Principal::from_token("alice"));
+    /// assert_ne!(alice, Principal::from_token("bob"));
+    /// ```
+    pub fn from_token(token: &str) -> Self {
+        let digest = Sha256::new()
+            .chain_update(SCOPE_CONTEXT)
+            .chain_update(token.as_bytes())
+            .finalize();
+        let mut scope = String::with_capacity(SCOPE_HEX_DIGITS);
+        for byte in digest.iter().take(SCOPE_HEX_DIGITS / 2) {
+            scope.push_str(&format!("{byte:02x}"));
+        }
+        Self(scope)
+    }
+
+    /// The scope's name: the hex digits of the token's hash.
     pub fn as_str(&self) -> &str {
         &self.0
     }

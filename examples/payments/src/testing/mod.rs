@@ -34,13 +34,17 @@
 //!   for the commit and replays the committed answer;
 //! - the ledger and the records survive a restart;
 //! - deposits (keyed and not), invalid bodies, an overflowing balance and two
-//!   principals with one key, on PostgreSQL.
+//!   principals with one key, on PostgreSQL;
+//! - on every store, with `RUST_LOG=trace`, every kind of request leaves the
+//!   scope in the log but never the bearer token, a full idempotency key or a
+//!   request body.
 
 // Test support: a failed expectation is a panic, which fails the trial.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod crash;
 mod database;
+mod logs;
 mod server;
 mod trials;
 
@@ -114,6 +118,9 @@ const TRIALS: &[(&str, TestFn)] = &[
         "ledger::the_ledger_and_the_records_survive_a_restart",
         |suite| Box::pin(trials::the_ledger_and_the_records_survive_a_restart(suite)),
     ),
+    ("logs::no_token_key_or_body_in_the_log_at_trace", |suite| {
+        Box::pin(logs::no_token_key_or_body_in_the_log_at_trace(suite))
+    }),
     (
         "routes::deposits_invalid_bodies_overflow_and_principals_on_postgres",
         |suite| {
