@@ -1,7 +1,7 @@
 //! The payments domain shared by `payments-axum` and `payments-actix`
 //! (CONTRACT §8): the command line, the store it names, the bearer-token
 //! principal, the request and answer types and their validation, the ledger and
-//! the simulated payment provider. No web framework in here: each example wires
+//! the payment provider (simulated, or over HTTP). No web framework in here: each example wires
 //! these into its routes, and both behave the same.
 //!
 //! - `POST /accounts/{account_id}/charges` (key required,
@@ -46,6 +46,22 @@
 //!   arrives while the first request's transaction is open waits for the commit
 //!   and replays the committed answer.
 //!
+//! ## The provider and the lease
+//!
+//! A charge asks the payment [`Provider`] before it applies: by default the
+//! simulated one, which waits `--provider-latency-ms` (0) and accepts; with
+//! `--provider-url URL`, `POST {URL}/payments` with the JSON body
+//! `{"account_id", "amount", "currency"}` and an `Idempotency-Key` header,
+//! [`forwarded_key`] of the principal's scope and the request's key (the same on
+//! every retry of one charge, different between principals and keys). A `2xx`
+//! lets the charge proceed; anything else (another status, a refused
+//! connection, no answer within 10 s) answers the charge `502 provider-failed`
+//! with nothing applied, and the record is released, so a retry calls the
+//! provider again. On PostgreSQL the call happens inside the request's
+//! transaction. `--lease-secs N` (default 30) is the keyed routes' lease
+//! ([`Guards::lease`]); the engine renews it while the charge runs, so a
+//! provider slower than the lease is still called once.
+//!
 //! `open` migrates the store's table and the ledger's
 //! (`payment_accounts`, `payment_operations`; see [`Ledger`]) and starts the
 //! store's cleanup job. `--retention-secs` (default 86 400, the contract's
@@ -79,6 +95,7 @@
 
 mod guards;
 mod ledger;
+mod provider;
 mod service;
 mod start;
 #[cfg(feature = "test-util")]
@@ -86,6 +103,7 @@ pub mod testing;
 
 pub use guards::{Guard, Guards, TRANSACTIONAL_WAIT, charge_policy, deposit_policy};
 pub use ledger::{AccountView, Applied, Attempt, Ledger, LedgerError, Operation, OperationKind};
+pub use provider::{InvalidProviderUrl, PROVIDER_TIMEOUT, Provider, ProviderError, forwarded_key};
 pub use service::{Answer, OperationRequest, PaymentError, Payments, Principal, Receipt};
 pub use start::{
     DEFAULT_STORE, Expiry, Options, StartError, Storage, StoreUrl, init_tracing, listening_line,
