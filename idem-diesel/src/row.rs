@@ -154,15 +154,6 @@ pub(crate) fn duration_micros(duration: Duration) -> i64 {
     i64::try_from(micros).unwrap_or(i64::MAX)
 }
 
-#[cfg(feature = "sqlite")]
-/// An instant as microseconds since the Unix epoch (SQLite's time columns).
-pub(crate) fn micros_since_epoch(time: SystemTime) -> i64 {
-    match time.duration_since(UNIX_EPOCH) {
-        Ok(after) => i64::try_from(after.as_micros()).unwrap_or(i64::MAX),
-        Err(before) => i64::try_from(before.duration().as_micros()).map_or(i64::MIN, |m| -m),
-    }
-}
-
 /// The instant `micros` microseconds after the Unix epoch.
 pub(crate) fn time_from_micros(micros: i64) -> Result<SystemTime, StoreError> {
     let offset = Duration::from_micros(micros.unsigned_abs());
@@ -172,12 +163,6 @@ pub(crate) fn time_from_micros(micros: i64) -> Result<SystemTime, StoreError> {
         UNIX_EPOCH.checked_sub(offset)
     };
     time.ok_or_else(|| corrupt(format!("time {micros} µs is out of range")))
-}
-
-#[cfg(feature = "sqlite")]
-/// The instant `micros` after `now`, as microseconds since the Unix epoch.
-pub(crate) fn micros_after(now: i64, duration: Duration) -> i64 {
-    now.saturating_add(duration_micros(duration))
 }
 
 /// The outcome of an owner-fenced statement: no row touched means the claim is
@@ -201,16 +186,17 @@ mod tests {
 
     use super::*;
 
-    #[cfg(feature = "sqlite")]
     #[test]
-    fn times_round_trip_through_micros() {
-        assert_eq!(micros_after(i64::MAX - 1, Duration::from_secs(1)), i64::MAX);
-        for time in [
-            UNIX_EPOCH,
-            UNIX_EPOCH + Duration::from_micros(1_717_171_717_123_456),
-            UNIX_EPOCH - Duration::from_micros(42),
+    fn micros_become_times_on_both_sides_of_the_epoch() {
+        for (micros, time) in [
+            (0, UNIX_EPOCH),
+            (
+                1_717_171_717_123_456,
+                UNIX_EPOCH + Duration::from_micros(1_717_171_717_123_456),
+            ),
+            (-42, UNIX_EPOCH - Duration::from_micros(42)),
         ] {
-            assert_eq!(time_from_micros(micros_since_epoch(time)).unwrap(), time);
+            assert_eq!(time_from_micros(micros).unwrap(), time);
         }
     }
 

@@ -38,7 +38,8 @@ async fn serve(options: Options) -> Result<(), ServeError> {
     let Storage { guards, ledger } = options.store_url()?.open(options.expiry()).await?;
     let listener = options.bind()?;
     let addr = listener.local_addr()?;
-    let payments = Payments::new(ledger, options.provider_latency());
+    let guards = guards.lease(options.lease());
+    let payments = Payments::with_provider(ledger, options.provider()?);
     let server = HttpServer::new(move || payments_actix::app(guards.clone(), payments.clone()))
         .listen(listener)?
         .run();

@@ -38,7 +38,8 @@ fn main() -> ExitCode {
 async fn serve(options: Options) -> Result<(), ServeError> {
     let Storage { guards, ledger } = options.store_url()?.open(options.expiry()).await?;
     let listener = tokio::net::TcpListener::from_std(options.bind()?)?;
-    let payments = Payments::new(ledger, options.provider_latency());
+    let guards = guards.lease(options.lease());
+    let payments = Payments::with_provider(ledger, options.provider()?);
     {
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{}", listening_line(listener.local_addr()?))?;

@@ -131,6 +131,33 @@ impl Guards {
     }
 }
 
+impl Guards {
+    /// Gives both routes' claims `lease` (the policies' default is 30 s): how
+    /// long a claim holds its key without renewal. The engine renews it while
+    /// the handler runs, so a handler slower than the lease still runs once.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use payments::Guards;
+    ///
+    /// let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()))
+    ///     .lease(Duration::from_secs(1));
+    /// assert_eq!(guards.charges.policy().lease_duration(), Duration::from_secs(1));
+    /// assert_eq!(guards.deposits.policy().lease_duration(), Duration::from_secs(1));
+    /// ```
+    pub fn lease(self, lease: Duration) -> Self {
+        let hold = |guard: Guard| Guard {
+            policy: guard.policy.lease(lease),
+            ..guard
+        };
+        Self {
+            charges: hold(self.charges),
+            deposits: hold(self.deposits),
+        }
+    }
+}
+
 impl Guard {
     /// The store the route's records are kept in.
     pub fn store(&self) -> Arc<dyn Store> {

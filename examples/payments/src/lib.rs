@@ -1,7 +1,7 @@
 //! The payments domain shared by `payments-axum` and `payments-actix`
 //! (`docs/contract.md` §8): the command line, the store it names, the bearer-token
 //! principal, the request and answer types and their validation, the ledger and
-//! the simulated payment provider. No web framework in here: each example wires
+//! the payment provider (simulated, or over HTTP). No web framework in here: each example wires
 //! these into its routes, and both behave the same.
 //!
 //! - `POST /accounts/{account_id}/charges` (key required,
@@ -10,7 +10,17 @@
 //!   [`Guards::deposits`]): [`Payments::deposit`], `201` [`Receipt`].
 //! - `GET /accounts/{account_id}`: [`Payments::account`], `200` [`AccountView`].
 //! - Every route: [`Principal::from_authorization`] first, a missing or malformed
-//!   bearer token is `401`; the principal is the idempotency scope.
+//!   bearer token is `401`; the principal is the idempotency scope, named by
+//!   a hash of the token ([`Principal::from_token`]), never the token itself.
+//!
+//! ## Logs
+//!
+//! [`init_tracing`] logs to stderr, filtered by `RUST_LOG` (default `info`).
+//! No line, at any level, carries a bearer token, a full idempotency key or a
+//! request body: the scope is the token's hash, idem logs keys redacted (their
+//! first characters and length), the service logs the account, kind, amount
+//! and balance of what it applied, and the PostgreSQL driver, which at `debug`
+//! would write each statement's parameters, logs at `info` at most.
 //!
 //! Every answer is an [`Answer`] (status, content type, `Retry-After`, body),
 //! so that an example only converts it to its framework's response. A handler
@@ -35,6 +45,22 @@
 //!   effect or none, and the retry gets exactly one charge. A duplicate that
 //!   arrives while the first request's transaction is open waits for the commit
 //!   and replays the committed answer.
+//!
+//! ## The provider and the lease
+//!
+//! A charge asks the payment [`Provider`] before it applies: by default the
+//! simulated one, which waits `--provider-latency-ms` (0) and accepts; with
+//! `--provider-url URL`, `POST {URL}/payments` with the JSON body
+//! `{"account_id", "amount", "currency"}` and an `Idempotency-Key` header,
+//! [`forwarded_key`] of the principal's scope and the request's key (the same on
+//! every retry of one charge, different between principals and keys). A `2xx`
+//! lets the charge proceed; anything else (another status, a refused
+//! connection, no answer within 10 s) answers the charge `502 provider-failed`
+//! with nothing applied, and the record is released, so a retry calls the
+//! provider again. On PostgreSQL the call happens inside the request's
+//! transaction. `--lease-secs N` (default 30) is the keyed routes' lease
+//! ([`Guards::lease`]); the engine renews it while the charge runs, so a
+//! provider slower than the lease is still called once.
 //!
 //! `open` migrates the store's table and the ledger's
 //! (`payment_accounts`, `payment_operations`; see [`Ledger`]) and starts the
@@ -69,6 +95,7 @@
 
 mod guards;
 mod ledger;
+mod provider;
 mod service;
 mod start;
 #[cfg(feature = "test-util")]
@@ -76,6 +103,7 @@ pub mod testing;
 
 pub use guards::{Guard, Guards, TRANSACTIONAL_WAIT, charge_policy, deposit_policy};
 pub use ledger::{AccountView, Applied, Attempt, Ledger, LedgerError, Operation, OperationKind};
+pub use provider::{InvalidProviderUrl, PROVIDER_TIMEOUT, Provider, ProviderError, forwarded_key};
 pub use service::{Answer, OperationRequest, PaymentError, Payments, Principal, Receipt};
 pub use start::{
     DEFAULT_STORE, Expiry, Options, StartError, Storage, StoreUrl, init_tracing, listening_line,

@@ -5,9 +5,12 @@ use std::time::Duration;
 
 use idem_core::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Scope};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-use crate::{AccountView, Attempt, Ledger, LedgerError, Operation, OperationKind};
+use crate::{
+    AccountView, Attempt, Ledger, LedgerError, Operation, OperationKind, Provider, ProviderError,
+};
 
 /// The payments service behind both examples. Cheap to clone.
 ///
@@ -34,13 +37,38 @@ use crate::{AccountView, Attempt, Ledger, LedgerError, Operation, OperationKind}
 #[derive(Clone, Debug)]
 pub struct Payments {
     ledger: Ledger,
-    provider_latency: Duration,
+    provider: Provider,
 }
 
-/// The authenticated caller: the token of `Authorization: Bearer TOKEN`. It is
-/// the idempotency scope, so two callers never share keys.
+/// The authenticated caller, named by the token of `Authorization: Bearer TOKEN`,
+/// and the idempotency scope, so two callers never share keys.
+///
+/// It holds the [scope derived from the token](Self::from_token), never the
+/// token itself: the scope is logged (target `idem`, at info level), and a
+/// credential must not be.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Principal(String);
+
+/// What the token's hash is taken over, before the token: a scope from this
+/// service is never the bare hash of a token that another system may log.
+const SCOPE_CONTEXT: &[u8] = b"payments scope v1\n";
+
+/// How many hex digits of a SHA-256 name a scope or a forwarded key: 128 bits.
+const HEX_DIGITS: usize = 32;
+
+/// The first [`HEX_DIGITS`] hex digits of the SHA-256 of `parts`, concatenated.
+pub(crate) fn hex_digest(parts: &[&[u8]]) -> String {
+    let mut hash = Sha256::new();
+    for part in parts {
+        hash.update(part);
+    }
+    let digest = hash.finalize();
+    let mut hex = String::with_capacity(HEX_DIGITS);
+    for byte in digest.iter().take(HEX_DIGITS / 2) {
+        hex.push_str(&format!("{byte:02x}"));
+    }
+    hex
+}
 
 /// The body of a charge or a deposit.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -82,6 +110,11 @@ pub enum PaymentError {
     /// transactional mode the request's transaction is rolled back).
     #[error(transparent)]
     Ledger(#[from] LedgerError),
+    /// The payment provider did not accept the charge: `502 provider-failed`,
+    /// with `Retry-After`; nothing was applied, and the idempotency layer
+    /// stores no 5xx answer, so a retry calls the provider again.
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
 }
 
 /// An answer as any framework sends it: status, content type, body, and a
@@ -99,18 +132,18 @@ pub struct Answer {
 }
 
 impl Payments {
-    /// The service over `ledger`, with a provider that takes `provider_latency`
-    /// per charge.
+    /// The service over `ledger`, with the simulated provider, which takes
+    /// `provider_latency` per charge.
     ///
     /// In transactional mode the provider's latency passes inside the
-    /// request's transaction (the claim comes before the handler): keep it
-    /// well under the claim's lease (30 s), past which the server ends a
-    /// transaction left idle.
+    /// request's transaction (the claim comes before the handler).
     pub fn new(ledger: Ledger, provider_latency: Duration) -> Self {
-        Self {
-            ledger,
-            provider_latency,
-        }
+        Self::with_provider(ledger, Provider::simulated(provider_latency))
+    }
+
+    /// The service over `ledger`, charging through `provider`.
+    pub fn with_provider(ledger: Ledger, provider: Provider) -> Self {
+        Self { ledger, provider }
     }
 
     /// The ledger.
@@ -118,8 +151,9 @@ impl Payments {
         &self.ledger
     }
 
-    /// `POST /accounts/{account_id}/charges`: asks the provider (which takes the
-    /// configured latency), then adds the amount to the balance.
+    /// `POST /accounts/{account_id}/charges`: asks the [`Provider`], then
+    /// adds the amount to the balance. A provider that does not accept the
+    /// charge fails it before anything is applied.
     pub async fn charge(
         &self,
         account_id: &str,
@@ -127,7 +161,14 @@ impl Payments {
         attempt: &Attempt,
     ) -> Result<Receipt, PaymentError> {
         let request = OperationRequest::parse(body)?;
-        tokio::time::sleep(self.provider_latency).await;
+        if let Err(error) = self.provider.charge(account_id, &request, attempt).await {
+            tracing::warn!(
+                account_id,
+                error = %error_chain(&error),
+                "the payment provider did not accept the charge; nothing was applied"
+            );
+            return Err(error.into());
+        }
         self.apply(account_id, OperationKind::Charge, request, attempt)
             .await
     }
@@ -189,14 +230,19 @@ impl Payments {
 /// The log keeps what the client is not told: the cause, with its sources.
 fn log_failure(error: &LedgerError, account_id: &str) {
     if let LedgerError::Unavailable(_) = error {
-        let mut cause = error.to_string();
-        let mut source = std::error::Error::source(error);
-        while let Some(next) = source {
-            cause.push_str(&format!(": {next}"));
-            source = next.source();
-        }
-        tracing::error!(account_id, error = %cause, "the ledger failed; nothing was applied");
+        tracing::error!(account_id, error = %error_chain(error), "the ledger failed; nothing was applied");
     }
+}
+
+/// An error and its sources, on one line.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = error.to_string();
+    let mut source = error.source();
+    while let Some(next) = source {
+        cause.push_str(&format!(": {next}"));
+        source = next.source();
+    }
+    cause
 }
 
 impl Principal {
@@ -205,7 +251,8 @@ impl Principal {
     /// ```
     /// use payments::{PaymentError, Principal};
     ///
-    /// assert_eq!(Principal::from_authorization(Some(b"Bearer alice"))?.as_str(), "alice");
+    /// let alice = Principal::from_authorization(Some(b"Bearer alice"))?;
+    /// assert_eq!(alice, Principal::from_token("alice"));
     /// assert!(matches!(Principal::from_authorization(None), Err(PaymentError::Unauthorized)));
     /// assert!(matches!(
     ///     Principal::from_authorization(Some(b"Basic YTpi")),
@@ -220,10 +267,28 @@ impl Principal {
             .map(str::trim)
             .filter(|token| !token.is_empty())
             .ok_or(PaymentError::Unauthorized)?;
-        Ok(Self(token.to_owned()))
+        Ok(Self::from_token(token))
     }
 
-    /// The token.
+    /// The principal named by `token`: its scope is the first 32 hex digits
+    /// (128 bits) of the SHA-256 of the token, after a context string. The same
+    /// token always gives the same scope, two tokens practically never do, and
+    /// the scope does not give the token back.
+    ///
+    /// ```
+    /// use payments::Principal;
+    ///
+    /// let alice = Principal::from_token("alice");
+    /// assert_eq!(alice.as_str().len(), 32);
+    /// assert!(!alice.as_str().contains("alice"));
+    /// assert_eq!(alice, Principal::from_token("alice"));
+    /// assert_ne!(alice, Principal::from_token("bob"));
+    /// ```
+    pub fn from_token(token: &str) -> Self {
+        Self(hex_digest(&[SCOPE_CONTEXT, token.as_bytes()]))
+    }
+
+    /// The scope's name: the hex digits of the token's hash.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -275,6 +340,7 @@ impl PaymentError {
             Self::Unauthorized => 401,
             Self::InvalidRequest(_) | Self::Ledger(LedgerError::Overflow { .. }) => 400,
             Self::Ledger(LedgerError::Unavailable(_)) => 503,
+            Self::Provider(_) => 502,
         }
     }
 
@@ -286,6 +352,7 @@ impl PaymentError {
                 "invalid-request"
             }
             Self::Ledger(LedgerError::Unavailable(_)) => "ledger-unavailable",
+            Self::Provider(_) => "provider-failed",
         }
     }
 
@@ -316,6 +383,12 @@ impl PaymentError {
             Self::Ledger(LedgerError::Unavailable(_)) => (
                 "Ledger unavailable",
                 "the ledger is unavailable; the request was not applied, retry later".to_owned(),
+                Some(1),
+            ),
+            Self::Provider(_) => (
+                "Payment provider failed",
+                "the payment provider did not accept the charge; nothing was applied, retry later"
+                    .to_owned(),
                 Some(1),
             ),
         };

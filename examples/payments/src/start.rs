@@ -9,7 +9,7 @@ use clap::Parser;
 use idem_core::MemoryStore;
 use idem_diesel::{Cleanup, PgStore, SetupError, SqliteStore};
 
-use crate::{Guards, Ledger, LedgerError};
+use crate::{Guards, InvalidProviderUrl, Ledger, LedgerError, Provider};
 
 /// The store used when neither `--store` nor `DATABASE_URL` names one.
 pub const DEFAULT_STORE: &str = "sqlite://payments.db";
@@ -25,6 +25,9 @@ const MAX_RETENTION_SECS: u64 = 365 * 24 * 60 * 60;
 /// The longest `--cleanup-interval-secs`: a day.
 const MAX_CLEANUP_INTERVAL_SECS: u64 = 24 * 60 * 60;
 
+/// The longest `--lease-secs`: a day.
+const MAX_LEASE_SECS: u64 = 24 * 60 * 60;
+
 /// The command line of both payments services (`docs/contract.md` §8).
 ///
 /// ```
@@ -35,6 +38,14 @@ const MAX_CLEANUP_INTERVAL_SECS: u64 = 24 * 60 * 60;
 /// assert_eq!(options.store_url()?, StoreUrl::Memory);
 /// assert_eq!(options.provider_latency().as_millis(), 0);
 /// assert_eq!(options.expiry(), payments::Expiry::default());
+/// assert_eq!(options.lease().as_secs(), 30);
+/// assert!(options.provider_url.is_none());
+///
+/// let options = Options::try_parse_from([
+///     "payments", "--lease-secs", "1", "--provider-url", "http://127.0.0.1:9000",
+/// ])?;
+/// assert_eq!(options.lease().as_secs(), 1);
+/// assert!(options.provider().is_ok());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug, Parser)]
@@ -50,9 +61,20 @@ pub struct Options {
     /// Default: `DATABASE_URL`, else `sqlite://payments.db`.
     #[arg(long, env = "DATABASE_URL")]
     pub store: Option<String>,
-    /// The simulated payment provider's latency inside a charge, in milliseconds.
+    /// The simulated payment provider's latency inside a charge, in milliseconds
+    /// (when no `--provider-url` is given).
     #[arg(long, default_value_t = 0)]
     pub provider_latency_ms: u64,
+    /// A real payment provider: each charge calls `POST {URL}/payments` with the
+    /// JSON `{"account_id", "amount", "currency"}` and an `Idempotency-Key`
+    /// derived from the principal and the key; anything but a 2xx within 10 s
+    /// answers the charge 502, nothing applied. Default: the simulated provider.
+    #[arg(long, value_name = "URL")]
+    pub provider_url: Option<String>,
+    /// The keyed routes' lease, in seconds: how long a claim holds a key
+    /// without renewal (renewed while the handler runs).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=MAX_LEASE_SECS))]
+    pub lease_secs: u64,
     /// How long completed idempotency records are kept, in seconds; a retry after that runs afresh.
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=MAX_RETENTION_SECS))]
     pub retention_secs: u64,
@@ -114,7 +136,8 @@ pub enum StoreUrl {
 /// With the plain stores, the claim, the ledger's writes and the completion are
 /// separate steps: a process killed between the ledger's commit and the
 /// completion leaves a charge applied with its key still in progress; once the
-/// claim's lease (30 s) lapses, the retry applies it again. On PostgreSQL the
+/// claim's lease (`--lease-secs`, 30 s by default) lapses, the retry applies it
+/// again. On PostgreSQL the
 /// three commit together, so a crash at any point leaves one effect or none.
 #[derive(Clone, Debug)]
 pub struct Storage {
@@ -148,6 +171,9 @@ pub enum StartError {
         #[source]
         source: LedgerError,
     },
+    /// The `--provider-url` value is not a provider URL.
+    #[error("invalid --provider-url")]
+    Provider(#[from] InvalidProviderUrl),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
     Listen {
@@ -175,6 +201,20 @@ impl Options {
     /// The simulated provider latency.
     pub fn provider_latency(&self) -> Duration {
         Duration::from_millis(self.provider_latency_ms)
+    }
+
+    /// The payment provider: `--provider-url`'s, else the simulated one with
+    /// `--provider-latency-ms`.
+    pub fn provider(&self) -> Result<Provider, StartError> {
+        match &self.provider_url {
+            Some(url) => Ok(Provider::http(url)?),
+            None => Ok(Provider::simulated(self.provider_latency())),
+        }
+    }
+
+    /// The keyed routes' lease (`--lease-secs`).
+    pub fn lease(&self) -> Duration {
+        Duration::from_secs(self.lease_secs)
     }
 
     /// The retention and the cleanup interval.
@@ -317,13 +357,30 @@ pub fn listening_line(addr: SocketAddr) -> String {
 
 /// Logs to stderr (stdout's first line belongs to [`listening_line`]), filtered
 /// by `RUST_LOG` (default `info`).
+///
+/// Whatever `RUST_LOG` says, the PostgreSQL driver (`tokio_postgres`) logs at
+/// `info` at most: at `debug` it writes every statement's bound parameters,
+/// which hold idempotency keys and the values of request bodies. So no line
+/// carries a bearer token (the scope is its hash, see
+/// [`Principal`](crate::Principal)), a full idempotency key (idem logs it
+/// redacted) or a request body.
 pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // A second initialisation (in tests) keeps the first subscriber.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer, filter};
+
+    let env = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let no_driver_parameters = filter::filter_fn(|metadata| {
+        !metadata.target().starts_with("tokio_postgres")
+            || *metadata.level() <= tracing::Level::INFO
+    });
+    let output = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_filter(no_driver_parameters);
+    // A second initialisation (in tests) keeps the first subscriber.
+    let _ = tracing_subscriber::registry()
+        .with(env)
+        .with(output)
         .try_init();
 }

@@ -27,13 +27,26 @@ use crate::{Fingerprint, Header, IdempotencyKey, Scope, StoredResponse};
 /// The store holds at most [`max_records`](MemoryStoreBuilder::max_records) records
 /// and [`max_bytes`](MemoryStoreBuilder::max_bytes) bytes, counted as the key, the
 /// scope, every header name and value and the body of each record, plus
-/// [`RECORD_OVERHEAD`](Self::RECORD_OVERHEAD) bytes per record. When a claim or a
-/// completion needs room, the store first drops expired records, then evicts
-/// completed records, oldest completion first. It never evicts a record in
-/// progress: when in-progress records alone fill it, a claim answers
-/// [`StoreError::Full`]. A response too large to fit even after every completed
-/// record is evicted is kept without its body (`replayable: false`), so a retry gets
-/// a problem answer rather than a second execution.
+/// [`RECORD_OVERHEAD`](Self::RECORD_OVERHEAD) bytes per record. It never evicts a
+/// record in progress.
+///
+/// Eviction is fair between scopes. A scope's *fair share* is `max_records / n`
+/// records and `max_bytes / n` bytes, where `n` is the number of scopes holding
+/// records (the requesting scope included). When a claim or a completion needs
+/// room, the store first drops expired records, then evicts one completed record
+/// at a time, oldest completion first within the scope it takes it from:
+///
+/// 1. from the requesting scope, if that scope (counting the room it asks for) is
+///    over its fair share in records or in bytes;
+/// 2. else from another scope that is over its fair share;
+/// 3. else from the requesting scope.
+///
+/// So no scope can cause another scope's completed record to be evicted while that
+/// other scope is within its fair share: a client sending large responses, or
+/// many, evicts its own records first. When nothing may be evicted, a claim
+/// answers [`StoreError::Full`], and a response that does not fit is kept without
+/// its body (`replayable: false`), so a retry gets a problem answer rather than a
+/// second execution.
 ///
 /// # Time
 ///
@@ -175,6 +188,7 @@ impl MemoryStoreBuilder {
                 max_bytes: self.max_bytes,
                 records: AtomicUsize::new(0),
                 bytes: AtomicUsize::new(0),
+                scopes: ScopeTable::new(self.shards.max(1)),
                 sequence: AtomicU64::new(0),
                 clock: Clock::new(),
             }),
@@ -273,6 +287,8 @@ struct Inner {
     max_bytes: usize,
     records: AtomicUsize,
     bytes: AtomicUsize,
+    /// What each scope holds, for fair eviction.
+    scopes: ScopeTable,
     /// Orders insertions and completions across shards: the oldest completion is
     /// the one with the smallest number.
     sequence: AtomicU64,
@@ -290,8 +306,27 @@ struct Shard {
     records: HashMap<RecordKey, Entry>,
     /// Every record, by `(expires_at, sequence)`: cleanup walks it from the front.
     by_expiry: BTreeMap<(Instant, u64), RecordKey>,
-    /// Completed records, by `sequence`: eviction takes the front.
-    by_completion: BTreeMap<u64, RecordKey>,
+}
+
+/// What each scope holds across every shard, sharded by scope. A shard's lock may
+/// be taken while a record shard's lock is held, never the other way round.
+struct ScopeTable {
+    shards: Box<[Mutex<HashMap<Scope, ScopeUsage>>]>,
+    hasher: RandomState,
+    /// How many scopes hold records: `n` in the fair share.
+    count: AtomicUsize,
+    /// The scope last evicted from on another scope's behalf: likely still over
+    /// its share, so it is looked at first.
+    hint: Mutex<Option<Scope>>,
+}
+
+/// A scope's records and bytes, and its completed records by `sequence` (eviction
+/// takes the front). Present only while the scope holds a record.
+#[derive(Default)]
+struct ScopeUsage {
+    records: usize,
+    bytes: usize,
+    completions: BTreeMap<u64, RecordKey>,
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -329,6 +364,7 @@ impl Inner {
         let size = entry_size(&record_key, None);
         loop {
             let now = Instant::now();
+            let (records_needed, bytes_needed);
             {
                 let mut shard = self.lock(shard_index);
                 let replaced = match shard.records.get(&record_key) {
@@ -351,10 +387,10 @@ impl Inner {
                     Some(entry) => Some(entry.size),
                     None => None,
                 };
-                let records_needed = usize::from(replaced.is_none());
-                let bytes_needed = size.saturating_sub(replaced.unwrap_or(0));
+                records_needed = usize::from(replaced.is_none());
+                bytes_needed = size.saturating_sub(replaced.unwrap_or(0));
                 if self.reserve(records_needed, bytes_needed) {
-                    if let Some(old) = shard.remove(&record_key) {
+                    if let Some(old) = shard.remove(&self.scopes, &record_key) {
                         self.unreserve(0, old.size.saturating_sub(size));
                     }
                     let entry = Entry {
@@ -368,11 +404,11 @@ impl Inner {
                         sequence: self.next_sequence(),
                         size,
                     };
-                    shard.insert(record_key, entry);
+                    shard.insert(&self.scopes, record_key, entry);
                     return Ok(ClaimOutcome::Claimed(request.to_claim()));
                 }
             }
-            if !self.evict_one(now) {
+            if !self.evict_one(now, &request.scope, records_needed, bytes_needed) {
                 return Err(StoreError::Full);
             }
         }
@@ -408,20 +444,21 @@ impl Inner {
         let mut squeezed = false;
         loop {
             let now = Instant::now();
+            let needed;
             {
                 let mut shard = self.lock(shard_index);
                 let old_size = match shard.records.get(&record_key) {
                     Some(entry) if entry.is_held_by(claim.owner, now) => entry.size,
                     _ => return Err(StoreError::StaleOwner),
                 };
-                let needed = size.saturating_sub(old_size);
+                needed = size.saturating_sub(old_size);
                 // Squeezed, the response is kept even over the bound: dropping it
                 // would run the handler again on a retry.
                 if squeezed {
                     self.bytes.fetch_add(needed, Ordering::AcqRel);
                 }
                 if squeezed || self.reserve(0, needed) {
-                    let fingerprint = match shard.remove(&record_key) {
+                    let fingerprint = match shard.remove(&self.scopes, &record_key) {
                         Some(old) => old.fingerprint,
                         None => claim.fingerprint,
                     };
@@ -433,12 +470,12 @@ impl Inner {
                         sequence: self.next_sequence(),
                         size,
                     };
-                    shard.insert(record_key, entry);
+                    shard.insert(&self.scopes, record_key, entry);
                     return Ok(());
                 }
             }
             // The record being completed is in progress, so it is never evicted here.
-            if !self.evict_one(now) {
+            if !self.evict_one(now, &claim.scope, 0, needed) {
                 tracing::warn!(
                     target: "idem",
                     scope = %claim.scope,
@@ -459,7 +496,7 @@ impl Inner {
         let mut shard = self.lock(self.shard_of(&record_key));
         match shard.records.get(&record_key) {
             Some(entry) if entry.is_held_by(claim.owner, now) => {
-                if let Some(old) = shard.remove(&record_key) {
+                if let Some(old) = shard.remove(&self.scopes, &record_key) {
                     self.unreserve(1, old.size);
                 }
                 Ok(())
@@ -474,7 +511,7 @@ impl Inner {
         let mut shard = self.lock(self.shard_of(&record_key));
         let entry = shard.records.get(&record_key)?;
         if entry.is_expired(now) {
-            if let Some(old) = shard.remove(&record_key) {
+            if let Some(old) = shard.remove(&self.scopes, &record_key) {
                 self.unreserve(1, old.size);
             }
             return None;
@@ -506,7 +543,9 @@ impl Inner {
             if deleted >= batch {
                 break;
             }
-            let (records, bytes) = self.lock(index).remove_expired(now, batch - deleted);
+            let (records, bytes) =
+                self.lock(index)
+                    .remove_expired(&self.scopes, now, batch - deleted);
             self.unreserve(records, bytes);
             deleted += records;
         }
@@ -534,35 +573,35 @@ impl Inner {
         }
     }
 
-    /// Frees room for one record: removes an expired record if any, else evicts the
-    /// completed record completed first. `false` when there is nothing to remove.
-    fn evict_one(&self, now: Instant) -> bool {
+    /// Frees room for one record: removes an expired record if any, else evicts a
+    /// completed record as [`MemoryStore`] describes, on behalf of `requester`, who
+    /// needs room for `records` more records and `bytes` more bytes. `false` when
+    /// there is nothing it may remove.
+    fn evict_one(&self, now: Instant, requester: &Scope, records: usize, bytes: usize) -> bool {
         // A few attempts, because another request may take the chosen record first.
         for _ in 0..3 {
-            let mut oldest: Option<(u64, usize)> = None;
             for index in 0..self.shards.len() {
                 let mut shard = self.lock(index);
-                let (records, bytes) = shard.remove_expired(now, 1);
+                let (records, bytes) = shard.remove_expired(&self.scopes, now, 1);
                 if records > 0 {
                     drop(shard);
                     self.unreserve(records, bytes);
                     return true;
                 }
-                if let Some((&sequence, _)) = shard.by_completion.first_key_value()
-                    && oldest.is_none_or(|(oldest, _)| sequence < oldest)
-                {
-                    oldest = Some((sequence, index));
-                }
             }
-            let Some((_, index)) = oldest else {
+            let Some(record_key) = self.victim(requester, records, bytes) else {
                 return false;
             };
-            let mut shard = self.lock(index);
-            let evicted = shard
-                .by_completion
-                .first_key_value()
-                .map(|(_, record_key)| record_key.clone())
-                .and_then(|record_key| shard.remove(&record_key));
+            let mut shard = self.lock(self.shard_of(&record_key));
+            let completed = shard
+                .records
+                .get(&record_key)
+                .is_some_and(|entry| matches!(entry.state, EntryState::Completed { .. }));
+            let evicted = if completed {
+                shard.remove(&self.scopes, &record_key)
+            } else {
+                None
+            };
             drop(shard);
             if let Some(entry) = evicted {
                 self.unreserve(1, entry.size);
@@ -570,6 +609,29 @@ impl Inner {
             }
         }
         false
+    }
+
+    /// The completed record to evict for `requester`, who needs room for `records`
+    /// more records and `bytes` more bytes.
+    fn victim(&self, requester: &Scope, records: usize, bytes: usize) -> Option<RecordKey> {
+        let own = self.scopes.usage(requester);
+        let scopes = self.scopes.count.load(Ordering::Acquire) + usize::from(own.is_none());
+        let over_share = |records: usize, bytes: usize| {
+            records.saturating_mul(scopes) > self.max_records
+                || bytes.saturating_mul(scopes) > self.max_bytes
+        };
+        let (own_records, own_bytes) = own.unwrap_or((0, 0));
+        if over_share(
+            own_records.saturating_add(records),
+            own_bytes.saturating_add(bytes),
+        ) && let Some(record_key) = self.scopes.oldest_completion(requester)
+        {
+            return Some(record_key);
+        }
+        if let Some(record_key) = self.scopes.over_share(requester, over_share) {
+            return Some(record_key);
+        }
+        self.scopes.oldest_completion(requester)
     }
 
     /// Takes room for `records` more records and `bytes` more bytes, if both fit.
@@ -626,31 +688,32 @@ impl Inner {
 }
 
 impl Shard {
-    fn insert(&mut self, record_key: RecordKey, entry: Entry) {
+    fn insert(&mut self, scopes: &ScopeTable, record_key: RecordKey, entry: Entry) {
         self.by_expiry
             .insert((entry.expires_at, entry.sequence), record_key.clone());
-        if matches!(entry.state, EntryState::Completed { .. }) {
-            self.by_completion
-                .insert(entry.sequence, record_key.clone());
-        }
+        let completed = matches!(entry.state, EntryState::Completed { .. });
+        scopes.add(&record_key, &entry, completed);
         self.records.insert(record_key, entry);
     }
 
     /// Removes the record from the map and the indexes, and wakes its waiters.
-    fn remove(&mut self, record_key: &RecordKey) -> Option<Entry> {
+    fn remove(&mut self, scopes: &ScopeTable, record_key: &RecordKey) -> Option<Entry> {
         let entry = self.records.remove(record_key)?;
         self.by_expiry.remove(&(entry.expires_at, entry.sequence));
-        match &entry.state {
-            EntryState::Completed { .. } => {
-                self.by_completion.remove(&entry.sequence);
-            }
-            EntryState::InProgress { changed, .. } => changed.notify_waiters(),
+        scopes.remove(&record_key.scope, &entry);
+        if let EntryState::InProgress { changed, .. } = &entry.state {
+            changed.notify_waiters();
         }
         Some(entry)
     }
 
     /// Removes up to `limit` expired records; answers how many and their bytes.
-    fn remove_expired(&mut self, now: Instant, limit: usize) -> (usize, usize) {
+    fn remove_expired(
+        &mut self,
+        scopes: &ScopeTable,
+        now: Instant,
+        limit: usize,
+    ) -> (usize, usize) {
         let expired: Vec<RecordKey> = self
             .by_expiry
             .range(..=(now, u64::MAX))
@@ -664,11 +727,117 @@ impl Shard {
             .collect();
         let mut bytes = 0;
         for record_key in &expired {
-            if let Some(entry) = self.remove(record_key) {
+            if let Some(entry) = self.remove(scopes, record_key) {
                 bytes += entry.size;
             }
         }
         (expired.len(), bytes)
+    }
+}
+
+impl ScopeTable {
+    fn new(shards: usize) -> Self {
+        Self {
+            shards: (0..shards).map(|_| Mutex::default()).collect(),
+            hasher: RandomState::new(),
+            count: AtomicUsize::new(0),
+            hint: Mutex::new(None),
+        }
+    }
+
+    fn add(&self, record_key: &RecordKey, entry: &Entry, completed: bool) {
+        let mut shard = self.lock(self.shard_of(&record_key.scope));
+        let usage = match shard.get_mut(&record_key.scope) {
+            Some(usage) => usage,
+            None => {
+                self.count.fetch_add(1, Ordering::AcqRel);
+                shard.entry(record_key.scope.clone()).or_default()
+            }
+        };
+        usage.records += 1;
+        usage.bytes += entry.size;
+        if completed {
+            usage.completions.insert(entry.sequence, record_key.clone());
+        }
+    }
+
+    fn remove(&self, scope: &Scope, entry: &Entry) {
+        let mut shard = self.lock(self.shard_of(scope));
+        let Some(usage) = shard.get_mut(scope) else {
+            return;
+        };
+        usage.records = usage.records.saturating_sub(1);
+        usage.bytes = usage.bytes.saturating_sub(entry.size);
+        if matches!(entry.state, EntryState::Completed { .. }) {
+            usage.completions.remove(&entry.sequence);
+        }
+        if usage.records == 0 {
+            shard.remove(scope);
+            self.count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The records and bytes `scope` holds; `None` when it holds none.
+    fn usage(&self, scope: &Scope) -> Option<(usize, usize)> {
+        let shard = self.lock(self.shard_of(scope));
+        shard.get(scope).map(|usage| (usage.records, usage.bytes))
+    }
+
+    fn oldest_completion(&self, scope: &Scope) -> Option<RecordKey> {
+        let shard = self.lock(self.shard_of(scope));
+        let (_, record_key) = shard.get(scope)?.completions.first_key_value()?;
+        Some(record_key.clone())
+    }
+
+    /// The oldest completion of a scope other than `requester` that is over its
+    /// share (`over_share(records, bytes)`): the hinted scope first, then the others.
+    fn over_share(
+        &self,
+        requester: &Scope,
+        over_share: impl Fn(usize, usize) -> bool,
+    ) -> Option<RecordKey> {
+        let candidate = |usage: &ScopeUsage| {
+            if over_share(usage.records, usage.bytes) {
+                usage
+                    .completions
+                    .first_key_value()
+                    .map(|(_, key)| key.clone())
+            } else {
+                None
+            }
+        };
+        let hint = self
+            .hint
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(hint) = hint.filter(|hint| hint != requester) {
+            let shard = self.lock(self.shard_of(&hint));
+            if let Some(record_key) = shard.get(&hint).and_then(candidate) {
+                return Some(record_key);
+            }
+        }
+        let found = (0..self.shards.len()).find_map(|index| {
+            let shard = self.lock(index);
+            shard
+                .iter()
+                .filter(|(scope, _)| *scope != requester)
+                .find_map(|(_, usage)| candidate(usage))
+        })?;
+        *self.hint.lock().unwrap_or_else(PoisonError::into_inner) = Some(found.scope.clone());
+        Some(found)
+    }
+
+    fn shard_of(&self, scope: &Scope) -> usize {
+        // The modulo keeps the value below the shard count, so the cast back is exact.
+        (self.hasher.hash_one(scope) % self.shards.len() as u64) as usize
+    }
+
+    fn lock(&self, index: usize) -> MutexGuard<'_, HashMap<Scope, ScopeUsage>> {
+        // Updates do not panic halfway, so a poisoned shard is still consistent.
+        self.shards[index]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -1095,6 +1264,80 @@ mod tests {
             Duration::ZERO,
             "completed"
         );
+    }
+
+    async fn complete_in(store: &MemoryStore, scope: &str, key: &str, body_len: usize) {
+        let request = ClaimRequest {
+            scope: Scope::new(scope),
+            ..request(key)
+        };
+        let ClaimOutcome::Claimed(claim) = store.claim(&request).await.unwrap() else {
+            panic!("{scope}/{key} was not claimed");
+        };
+        store
+            .complete(&claim, &body(body_len), RETENTION)
+            .await
+            .unwrap();
+    }
+
+    async fn is_completed_in(store: &MemoryStore, scope: &str, key: &str) -> bool {
+        let key = IdempotencyKey::new(key).unwrap();
+        let record = store.load(&Scope::new(scope), &key).await.unwrap();
+        matches!(
+            record.map(|record| record.state),
+            Some(RecordState::Completed { .. })
+        )
+    }
+
+    #[tokio::test]
+    async fn large_responses_of_one_scope_do_not_evict_another_scope_within_its_share() {
+        // Room for four completed records: each scope's share is two.
+        let completed = CLAIMED + 1000;
+        let store = MemoryStore::builder().max_bytes(4 * completed).build();
+        complete_in(&store, "q", "a", 1000).await;
+        for key in 'a'..='t' {
+            complete_in(&store, "h", &key.to_string(), 1000).await;
+        }
+        assert!(
+            is_completed_in(&store, "q", "a").await,
+            "the oldest completion, but its scope is within its share"
+        );
+        for key in ["r", "s", "t"] {
+            assert!(is_completed_in(&store, "h", key).await, "{key}");
+        }
+        assert!(
+            !is_completed_in(&store, "h", "q").await,
+            "h evicted its own"
+        );
+        assert_eq!(store.used_bytes(), 4 * completed);
+    }
+
+    #[tokio::test]
+    async fn many_records_of_one_scope_do_not_evict_another_scope_within_its_share() {
+        let store = MemoryStore::builder().max_records(4).build();
+        complete_in(&store, "q", "a", 1).await;
+        complete_in(&store, "q", "b", 1).await;
+        for key in 0..10 {
+            complete_in(&store, "h", &key.to_string(), 1).await;
+        }
+        assert!(is_completed_in(&store, "q", "a").await);
+        assert!(is_completed_in(&store, "q", "b").await);
+        assert!(is_completed_in(&store, "h", "8").await);
+        assert!(is_completed_in(&store, "h", "9").await);
+        assert_eq!(store.len(), 4);
+
+        // A scope within its share evicts from the one over it.
+        let store = MemoryStore::builder().max_records(4).build();
+        for key in 0..4 {
+            complete_in(&store, "h", &key.to_string(), 1).await;
+        }
+        complete_in(&store, "q", "a", 1).await;
+        complete_in(&store, "q", "b", 1).await;
+        assert!(!is_completed_in(&store, "h", "0").await);
+        assert!(!is_completed_in(&store, "h", "1").await);
+        assert!(is_completed_in(&store, "h", "2").await);
+        assert!(is_completed_in(&store, "q", "a").await);
+        assert!(is_completed_in(&store, "q", "b").await);
     }
 
     #[tokio::test]

@@ -15,8 +15,10 @@ pub(super) struct Statements {
     pub(super) claim: String,
     /// The claim of transactional mode, in the execution's transaction: as
     /// `claim`, gated by the key's advisory lock (`$7` class, `$8` lock key
-    /// text), with the transaction's lock waits bounded (`$9`, e.g. `5000ms`)
-    /// and its idle time (`$10`, the lease).
+    /// text), with the transaction's lock waits bounded (`$9`, e.g. `5000ms`),
+    /// its idle time (`$10`) and the server's TCP keepalives on the session
+    /// (`$11` idle s, `$12` interval s, `$13` count, `$14` user timeout ms), all
+    /// local to the transaction.
     /// When the lock is held, one `ClaimRow` that stands for the invisible
     /// in-progress record (the request's own fingerprint, its lease).
     pub(super) transactional_claim: String,
@@ -76,6 +78,11 @@ impl Statements {
                     SELECT set_config('lock_timeout', $9, true) AS lock_timeout,
                            set_config('idle_in_transaction_session_timeout', $10, true)
                                AS idle_timeout,
+                           set_config('tcp_keepalives_idle', $11, true) AS keepalives_idle,
+                           set_config('tcp_keepalives_interval', $12, true)
+                               AS keepalives_interval,
+                           set_config('tcp_keepalives_count', $13, true) AS keepalives_count,
+                           set_config('tcp_user_timeout', $14, true) AS user_timeout,
                            pg_try_advisory_xact_lock($7, hashtext($8)) AS free
                 ), claimed AS (
                     INSERT INTO {t} AS r

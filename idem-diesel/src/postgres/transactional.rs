@@ -10,7 +10,10 @@ use std::time::Duration;
 use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text, Uuid as SqlUuid};
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
+};
 use idem_core::store::{
     Claim, ClaimOutcome, ClaimRequest, ExecutionContext, OwnerToken, Record, StoreFuture,
 };
@@ -30,6 +33,13 @@ const EXECUTION_LOCK_CLASS: i32 = 0x6964_6d03;
 
 /// The default bound on a lock wait inside an execution's transaction.
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default bound on an execution's transaction left idle with nobody to
+/// renew it (see [`TransactionalPgStore::idle_timeout`]).
+const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How many unanswered TCP keepalive probes end a transaction's session.
+const KEEPALIVE_PROBES: u32 = 4;
 
 /// Whether a transactional execution holds the key (`$1` lock key, `$2` class):
 /// outside a transaction block the lock, if free, is taken and given back by
@@ -70,14 +80,38 @@ const EXECUTION_RUNNING: &str =
 /// by [`lock_timeout`](Self::lock_timeout) (default 5 s): past it the statement
 /// fails, and the execution is released rather than held open.
 ///
-/// **Vanished executions.** The server ends a transaction that stays idle
-/// (between two statements) for longer than the claim's lease
-/// (`idle_in_transaction_session_timeout`), rolling it back: an application
-/// machine that vanished without closing its connection holds the key for a
-/// lease at most, as in plain mode, rather than until TCP notices. A handler
-/// that pauses longer than the lease inside the transaction (a slow remote
-/// call) loses it, and its client gets `503`; keep remote calls out of the
-/// transaction, or raise the lease.
+/// **Slow handlers.** A handler slower than the lease keeps its transaction
+/// while its process lives, and runs once: the advisory lock, not the lease,
+/// keeps duplicates out, and each renewal of the lease (the engine renews every
+/// third of it while the handler runs) sends a no-op statement on the
+/// transaction's connection when the handler is not holding it, so the server
+/// never sees the transaction idle for long. A remote call between two
+/// statements (a payment provider) may take as long as it takes, as long as
+/// the handler lets go of [`PgTransaction::connection`] meanwhile; holding the
+/// connection without using it counts as idle, up to
+/// [`idle_timeout`](Self::idle_timeout).
+///
+/// **Vanished executions.** A transaction ends, and the key is free again, when
+/// its session does:
+///
+/// - the application process exits or crashes: at once (its machine closes the
+///   connection);
+/// - its machine vanishes, or the network to it fails: within the *keepalive
+///   bound* `k + 4 × i`, where the server's TCP keepalives on the session probe
+///   after `k` = half the lease (at least 1 s) of silence, every `i` = an eighth
+///   of the lease (at least 1 s), and give up after 4 unanswered probes
+///   (`tcp_keepalives_*`, and `tcp_user_timeout` set to the same bound). That is
+///   about the lease for leases of 8 s or more (31 s for the default 30 s), and
+///   5 s for a 1 s lease. It needs a TCP connection; over a Unix socket the process is on the
+///   database's machine and its exit closes the socket;
+/// - the execution stalls with nobody renewing it (its handler returned but the
+///   request never settled), or the handler holds the connection without using
+///   it: after [`idle_timeout`](Self::idle_timeout) (default 60 s, and at least
+///   the lease) of idleness (`idle_in_transaction_session_timeout`). The client
+///   then gets `503` and the handler's writes are rolled back.
+///
+/// All of these settings are local to the execution's transaction: the pooled
+/// connection gets its own back when the transaction ends.
 ///
 /// **Connections.** Each running execution holds one pooled connection until it
 /// settles: size the pool for the concurrent transactional requests.
@@ -101,6 +135,7 @@ pub struct TransactionalPgStore {
     store: PgStore,
     open: Arc<Mutex<HashMap<OwnerToken, PgTransaction>>>,
     lock_timeout: Duration,
+    idle_timeout: Duration,
 }
 
 /// The open transaction of one transactional execution, as its handler gets it.
@@ -172,6 +207,7 @@ impl PgStore {
             store: self.clone(),
             open: Arc::default(),
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
         }
     }
 }
@@ -183,6 +219,18 @@ impl TransactionalPgStore {
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
         self.lock_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Ends an execution's transaction that stays idle, with no statement and no
+    /// renewal, for this long (default 60 s; at least the claim's lease): the
+    /// bound on an execution that stalled while its process lives, and on a
+    /// handler holding [`PgTransaction::connection`] without using it.
+    /// Renewals keep a running handler's transaction from idling while the
+    /// handler lets go of the connection.
+    #[must_use]
+    pub fn idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout.max(Duration::from_millis(1));
         self
     }
 
@@ -264,7 +312,8 @@ impl TransactionalPgStore {
         request: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
         let timeout = format!("{}ms", self.lock_timeout.as_millis());
-        let idle = format!("{}ms", request.lease.as_millis().max(1));
+        let idle = format!("{}ms", self.idle_timeout.max(request.lease).as_millis());
+        let keepalive = Keepalive::for_lease(request.lease);
         let lock_key = self.lock_key(&request.scope, &request.key);
         for _ in 0..CLAIM_ATTEMPTS {
             let row = diesel::sql_query(&self.store.inner.statements.transactional_claim)
@@ -278,6 +327,10 @@ impl TransactionalPgStore {
                 .bind::<Text, _>(&lock_key)
                 .bind::<Text, _>(&timeout)
                 .bind::<Text, _>(&idle)
+                .bind::<Text, _>(keepalive.idle_secs.to_string())
+                .bind::<Text, _>(keepalive.interval_secs.to_string())
+                .bind::<Text, _>(KEEPALIVE_PROBES.to_string())
+                .bind::<Text, _>(keepalive.bound_millis().to_string())
                 .prepared()
                 .get_result::<ClaimRow>(&mut *connection)
                 .await
@@ -341,14 +394,15 @@ impl Store for TransactionalPgStore {
         Box::pin(self.claim_in_transaction(request))
     }
 
-    /// The row lock of the uncommitted record, not the lease, keeps others out:
-    /// renewal only checks that the transaction is still open.
+    /// The advisory lock, not the lease, keeps others out: renewal checks that
+    /// the transaction is still open and keeps the server from ending it as
+    /// idle (a no-op statement on its connection, unless the handler holds it).
     fn renew<'a>(&'a self, claim: &'a Claim, _lease: Duration) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            if self.transactions().contains_key(&claim.owner) {
-                Ok(())
-            } else {
-                Err(StoreError::StaleOwner)
+            let transaction = self.transactions().get(&claim.owner).cloned();
+            match transaction {
+                Some(transaction) => transaction.keep_alive().await,
+                None => Err(StoreError::StaleOwner),
             }
         })
     }
@@ -428,6 +482,7 @@ impl fmt::Debug for TransactionalPgStore {
             .field("store", &self.store)
             .field("open_transactions", &self.open_transactions())
             .field("lock_timeout", &self.lock_timeout)
+            .field("idle_timeout", &self.idle_timeout)
             .finish()
     }
 }
@@ -446,6 +501,33 @@ impl PgTransaction {
         MutexGuard::try_map(guard, |connection| connection.as_deref_mut())
             .map(|guard| PgTransactionConnection { guard })
             .map_err(|_| TransactionEnded)
+    }
+
+    /// Sends a no-op statement on the transaction's connection, so that the
+    /// server does not end the transaction as idle, unless the handler holds
+    /// the connection (it is then the handler's to use, and never waited for:
+    /// the engine renews between polls of the handler). A connection found
+    /// closed means the transaction is gone with it.
+    async fn keep_alive(&self) -> Result<(), StoreError> {
+        let Ok(mut guard) = self.connection.try_lock() else {
+            return Ok(());
+        };
+        let Some(connection) = guard.as_deref_mut() else {
+            return Err(StoreError::StaleOwner);
+        };
+        match connection.batch_execute("SELECT 1").await {
+            Ok(()) => Ok(()),
+            Err(diesel::result::Error::DatabaseError(
+                diesel::result::DatabaseErrorKind::ClosedConnection,
+                _,
+            )) => Err(StoreError::StaleOwner),
+            // An aborted transaction (a handler's statement failed) still holds
+            // the key until the handler's failure releases it.
+            Err(error) => {
+                tracing::debug!(%error, "the keepalive statement of a transactional execution failed");
+                Ok(())
+            }
+        }
     }
 
     /// Takes the connection away from every holder, once they let go of it.
@@ -481,6 +563,31 @@ impl fmt::Debug for PgTransactionConnection<'_> {
     }
 }
 
+/// The server's TCP keepalives on an execution's session, from its lease (see
+/// [`TransactionalPgStore`]).
+struct Keepalive {
+    idle_secs: u64,
+    interval_secs: u64,
+}
+
+impl Keepalive {
+    fn for_lease(lease: Duration) -> Self {
+        let at_least_a_second = |duration: Duration| {
+            u64::try_from(duration.as_millis().div_ceil(1000).max(1)).unwrap_or(u64::MAX)
+        };
+        Self {
+            idle_secs: at_least_a_second(lease / 2),
+            interval_secs: at_least_a_second(lease / 8),
+        }
+    }
+
+    /// How long a vanished peer keeps the session: `k + 4 × i`.
+    fn bound_millis(&self) -> u64 {
+        let probes = u64::from(KEEPALIVE_PROBES).saturating_mul(self.interval_secs);
+        self.idle_secs.saturating_add(probes).saturating_mul(1000)
+    }
+}
+
 /// How deep the connection's transactions are nested (1: the execution's own).
 pub(crate) fn transaction_depth(connection: &mut AsyncPgConnection) -> u32 {
     match AnsiTransactionManager::transaction_manager_status_mut(connection).transaction_depth() {
@@ -497,6 +604,33 @@ pub(crate) async fn roll_back(connection: &mut AsyncPgConnection) {
         if let Err(error) = AnsiTransactionManager::rollback_transaction(connection).await {
             tracing::debug!(%error, "rollback failed; the connection will be closed instead");
             return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_keepalive_bound_follows_the_lease() {
+        for (lease_ms, idle, interval, bound_ms) in [
+            (300, 1, 1, 5_000),
+            (1_000, 1, 1, 5_000),
+            (8_000, 4, 1, 8_000),
+            (30_000, 15, 4, 31_000),
+            (120_000, 60, 15, 120_000),
+        ] {
+            let keepalive = Keepalive::for_lease(Duration::from_millis(lease_ms));
+            assert_eq!(
+                (
+                    keepalive.idle_secs,
+                    keepalive.interval_secs,
+                    keepalive.bound_millis()
+                ),
+                (idle, interval, bound_ms),
+                "lease {lease_ms} ms"
+            );
         }
     }
 }

@@ -5,7 +5,7 @@ mod statements;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use diesel::connection::SimpleConnection;
 use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text};
@@ -26,7 +26,7 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use crate::cleanup::Cleanup;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
-use crate::row::{InProgressRow, RecordRow, fenced, micros_after, micros_since_epoch};
+use crate::row::{InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
 use statements::Statements;
@@ -50,7 +50,10 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
 /// mode, so reads do not wait for writes; writes take turns, waiting up to the
 /// busy timeout.
 ///
-/// Times are this machine's clock, since every connection to the file is local.
+/// Lease and retention times are SQLite's clock, read inside each statement
+/// once it holds the file's write lock: a step that waited for a pooled
+/// connection or for the busy timeout still gets its full lease, and a lease is
+/// never measured from an instant read before the wait.
 ///
 /// ```no_run
 /// use idem_diesel::SqliteStore;
@@ -237,12 +240,10 @@ impl SqliteStore {
 
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let (scope, key) = (scope.clone(), key.clone());
-        let now = now_micros();
         self.run(move |c, sql| {
             diesel::sql_query(&sql.in_progress)
                 .bind::<Text, _>(scope.as_str())
                 .bind::<Text, _>(key.as_str())
-                .bind::<BigInt, _>(now)
                 .prepared()
                 .get_result::<InProgressRow>(c)
                 .map(|row| row.in_progress)
@@ -341,19 +342,14 @@ fn establish(
     })
 }
 
-fn now_micros() -> i64 {
-    micros_since_epoch(SystemTime::now())
-}
-
 impl Store for SqliteStore {
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
             let (scope, key) = (request.scope.clone(), request.key.clone());
             let fingerprint = *request.fingerprint.as_bytes();
             let owner = request.owner.as_uuid();
-            let now = now_micros();
-            let lease_until = micros_after(now, request.lease);
-            let expires_at = micros_after(now, request.retention);
+            let lease = duration_micros(request.lease);
+            let retention = duration_micros(request.retention);
             let step = self
                 .run(move |c, sql| {
                     c.immediate_transaction(|c| {
@@ -362,9 +358,8 @@ impl Store for SqliteStore {
                             .bind::<Text, _>(key.as_str())
                             .bind::<Binary, _>(&fingerprint[..])
                             .bind::<Binary, _>(&owner.as_bytes()[..])
-                            .bind::<BigInt, _>(lease_until)
-                            .bind::<BigInt, _>(expires_at)
-                            .bind::<BigInt, _>(now)
+                            .bind::<BigInt, _>(lease)
+                            .bind::<BigInt, _>(retention)
                             .prepared()
                             .execute(c)?;
                         if written > 0 {
@@ -373,7 +368,6 @@ impl Store for SqliteStore {
                         diesel::sql_query(&sql.found)
                             .bind::<Text, _>(scope.as_str())
                             .bind::<Text, _>(key.as_str())
-                            .bind::<BigInt, _>(now)
                             .prepared()
                             .get_result::<RecordRow>(c)
                             .optional()
@@ -393,14 +387,14 @@ impl Store for SqliteStore {
         Box::pin(async move {
             let (scope, key) = (claim.scope.clone(), claim.key.clone());
             let owner = claim.owner.as_uuid();
-            let lease_until = micros_after(now_micros(), lease);
+            let lease = duration_micros(lease);
             let rows = self
                 .run(move |c, sql| {
                     diesel::sql_query(&sql.renew)
                         .bind::<Text, _>(scope.as_str())
                         .bind::<Text, _>(key.as_str())
                         .bind::<Binary, _>(&owner.as_bytes()[..])
-                        .bind::<BigInt, _>(lease_until)
+                        .bind::<BigInt, _>(lease)
                         .prepared()
                         .execute(c)
                 })
@@ -422,7 +416,7 @@ impl Store for SqliteStore {
             let headers = response.encode_headers();
             let body = response.body.clone();
             let replayable = response.replayable;
-            let expires_at = micros_after(now_micros(), retention);
+            let retention = duration_micros(retention);
             let rows = self
                 .run(move |c, sql| {
                     diesel::sql_query(&sql.complete)
@@ -433,7 +427,7 @@ impl Store for SqliteStore {
                         .bind::<Binary, _>(&headers[..])
                         .bind::<Binary, _>(&body[..])
                         .bind::<Bool, _>(replayable)
-                        .bind::<BigInt, _>(expires_at)
+                        .bind::<BigInt, _>(retention)
                         .prepared()
                         .execute(c)
                 })
@@ -467,13 +461,11 @@ impl Store for SqliteStore {
     ) -> StoreFuture<'a, Option<Record>> {
         Box::pin(async move {
             let (owned_scope, owned_key) = (scope.clone(), key.clone());
-            let now = now_micros();
             let row = self
                 .run(move |c, sql| {
                     diesel::sql_query(&sql.load)
                         .bind::<Text, _>(owned_scope.as_str())
                         .bind::<Text, _>(owned_key.as_str())
-                        .bind::<BigInt, _>(now)
                         .prepared()
                         .get_result::<RecordRow>(c)
                         .optional()
@@ -485,12 +477,10 @@ impl Store for SqliteStore {
 
     fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
-            let now = now_micros();
             let batch = i64::try_from(batch).unwrap_or(i64::MAX);
             let deleted = self
                 .run(move |c, sql| {
                     diesel::sql_query(&sql.delete_expired)
-                        .bind::<BigInt, _>(now)
                         .bind::<BigInt, _>(batch)
                         .prepared()
                         .execute(c)

@@ -42,6 +42,14 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     ("sqlite::changed_resolves_when_the_record_settles", |d| {
         Box::pin(changed_resolves_when_the_record_settles(d))
     }),
+    (
+        "sqlite::a_claim_that_waited_for_the_write_lock_gets_its_full_lease",
+        |d| {
+            Box::pin(a_claim_that_waited_for_the_write_lock_gets_its_full_lease(
+                d,
+            ))
+        },
+    ),
 ];
 
 pub(crate) const MEASUREMENTS: &[(&str, TestFn)] = &[("measure::sqlite_claim_complete", |d| {
@@ -295,6 +303,51 @@ async fn two_pools_on_one_file_race_for_one_claim(databases: Arc<Databases>) {
         }
     }
     assert_eq!(granted, 1, "one claim across two pools on one file wins");
+}
+
+/// The lease is measured from when the claim runs, holding the lock, on SQLite's
+/// clock: a claim that waited longer than its lease for another connection's
+/// write still keeps a duplicate out afterwards.
+async fn a_claim_that_waited_for_the_write_lock_gets_its_full_lease(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    let store = SqliteStore::connect(&url).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    let other = SqliteStore::connect(&url).await.expect("connect");
+    let mut writer = other.pool().get().await.expect("a connection");
+    writer.batch_execute("BEGIN IMMEDIATE").await.expect("lock");
+
+    let lease = Duration::from_secs(1);
+    let first = request("s", "waited", 1, lease);
+    let claiming = {
+        let store = store.clone();
+        let first = first.clone();
+        tokio::spawn(async move { store.claim(&first).await })
+    };
+    tokio::time::sleep(lease + lease / 2).await;
+    assert!(
+        !claiming.is_finished(),
+        "the claim waits for the write lock"
+    );
+    writer.batch_execute("COMMIT").await.expect("unlock");
+    let started = Instant::now();
+    assert!(matches!(
+        claiming.await.unwrap(),
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+
+    let duplicate = request("s", "waited", 1, lease);
+    match store.claim(&duplicate).await.unwrap() {
+        ClaimOutcome::InProgress { lease_until, .. } => {
+            let left = lease_until
+                .duration_since(std::time::SystemTime::now())
+                .expect("the lease is still live");
+            assert!(
+                left + started.elapsed() >= lease - Duration::from_millis(5),
+                "a full lease from when the claim ran: {left:?} left"
+            );
+        }
+        other => panic!("a duplicate right after the claim answered {other:?}"),
+    }
 }
 
 async fn changed_resolves_when_the_record_settles(databases: Arc<Databases>) {

@@ -59,8 +59,12 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         Box::pin(nested_transactions_are_savepoints(d))
     }),
     (
-        "transactional::an_execution_idle_past_its_lease_is_ended_by_the_server",
-        |d| Box::pin(an_execution_idle_past_its_lease_is_ended_by_the_server(d)),
+        "transactional::an_execution_stalled_past_its_idle_timeout_is_ended_by_the_server",
+        |d| Box::pin(an_execution_stalled_past_its_idle_timeout_is_ended_by_the_server(d)),
+    ),
+    (
+        "transactional::a_handler_slower_than_the_lease_runs_once_and_delivers",
+        |d| Box::pin(a_handler_slower_than_the_lease_runs_once_and_delivers(d)),
     ),
     (
         "transactional::an_axum_handler_writes_in_the_requests_transaction",
@@ -519,8 +523,12 @@ async fn a_killed_connection_leaves_nothing_and_the_retry_runs_once(databases: A
     assert_eq!(ledger_rows(&plain, "doomed").await, 1, "exactly one effect");
 }
 
-async fn an_execution_idle_past_its_lease_is_ended_by_the_server(databases: Arc<Databases>) {
-    let store = fresh_transactional(&databases).await;
+async fn an_execution_stalled_past_its_idle_timeout_is_ended_by_the_server(
+    databases: Arc<Databases>,
+) {
+    let store = fresh_transactional(&databases)
+        .await
+        .idle_timeout(Duration::from_millis(300));
     let plain = store.plain().clone();
     let engine = engine(
         &store,
@@ -543,8 +551,9 @@ async fn an_execution_idle_past_its_lease_is_ended_by_the_server(databases: Arc<
                 .n
         })
         .await;
-    // The execution stalls (its machine vanished, say): the server ends the
-    // session once it has been idle in its transaction for the lease.
+    // The execution stalls (its handler returned, the request never settles):
+    // nobody renews it, and the server ends the session once it has been idle
+    // in its transaction for the idle timeout.
     until(|| async {
         count(
             &plain,
@@ -573,6 +582,89 @@ async fn an_execution_idle_past_its_lease_is_ended_by_the_server(databases: Arc<
         Settlement::Retract(_)
     ));
     assert_eq!(ledger_rows(&plain, "stalled").await, 1);
+}
+
+#[derive(diesel::QueryableByName)]
+struct Settings {
+    #[diesel(sql_type = Text)]
+    idle: String,
+    #[diesel(sql_type = Text)]
+    keepalive: String,
+}
+
+/// A handler that waits three leases between two statements (a remote call),
+/// with a duplicate in between: the duplicate is told to wait, the handler's
+/// transaction survives, both its writes commit once, and its client gets its
+/// answer. Once letting go of the connection while it waits, with the idle
+/// timeout as short as the lease (renewals keep the transaction busy), and once
+/// holding the connection (within the default idle timeout).
+async fn a_handler_slower_than_the_lease_runs_once_and_delivers(databases: Arc<Databases>) {
+    let lease = Duration::from_millis(300);
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    for (name, store, hold) in [
+        ("lets-go", store.clone().idle_timeout(lease), false),
+        ("holds", store.clone(), true),
+    ] {
+        let engine = engine(&store, Policy::required().lease(lease));
+        let execution = execute_new(&engine, name).await;
+        let transaction = transaction_of(&execution);
+        let handler = async {
+            if hold {
+                let mut connection = transaction.connection().await.unwrap();
+                let settings = diesel::sql_query(
+                    "SELECT current_setting('idle_in_transaction_session_timeout') AS idle,
+                            current_setting('tcp_keepalives_idle') || ' '
+                            || current_setting('tcp_keepalives_interval') || ' '
+                            || current_setting('tcp_keepalives_count') || ' '
+                            || current_setting('tcp_user_timeout') AS keepalive",
+                )
+                .get_result::<Settings>(&mut *connection)
+                .await?;
+                assert_eq!(
+                    (settings.idle.as_str(), settings.keepalive.as_str()),
+                    ("1min", "1 1 4 5000"),
+                    "the default idle timeout, and keepalives from the lease"
+                );
+                write_ledger_on(&mut connection, name, 1).await?;
+                tokio::time::sleep(3 * lease).await;
+                write_ledger_on(&mut connection, name, 2).await
+            } else {
+                write_ledger(&transaction, name, 1).await?;
+                tokio::time::sleep(3 * lease).await;
+                write_ledger(&transaction, name, 2).await
+            }
+        };
+        let duplicate = async {
+            tokio::time::sleep(lease + lease / 2).await;
+            engine
+                .begin(Scope::new("alice"), key(name), fingerprint())
+                .await
+        };
+        let (written, duplicate) = tokio::join!(execution.run(handler), duplicate);
+        written.unwrap_or_else(|error| panic!("{name}: the handler's writes failed: {error}"));
+        match duplicate {
+            Begin::Reject(problem) => {
+                assert_eq!(problem.kind, ProblemKind::RequestInProgress, "{name}");
+            }
+            other => panic!("{name}: a duplicate during the handler answered {other:?}"),
+        }
+        assert!(
+            matches!(
+                execution.settle(&created("charged")).await,
+                Settlement::Deliver
+            ),
+            "{name}: the first client gets its answer"
+        );
+        assert_eq!(ledger_rows(&plain, name).await, 2, "{name}: one execution");
+        match engine
+            .begin(Scope::new("alice"), key(name), fingerprint())
+            .await
+        {
+            Begin::Replay(response) => assert_eq!(response.status, 201, "{name}"),
+            other => panic!("{name}: a retry after the answer got {other:?}"),
+        }
+    }
 }
 
 async fn nested_transactions_are_savepoints(databases: Arc<Databases>) {

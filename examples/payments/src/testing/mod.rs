@@ -34,13 +34,23 @@
 //!   for the commit and replays the committed answer;
 //! - the ledger and the records survive a restart;
 //! - deposits (keyed and not), invalid bodies, an overflowing balance and two
-//!   principals with one key, on PostgreSQL.
+//!   principals with one key, on PostgreSQL;
+//! - on every store, a charge calls `--provider-url`'s provider once, with the
+//!   charge as JSON and a forwarded `Idempotency-Key` stable per charge and
+//!   distinct per principal and key; a declined or unreachable provider makes
+//!   the charge a `502` that applies nothing, and the retry calls it again;
+//!   `--help` lists `--provider-url` and `--lease-secs`;
+//! - on every store, with `RUST_LOG=trace`, every kind of request leaves the
+//!   scope in the log but never the bearer token, a full idempotency key or a
+//!   request body.
 
 // Test support: a failed expectation is a panic, which fails the trial.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod crash;
 mod database;
+mod logs;
+mod provider;
 mod server;
 mod trials;
 
@@ -114,6 +124,25 @@ const TRIALS: &[(&str, TestFn)] = &[
         "ledger::the_ledger_and_the_records_survive_a_restart",
         |suite| Box::pin(trials::the_ledger_and_the_records_survive_a_restart(suite)),
     ),
+    (
+        "provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key",
+        |suite| {
+            Box::pin(provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key(suite))
+        },
+    ),
+    (
+        "provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again",
+        |suite| {
+            Box::pin(provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again(suite))
+        },
+    ),
+    (
+        "provider::help_lists_the_provider_and_lease_flags",
+        |suite| Box::pin(provider::help_lists_the_provider_and_lease_flags(suite)),
+    ),
+    ("logs::no_token_key_or_body_in_the_log_at_trace", |suite| {
+        Box::pin(logs::no_token_key_or_body_in_the_log_at_trace(suite))
+    }),
     (
         "routes::deposits_invalid_bodies_overflow_and_principals_on_postgres",
         |suite| {

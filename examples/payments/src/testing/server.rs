@@ -28,6 +28,40 @@ const HANG: Duration = Duration::from_secs(60);
 pub(crate) struct Server {
     child: Child,
     endpoint: Endpoint,
+    /// The task reading the server's stderr into the endpoint's log.
+    drained: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// How to start a server beyond its binary.
+#[derive(Clone, Debug)]
+pub(crate) struct Launch<'a> {
+    /// `--store`.
+    pub(crate) store: &'a str,
+    /// More arguments (`--provider-latency-ms`, `--lease-secs`, …).
+    pub(crate) args: Vec<String>,
+    /// `RUST_LOG`.
+    pub(crate) rust_log: &'a str,
+    /// How many lines of its log are kept (the last ones).
+    pub(crate) log_lines: usize,
+}
+
+impl<'a> Launch<'a> {
+    /// On `store`, logging warnings, keeping the last lines for a failure's report.
+    pub(crate) fn new(store: &'a str) -> Self {
+        Self {
+            store,
+            args: Vec::new(),
+            rust_log: "warn",
+            log_lines: LOG_LINES,
+        }
+    }
+
+    /// With `--name value`.
+    pub(crate) fn arg(mut self, name: &str, value: impl ToString) -> Self {
+        self.args.push(name.to_owned());
+        self.args.push(value.to_string());
+        self
+    }
 }
 
 /// Where a server answers, and a client for it. Cheap to clone: the tasks
@@ -64,11 +98,21 @@ impl Server {
     /// Starts `binary` on `store` with the provider's latency, and waits for its
     /// `listening on` line.
     pub(crate) async fn start(binary: &Path, store: &str, provider_latency_ms: u64) -> Self {
+        Self::launch(
+            binary,
+            Launch::new(store).arg("--provider-latency-ms", provider_latency_ms),
+        )
+        .await
+    }
+
+    /// Starts `binary` as `launch` says, and waits for its `listening on` line.
+    pub(crate) async fn launch(binary: &Path, launch: Launch<'_>) -> Self {
+        let log_lines = launch.log_lines;
         let mut child = Command::new(binary)
-            .args(["--listen", "127.0.0.1:0", "--store", store])
-            .args(["--provider-latency-ms", &provider_latency_ms.to_string()])
+            .args(["--listen", "127.0.0.1:0", "--store", launch.store])
+            .args(&launch.args)
             .env_remove("DATABASE_URL")
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", launch.rust_log)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -83,7 +127,7 @@ impl Server {
                 let mut lines = BufReader::new(stderr).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
                     let mut log = log.lock().unwrap_or_else(PoisonError::into_inner);
-                    if log.len() == LOG_LINES {
+                    if log.len() == log_lines {
                         log.pop_front();
                     }
                     log.push_back(line);
@@ -124,12 +168,23 @@ impl Server {
         Self {
             child,
             endpoint: Endpoint { base, client, log },
+            drained,
         }
     }
 
     /// Kills the server with `SIGKILL` and waits for it to be gone.
     pub(crate) async fn kill(mut self) {
         self.child.kill().await.expect("SIGKILL the server");
+    }
+
+    /// Kills the server, and answers its log once every line is read (as many
+    /// as its [`Launch`] keeps).
+    pub(crate) async fn kill_and_read_log(mut self) -> String {
+        self.child.kill().await.expect("SIGKILL the server");
+        if let Some(drained) = self.drained.take() {
+            drained.await.expect("the log reader");
+        }
+        self.endpoint.log()
     }
 
     /// Where it answers.
