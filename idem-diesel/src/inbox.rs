@@ -506,6 +506,30 @@ impl Inbox {
         Ok(letter)
     }
 
+    /// The dead letter of `consumer` for `message_id`, if the message is one:
+    /// its attempts, their times and its last error (what a consumer that
+    /// parks the message in its broker's dead-letter queue tells there).
+    pub async fn dead_letter(
+        &self,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<DeadLetter>, InboxError> {
+        let mut connection = self.inner.pool.get().await.map_err(unavailable)?;
+        diesel::sql_query(format!(
+            "SELECT {DEAD_LETTER_COLUMNS} FROM idem_dead_letters
+             WHERE consumer = $1 AND message_id = $2"
+        ))
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(message_id)
+        .get_results::<DeadLetterRow>(&mut *connection)
+        .await
+        .map_err(unavailable)?
+        .into_iter()
+        .next()
+        .map(DeadLetterRow::into_letter)
+        .transpose()
+    }
+
     /// The dead letters of `consumer`, oldest first.
     pub async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetter>, InboxError> {
         let mut connection = self.inner.pool.get().await.map_err(unavailable)?;
