@@ -14,6 +14,8 @@ use crate::shell::{self, cargo, workspace_root};
 pub(crate) enum Example {
     Axum,
     Actix,
+    /// `payments-consumer`, the RabbitMQ consumer (no HTTP server).
+    Consumer,
 }
 
 impl Example {
@@ -21,6 +23,7 @@ impl Example {
         match self {
             Self::Axum => "payments-axum",
             Self::Actix => "payments-actix",
+            Self::Consumer => "payments-consumer",
         }
     }
 
