@@ -50,13 +50,8 @@ pub(crate) struct Server {
 }
 
 impl Server {
-    /// Starts `binary` in `dir` with `args`, and waits for its `listening on` line.
-    pub(crate) fn start(binary: &Path, dir: &Path, args: &[&str]) -> Result<Self, String> {
-        Self::launch(binary, dir, args, Stdio::inherit())
-    }
-
-    /// Like [`Server::start`], with stderr appended to `log`: many servers at
-    /// once would interleave their logs on the terminal.
+    /// Starts `binary` in `dir` with `args`, and waits for its `listening on`
+    /// line; its stderr (its log) is appended to `log`, off the terminal.
     pub(crate) fn start_logged(
         binary: &Path,
         dir: &Path,

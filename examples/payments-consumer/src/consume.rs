@@ -26,6 +26,9 @@ pub const PREFETCH: u16 = 32;
 /// unavailable.
 const UNAVAILABLE_PAUSE: Duration = Duration::from_secs(1);
 
+/// How long the connection's close may take at the end.
+const CLOSE_LIMIT: Duration = Duration::from_secs(2);
+
 /// What `run` needs.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
@@ -125,7 +128,10 @@ pub async fn run(
         }
     };
     watcher.abort();
-    let _ = connection.close(200, "bye".into()).await;
+    drop(deliveries);
+    // The broker hands back what was not acknowledged when the connection
+    // ends, cleanly or not: the close is not waited for long.
+    let _ = tokio::time::timeout(CLOSE_LIMIT, connection.close(200, "bye".into())).await;
     ended
 }
 

@@ -38,6 +38,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod broker;
+pub mod demo;
 mod process;
 mod scenarios;
 

@@ -298,6 +298,11 @@ impl Client {
         }
     }
 
+    /// The client's channel (in confirm mode).
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
     /// How many messages are ready in `queue`.
     pub async fn ready(&self, queue: &str) -> Result<u32, String> {
         Topology::ready(&self.channel, queue)

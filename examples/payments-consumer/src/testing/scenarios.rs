@@ -71,7 +71,11 @@ fn payment(account: &str, amount: i64) -> Vec<u8> {
 }
 
 /// Waits until `account` has `operations` operations.
-async fn wait_operations(case: &Case, account: &str, operations: i64) -> Result<Account, String> {
+pub(crate) async fn wait_operations(
+    case: &Case,
+    account: &str,
+    operations: i64,
+) -> Result<Account, String> {
     let started = Instant::now();
     loop {
         let found = case.balance(account).await?;
