@@ -25,6 +25,11 @@ use lapin::{Channel, ExchangeKind};
 /// `Q.dlq`: it reaches the dead-letter queue through RabbitMQ's
 /// dead-lettering, which keeps and extends its `x-death` history. (A message
 /// rejected from `Q` itself is dead-lettered to `Q.dlq` too.)
+///
+/// RabbitMQ expires per-message TTLs at the head of a queue only: in the
+/// delay queue a message waits at most for the one ahead of it, whose delay
+/// is capped ([`RETRY_CAP`](crate::consume::RETRY_CAP)). The work queue is
+/// never held up: failed messages wait beside it, not in it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     queue: String,
