@@ -17,6 +17,9 @@ const STARTUP_LIMIT: Duration = Duration::from_secs(60);
 /// 127.0.0.1.
 const LOCAL_DISTRIBUTION: &str = "-kernel inet_dist_use_interface {127,0,0,1}";
 
+/// How many times a start is tried.
+const START_ATTEMPTS: usize = 2;
+
 static NODES: AtomicU64 = AtomicU64::new(0);
 
 /// A RabbitMQ node of its own (own directory, name, ports and `epmd`), on
@@ -87,10 +90,23 @@ pub enum BrokerError {
 
 impl TestBroker {
     /// Starts a node in a fresh temporary directory and waits until it runs.
+    /// Tried again on fresh ports if it does not start (another process may
+    /// have taken a free port first).
     pub fn start() -> Result<Self, BrokerError> {
         if !Path::new(SCRIPTS).join("rabbitmq-server").is_file() {
             return Err(BrokerError::NotInstalled);
         }
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::start_once() {
+                Err(BrokerError::Startup { .. }) if attempt < START_ATTEMPTS => continue,
+                started => return started,
+            }
+        }
+    }
+
+    fn start_once() -> Result<Self, BrokerError> {
         let run_as = running_as_root().then_some("rabbitmq");
         let id = format!(
             "{}-{}-{}",
