@@ -435,12 +435,12 @@ impl Inbox {
             let delivery = if entry.dead {
                 tracing::debug!(
                     consumer,
-                    message_id,
+                    message_id = %logged(message_id),
                     "a dead letter was delivered again; skipped"
                 );
                 Delivery::DeadLetter
             } else {
-                tracing::debug!(consumer, message_id, "a duplicate delivery was skipped");
+                tracing::debug!(consumer, message_id = %logged(message_id), "a duplicate delivery was skipped");
                 Delivery::Duplicate
             };
             return Ok(delivery);
@@ -448,7 +448,7 @@ impl Inbox {
         match handler(&mut connection).await {
             Ok(answer) => {
                 self.commit(&mut connection, consumer, message_id).await?;
-                tracing::debug!(consumer, message_id, "message processed");
+                tracing::debug!(consumer, message_id = %logged(message_id), "message processed");
                 Ok(Delivery::Processed(answer))
             }
             Err(error) => {
@@ -498,12 +498,36 @@ impl Inbox {
         if let Some(letter) = &letter {
             tracing::info!(
                 consumer,
-                message_id,
+                message_id = %logged(message_id),
                 attempts = letter.attempts,
                 "dead letter re-driven"
             );
         }
         Ok(letter)
+    }
+
+    /// The dead letter of `consumer` for `message_id`, if the message is one:
+    /// its attempts, their times and its last error (what a consumer that
+    /// parks the message in its broker's dead-letter queue tells there).
+    pub async fn dead_letter(
+        &self,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<DeadLetter>, InboxError> {
+        let mut connection = self.inner.pool.get().await.map_err(unavailable)?;
+        diesel::sql_query(format!(
+            "SELECT {DEAD_LETTER_COLUMNS} FROM idem_dead_letters
+             WHERE consumer = $1 AND message_id = $2"
+        ))
+        .bind::<Text, _>(consumer)
+        .bind::<Text, _>(message_id)
+        .get_results::<DeadLetterRow>(&mut *connection)
+        .await
+        .map_err(unavailable)?
+        .into_iter()
+        .next()
+        .map(DeadLetterRow::into_letter)
+        .transpose()
     }
 
     /// The dead letters of `consumer`, oldest first.
@@ -576,13 +600,13 @@ impl Inbox {
         {
             Ok(counted) => counted,
             Err(store) => {
-                tracing::error!(consumer, message_id, error = %last_error, "the consumer failed, and the failure could not be counted");
+                tracing::error!(consumer, message_id = %logged(message_id), error = %last_error, "the consumer failed, and the failure could not be counted");
                 return Err(InboxError::Unavailable(store));
             }
         };
         match counted {
             Counted::Retry(attempt) => {
-                tracing::info!(consumer, message_id, attempt, max_attempts = self.inner.max_attempts, error = %last_error, "the consumer failed; its writes were rolled back");
+                tracing::info!(consumer, message_id = %logged(message_id), attempt, max_attempts = self.inner.max_attempts, error = %last_error, "the consumer failed; its writes were rolled back");
                 Err(InboxError::Failed {
                     attempt,
                     max_attempts: self.inner.max_attempts,
@@ -649,7 +673,7 @@ impl Inbox {
         last_error: &str,
         dead_letters: u64,
     ) {
-        tracing::warn!(consumer, message_id, attempts, error = %last_error, dead_letters, "message dead-lettered after its last allowed attempt");
+        tracing::warn!(consumer, message_id = %logged(message_id), attempts, error = %last_error, dead_letters, "message dead-lettered after its last allowed attempt");
         let threshold = self.inner.dead_letter_threshold;
         // Only the letter that crosses the threshold raises it (the count seen
         // in its own transaction); of concurrent crossers, at least one sees it.
@@ -660,7 +684,7 @@ impl Inbox {
             dead_letters,
             threshold,
             consumer,
-            message_id,
+            message_id = %logged(message_id),
             "the dead letters passed their threshold: consumers are failing"
         );
         if let Some(on_threshold) = &self.inner.on_threshold {
@@ -802,6 +826,15 @@ impl DeadLetterRow {
                 .collect::<Result<_, _>>()?,
             dead_at: time(self.dead_at)?,
         })
+    }
+}
+
+/// A message id as the log shows it: redacted like an idempotency key
+/// (`IdempotencyKey::redacted`), never whole, as ids are often keys.
+fn logged(message_id: &str) -> String {
+    match idem_core::IdempotencyKey::new(message_id) {
+        Ok(key) => key.redacted().to_string(),
+        Err(_) => format!("…({})", message_id.len()),
     }
 }
 

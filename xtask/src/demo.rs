@@ -3,11 +3,17 @@
 //! Starts payments-axum (or, with `--actix`, payments-actix) on its embedded
 //! default store, then: the same deposit
 //! delivered three times without a key and with one; 100 parallel charges with one
-//! key; and a simulated retry storm with and without jitter. Prints what
-//! happened as a small table.
+//! key; and a simulated retry storm with and without jitter. Then the broker's
+//! version: a throwaway RabbitMQ node and PostgreSQL cluster, one deposit
+//! published three times with one `message_id`, applied by a consumer without
+//! the inbox and by payments-consumer. Prints what happened as a small table;
+//! the servers' logs go to files, named under the table.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
+use idem_diesel::testing::TestCluster;
+use payments_consumer::testing::{Case, TestBroker, demo::delivered_three_times};
 use serde_json::{Value, json};
 
 use crate::example::{Example, Server};
@@ -23,18 +29,82 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         }
     };
     let binary = example.build(false)?;
+    let consumer = Example::Consumer.build(false)?;
     let dir = std::env::temp_dir().join(format!("idem-demo-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let server = Server::start(&binary, &dir, &[])?;
-    println!("{} is {}", example.package(), server.base);
+    // RabbitMQ and PostgreSQL start (seconds) while the HTTP part runs.
+    let starting = std::thread::spawn(start_broker_and_database);
+    let log = dir.join(format!("{}.log", example.package()));
+    let server = Server::start_logged(&binary, &dir, &[], &log)?;
     let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
     let rows = runtime.block_on(experiment(&server.base));
     drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
     let mut rows = rows?;
     rows.push(retry_storm());
+    let servers = starting
+        .join()
+        .map_err(|_| "starting RabbitMQ and PostgreSQL panicked".to_owned())??;
+    rows.extend(runtime.block_on(broker_experiment(&consumer, &servers, &dir))?);
+    drop(servers);
     print_table(&rows);
+    println!();
+    println!(
+        "logs of {} and payments-consumer: {}",
+        example.package(),
+        dir.display()
+    );
     Ok(())
+}
+
+/// A throwaway RabbitMQ node and PostgreSQL cluster, with the demo's database.
+struct Servers {
+    broker: TestBroker,
+    cluster: TestCluster,
+}
+
+fn start_broker_and_database() -> Result<Servers, String> {
+    let broker = TestBroker::start().map_err(|e| format!("RabbitMQ: {e}"))?;
+    let cluster = TestCluster::start().map_err(|e| format!("PostgreSQL: {e}"))?;
+    cluster
+        .create_database("demo")
+        .map_err(|e| format!("PostgreSQL: {e}"))?;
+    Ok(Servers { broker, cluster })
+}
+
+/// One deposit published three times with one `message_id`, consumed without
+/// and with the inbox.
+async fn broker_experiment(
+    consumer: &Path,
+    servers: &Servers,
+    logs: &Path,
+) -> Result<Vec<Row>, String> {
+    let case = Case::new(
+        PathBuf::from(consumer),
+        servers.broker.url(),
+        servers.cluster.url("demo"),
+        "demo_payments",
+        logs,
+    );
+    let seen = delivered_three_times(&case).await?;
+    let shown = |balance: i64, operations: i64| {
+        let s = if operations == 1 { "" } else { "s" };
+        format!("balance {balance} ({operations} operation{s})")
+    };
+    Ok(vec![
+        Row {
+            experiment: "deposit of 100 delivered 3x by RabbitMQ, no inbox",
+            expected: "balance 100 (1 operation)".into(),
+            observed: shown(seen.without_inbox.balance, seen.without_inbox.operations),
+        },
+        Row {
+            experiment: "deposit of 100 delivered 3x by RabbitMQ, the inbox",
+            expected: "balance 100 (1 operation)".into(),
+            observed: format!(
+                "{} (payments-consumer)",
+                shown(seen.with_inbox.balance, seen.with_inbox.operations)
+            ),
+        },
+    ])
 }
 
 /// The retry policy's reason to exist, simulated: 100 clients failing together.

@@ -7,6 +7,10 @@
 //! 127.0.0.1, driven by a real HTTP client. Prints a table, scenario × example
 //! × store → pass or fail with the figure behind it, ending in the line
 //! `N passed, M failed`; exits non-zero on any failure.
+//!
+//! Then payments-consumer against a throwaway RabbitMQ node and the same
+//! cluster: its scenarios (`payments_consumer::testing`, which its tests run
+//! too) as rows of the same table.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,16 +28,18 @@ use self::scenarios::{CATALOG, Scenario};
 use self::site::{Deployment, StoreKind, help_text};
 
 mod api;
+mod consumer;
 mod postgres;
 mod report;
 mod scenarios;
 mod site;
 
 const USAGE: &str = "\
-usage: cargo xtask e2e [--example axum|actix]... [--store memory|sqlite|postgres]...
+usage: cargo xtask e2e [--example axum|actix|consumer]... [--store memory|sqlite|postgres]...
                        [--scenario NAME]... [--include-not-built]
 
-Without options: both examples, every store, every scenario that is built.";
+Without options: every example, every store, every scenario that is built
+(the consumer's run on PostgreSQL and RabbitMQ).";
 
 /// Scenarios at once: 2 cores, and each scenario has servers of its own.
 const SLOTS: u32 = 4;
@@ -106,12 +112,21 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     // One build at a time, each off the async workers: an interrupted run
     // starts no further build.
     let mut builds: Vec<(Example, Result<PathBuf, String>)> = Vec::new();
-    for &example in &options.examples {
+    for &example in options.examples.iter().filter(|e| **e != Example::Consumer) {
         let build = tokio::task::spawn_blocking(move || example.build(true))
             .await
             .unwrap_or_else(|e| Err(format!("the build did not finish: {e}")));
         builds.push((example, build));
     }
+    let consumer = if options.runs_consumer() {
+        Some(
+            tokio::task::spawn_blocking(|| Example::Consumer.build(false))
+                .await
+                .unwrap_or_else(|e| Err(format!("the build did not finish: {e}"))),
+        )
+    } else {
+        None
+    };
     let built = started.elapsed();
     let cluster: Result<Arc<Cluster>, String> = match starting {
         Some(starting) => match starting.await {
@@ -150,6 +165,9 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         }
     }
     rows.extend(run_all(&deployments, options).await);
+    if let Some(binary) = consumer {
+        rows.extend(consumer::rows(binary, cluster, root, &options.consumer_scenarios()).await);
+    }
     (rows, built)
 }
 
@@ -325,6 +343,7 @@ impl Options {
                     options.examples.push(match name {
                         "axum" => Example::Axum,
                         "actix" => Example::Actix,
+                        "consumer" => Example::Consumer,
                         _ => return Err(format!("no example {name:?}\n\n{USAGE}")),
                     });
                     args.next();
@@ -338,8 +357,12 @@ impl Options {
                     args.next();
                 }
                 ("--scenario", Some(name)) => {
-                    if !CATALOG.iter().any(|s| s.name == name) {
-                        let names: Vec<&str> = CATALOG.iter().map(|s| s.name).collect();
+                    if !CATALOG.iter().any(|s| s.name == name) && !consumer::has(name) {
+                        let names: Vec<&str> = CATALOG
+                            .iter()
+                            .map(|s| s.name)
+                            .chain(consumer::names())
+                            .collect();
                         return Err(format!(
                             "no scenario {name:?}; there are {}",
                             names.join(", ")
@@ -354,12 +377,29 @@ impl Options {
             }
         }
         if options.examples.is_empty() {
-            options.examples = vec![Example::Axum, Example::Actix];
+            options.examples = vec![Example::Axum, Example::Actix, Example::Consumer];
         }
         if options.stores.is_empty() {
             options.stores = StoreKind::ALL.to_vec();
         }
         Ok(options)
+    }
+
+    /// Whether the consumer's scenarios run: the example is selected, and
+    /// PostgreSQL, and a consumer scenario (or no scenario at all).
+    fn runs_consumer(&self) -> bool {
+        self.examples.contains(&Example::Consumer)
+            && self.stores.contains(&StoreKind::Postgres)
+            && (self.scenarios.is_empty() || self.scenarios.iter().any(|n| consumer::has(n)))
+    }
+
+    /// The consumer scenarios named on the command line (none: all of them).
+    fn consumer_scenarios(&self) -> Vec<String> {
+        self.scenarios
+            .iter()
+            .filter(|n| consumer::has(n))
+            .cloned()
+            .collect()
     }
 
     /// The scenarios selected that apply to `store`, with their place in the catalogue.

@@ -14,6 +14,8 @@ use crate::shell::{self, cargo, workspace_root};
 pub(crate) enum Example {
     Axum,
     Actix,
+    /// `payments-consumer`, the RabbitMQ consumer (no HTTP server).
+    Consumer,
 }
 
 impl Example {
@@ -21,6 +23,7 @@ impl Example {
         match self {
             Self::Axum => "payments-axum",
             Self::Actix => "payments-actix",
+            Self::Consumer => "payments-consumer",
         }
     }
 
@@ -47,13 +50,8 @@ pub(crate) struct Server {
 }
 
 impl Server {
-    /// Starts `binary` in `dir` with `args`, and waits for its `listening on` line.
-    pub(crate) fn start(binary: &Path, dir: &Path, args: &[&str]) -> Result<Self, String> {
-        Self::launch(binary, dir, args, Stdio::inherit())
-    }
-
-    /// Like [`Server::start`], with stderr appended to `log`: many servers at
-    /// once would interleave their logs on the terminal.
+    /// Starts `binary` in `dir` with `args`, and waits for its `listening on`
+    /// line; its stderr (its log) is appended to `log`, off the terminal.
     pub(crate) fn start_logged(
         binary: &Path,
         dir: &Path,

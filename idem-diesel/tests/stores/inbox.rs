@@ -320,6 +320,13 @@ async fn the_last_allowed_attempt_dead_letters_with_every_attempt(databases: Arc
     );
     assert!(letter.attempted_at[2] <= letter.dead_at);
     assert_eq!(
+        inbox.dead_letter("ledger", "m-9").await.unwrap().as_ref(),
+        Some(letter),
+        "one message's dead letter, as listed"
+    );
+    assert_eq!(inbox.dead_letter("ledger", "m-8").await.unwrap(), None);
+    assert_eq!(inbox.dead_letter("other", "m-9").await.unwrap(), None);
+    assert_eq!(
         count(&store, "SELECT count(*) AS n FROM idem_inbox_failures").await,
         0
     );

@@ -153,5 +153,6 @@ fn short(example: Example) -> &'static str {
     match example {
         Example::Axum => "axum",
         Example::Actix => "actix",
+        Example::Consumer => "consumer",
     }
 }

@@ -1,0 +1,47 @@
+//! Test support (feature `test-util`): a throwaway RabbitMQ node
+//! ([`TestBroker`]) and the scenarios ([`SCENARIOS`]) that the crate's tests
+//! and `cargo xtask e2e` run against the `payments-consumer` binary.
+//!
+//! A scenario gets a [`Case`]: the binary, the broker's URL, a fresh database
+//! and a queue name of its own, and a directory for the consumers' logs. It
+//! starts consumers as processes (`run`, their stderr in the directory), drives
+//! them through the broker, reads the outcome with the binary's other commands
+//! (`balance`, `dead-letters`, `redrive`) and the database, and answers the
+//! figure behind its verdict, or what went wrong.
+//!
+//! ```no_run
+//! use payments_consumer::testing::{Case, SCENARIOS, TestBroker};
+//! use idem_diesel::testing::TestCluster;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let broker = TestBroker::start()?;
+//! let cluster = TestCluster::start()?;
+//! for scenario in SCENARIOS {
+//!     cluster.create_database(scenario.name)?;
+//!     let case = Case::new(
+//!         "target/debug/payments-consumer",
+//!         broker.url(),
+//!         cluster.url(scenario.name),
+//!         scenario.name,
+//!         std::env::temp_dir(),
+//!     );
+//!     match (scenario.run)(case).await {
+//!         Ok(figure) => println!("{}: {figure}", scenario.check),
+//!         Err(failure) => println!("{}: FAILED: {failure}", scenario.check),
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+// Test support: a failed expectation is an `Err` or a panic.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod broker;
+pub mod demo;
+mod process;
+mod scenarios;
+
+pub use broker::{BrokerError, TestBroker};
+pub use process::{Case, Client, ConsumerProcess};
+pub use scenarios::{SCENARIOS, Scenario};
