@@ -1,7 +1,9 @@
 //! idem-actix over real HTTP on 127.0.0.1: actix's own server, a real client.
-//! The shared scenario suite over every store (in memory, SQLite, PostgreSQL),
-//! an actix and an axum instance sharing one PostgreSQL database, a PostgreSQL
-//! outage under the app, then what is particular to actix.
+//! The shared scenario suite over every store (in memory, SQLite, PostgreSQL,
+//! Redis and Redis Cluster), an actix and an axum instance sharing one
+//! PostgreSQL database and one Redis Cluster, a PostgreSQL outage under the app
+//! (idem-axum's tests/http.rs has the Redis outage), then what is particular to
+//! actix.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
@@ -18,6 +20,8 @@ use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, InProgress, MemoryStore, Policy, Scope, Store, StoredResponse};
 use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
 use idem_diesel::{PgStore, SqliteStore};
+use idem_redis::RedisStore;
+use idem_redis::testing::TestRedis;
 use idem_scenarios::durable::{
     ServerFuture, StoreServer, one_key_over_instances_executes_once,
     store_outage_fails_closed_then_recovers,
@@ -157,6 +161,28 @@ mod postgres {
     idem_scenarios::scenario_tests!(start_scenario_app, store = postgres_store);
 }
 
+/// The suite over one Redis node and over a Redis Cluster (one of each for the
+/// whole binary, a fresh key prefix per case).
+mod redis {
+    use super::start_scenario_app;
+
+    idem_scenarios::scenario_tests!(start_scenario_app, store = crate::redis_store);
+
+    mod cluster {
+        use super::super::start_scenario_app;
+
+        idem_scenarios::scenario_tests!(start_scenario_app, store = crate::redis_cluster_store);
+    }
+}
+
+async fn redis_store() -> Arc<dyn Store> {
+    Arc::new(TestRedis::shared().fresh_store().await)
+}
+
+async fn redis_cluster_store() -> Arc<dyn Store> {
+    Arc::new(TestRedis::shared_cluster().fresh_store().await)
+}
+
 /// A store, and what must live exactly as long as it: its temporary directory,
 /// its database server. Dropped with the store's last handle.
 struct Owning<S, G> {
@@ -275,6 +301,22 @@ async fn postgres_outage_fails_closed_then_recovers() {
     let target = start_scenario_app(Arc::new(store)).await;
     store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
     stop_cluster(Arc::into_inner(cluster).unwrap()).await;
+}
+
+/// One instance of each adapter, each with its own `RedisStore` (its own
+/// connections), over the shared Redis Cluster: 200 concurrent requests with
+/// one key, spread over both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actix_and_an_axum_instance_share_one_redis_cluster() {
+    let redis = TestRedis::shared_cluster();
+    let prefix = redis.fresh_prefix();
+    let url = redis.url();
+    let connect = || RedisStore::builder().prefix(prefix.as_str()).connect(&url);
+    let instances = vec![
+        start_scenario_app(Arc::new(connect().await.unwrap())).await,
+        axum_instance::start(Arc::new(connect().await.unwrap())).await,
+    ];
+    one_key_over_instances_executes_once(instances).await;
 }
 
 /// A test cluster as the outage case stops and resumes it.

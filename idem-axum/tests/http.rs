@@ -1,7 +1,7 @@
 //! idem-axum over real HTTP: the shared scenario suite against the axum build of
-//! the scenario app, over every store (in memory, SQLite, PostgreSQL), then what
-//! is particular to this adapter (extractors, scope sources, plain Tower
-//! services).
+//! the scenario app, over every store (in memory, SQLite, PostgreSQL, Redis and
+//! Redis Cluster), then what is particular to this adapter (extractors, scope
+//! sources, plain Tower services).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -26,6 +26,7 @@ use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, MemoryStore, OnStoreFailure, Scope, Store, StoredResponse};
 use idem_diesel::testing::{DEFAULT_DATABASE, TestCluster};
 use idem_diesel::{PgStore, SqliteStore};
+use idem_redis::testing::TestRedis;
 use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -145,6 +146,28 @@ mod postgres {
     idem_scenarios::scenario_tests!(start, store = postgres_store);
 }
 
+/// The suite over one Redis node and over a Redis Cluster (one of each for the
+/// whole binary, a fresh key prefix per case).
+mod redis {
+    use super::start;
+
+    idem_scenarios::scenario_tests!(start, store = crate::redis_store);
+
+    mod cluster {
+        use super::super::start;
+
+        idem_scenarios::scenario_tests!(start, store = crate::redis_cluster_store);
+    }
+}
+
+async fn redis_store() -> Arc<dyn Store> {
+    Arc::new(TestRedis::shared().fresh_store().await)
+}
+
+async fn redis_cluster_store() -> Arc<dyn Store> {
+    Arc::new(TestRedis::shared_cluster().fresh_store().await)
+}
+
 /// A store, and what must live exactly as long as it: its temporary directory,
 /// its database server. Dropped with the app's last handle to the store.
 struct Owning<S, G> {
@@ -235,6 +258,7 @@ mod durable {
 
     use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
     use idem_diesel::{PgStore, SqliteStore};
+    use idem_redis::testing::{TestRedis, TestRedisError};
     use idem_scenarios::durable::{
         ServerFuture, StoreServer, one_key_over_instances_executes_once,
         store_outage_fails_closed_then_recovers,
@@ -285,6 +309,43 @@ mod durable {
         let target = start(Arc::new(store)).await;
         store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
         stop_cluster(Arc::into_inner(cluster).unwrap()).await;
+    }
+
+    /// Redis stops under the running app, then starts again on its port.
+    /// (idem-actix's tests/http.rs has an actix and an axum instance sharing a
+    /// Redis Cluster.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_outage_fails_closed_then_recovers() {
+        let redis = Arc::new(
+            tokio::task::spawn_blocking(TestRedis::start)
+                .await
+                .unwrap()
+                .unwrap_or_else(|error| panic!("cannot start redis-server: {error}")),
+        );
+        let target = start(Arc::new(redis.fresh_store().await)).await;
+        store_outage_fails_closed_then_recovers(target, &StoppableRedis(Arc::clone(&redis))).await;
+    }
+
+    /// A test Redis as the outage case stops and resumes it.
+    struct StoppableRedis(Arc<TestRedis>);
+
+    impl StoreServer for StoppableRedis {
+        fn stop(&self) -> ServerFuture<'_> {
+            let redis = Arc::clone(&self.0);
+            Box::pin(redis_step(move || redis.stop()))
+        }
+
+        fn resume(&self) -> ServerFuture<'_> {
+            let redis = Arc::clone(&self.0);
+            Box::pin(redis_step(move || redis.resume()))
+        }
+    }
+
+    async fn redis_step(step: impl FnOnce() -> Result<(), TestRedisError> + Send + 'static) {
+        tokio::task::spawn_blocking(step)
+            .await
+            .unwrap()
+            .unwrap_or_else(|error| panic!("the test Redis failed: {error}"));
     }
 
     /// A test cluster as the outage case stops and resumes it.

@@ -20,7 +20,9 @@
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let redis = TestRedis::shared_cluster();
-//! let store = RedisStore::builder()
+//! let store: RedisStore = redis.fresh_store().await;
+//! // The same, spelled out:
+//! let same_kind = RedisStore::builder()
 //!     .prefix(redis.fresh_prefix())
 //!     .connect(&redis.url())
 //!     .await?;
@@ -204,6 +206,20 @@ impl TestRedis {
     /// A key prefix no other test of this process has had.
     pub fn fresh_prefix(&self) -> String {
         format!("t{}:", NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A store on this server under a [fresh prefix](Self::fresh_prefix), with
+    /// the default settings otherwise.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot connect.
+    pub async fn fresh_store(&self) -> crate::RedisStore {
+        crate::RedisStore::builder()
+            .prefix(self.fresh_prefix())
+            .connect(&self.url())
+            .await
+            .unwrap_or_else(|error| panic!("cannot connect to the test Redis: {error}"))
     }
 
     /// Runs a command on every node with `redis-cli` and answers what each

@@ -11,20 +11,12 @@ use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoreError, StoredRes
 use idem_redis::testing::TestRedis;
 use idem_redis::{RedisStore, SetupError};
 
-async fn store_on(redis: &TestRedis) -> RedisStore {
-    RedisStore::builder()
-        .prefix(redis.fresh_prefix())
-        .connect(&redis.url())
-        .await
-        .unwrap()
-}
-
 /// The suite on one node.
 mod single {
     use super::*;
 
     async fn fresh_store() -> RedisStore {
-        store_on(TestRedis::shared()).await
+        TestRedis::shared().fresh_store().await
     }
 
     idem_core::conformance_tests!(fresh_store);
@@ -35,7 +27,7 @@ mod cluster {
     use super::*;
 
     async fn fresh_store() -> RedisStore {
-        store_on(TestRedis::shared_cluster()).await
+        TestRedis::shared_cluster().fresh_store().await
     }
 
     idem_core::conformance_tests!(fresh_store);
@@ -63,7 +55,7 @@ fn number(printed: &[String]) -> i64 {
 #[tokio::test]
 async fn scripts_are_loaded_again_after_noscript() {
     for redis in [TestRedis::shared(), TestRedis::shared_cluster()] {
-        let store = store_on(redis).await;
+        let store = redis.fresh_store().await;
         let first = request("flushed", Duration::from_secs(60), Duration::from_secs(60));
         assert!(matches!(
             store.claim(&first).await.unwrap(),
@@ -147,7 +139,7 @@ async fn redis_expires_records_but_never_a_live_lease() {
 #[tokio::test]
 async fn records_spread_over_the_cluster_primaries() {
     let redis = TestRedis::shared_cluster();
-    let store = store_on(redis).await;
+    let store = redis.fresh_store().await;
     for n in 0..60 {
         let claim = request(
             &format!("spread-{n}"),
@@ -197,7 +189,7 @@ async fn a_stopped_node_is_unavailable_then_recovers() {
         .await
         .unwrap()
         .unwrap();
-    let store = store_on(&redis).await;
+    let store = redis.fresh_store().await;
     let first = request("outage", Duration::from_secs(60), Duration::from_secs(60));
     assert!(matches!(
         store.claim(&first).await.unwrap(),
