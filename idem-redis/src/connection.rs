@@ -15,11 +15,18 @@ pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
 /// The same over TLS.
 const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
 
-/// A multiplexed connection that reconnects by itself: to one node, or to a
-/// cluster (following `MOVED` and `ASK`, refreshing its slot map).
+/// The store's connection to Redis, for an application's own commands and
+/// scripts next to the store's (the payments example keeps its ledger with it):
+/// a multiplexed connection that reconnects by itself, to one node or to a
+/// cluster (following `MOVED` and `ASK`, refreshing its slot map). It is a
+/// redis-rs [`ConnectionLike`]; cloning it is cheap and shares the connection.
+///
+/// From [`RedisStore::connection`](crate::RedisStore::connection).
 #[derive(Clone)]
-pub(crate) enum Connection {
+pub enum RedisConnection {
+    /// One node, through redis-rs's `ConnectionManager`.
     Single(ConnectionManager),
+    /// A Redis Cluster, through redis-rs's async cluster connection.
     Cluster(ClusterConnection),
 }
 
@@ -30,7 +37,7 @@ pub(crate) struct Timeouts {
     pub(crate) response: Duration,
 }
 
-impl Connection {
+impl RedisConnection {
     /// Connects to what `url` names. A single node is connected lazily (the
     /// first step connects; an application may start while Redis is down); a
     /// cluster is asked for its slot map now.
@@ -129,7 +136,7 @@ impl Connection {
     }
 }
 
-impl ConnectionLike for Connection {
+impl ConnectionLike for RedisConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Self::Single(connection) => connection.req_packed_command(cmd),

@@ -7,5 +7,6 @@ mod store;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
+pub use connection::RedisConnection;
 pub use error::SetupError;
 pub use store::{DEFAULT_PREFIX, RedisStore, RedisStoreBuilder};

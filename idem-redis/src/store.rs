@@ -12,7 +12,7 @@ use redis::{Script, Value};
 use uuid::Uuid;
 
 use crate::SetupError;
-use crate::connection::{Connection, Timeouts};
+use crate::connection::{RedisConnection, Timeouts};
 use crate::key::{record_key, records_pattern};
 
 /// The key prefix unless [`RedisStoreBuilder::prefix`] sets another.
@@ -56,7 +56,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// [crate docs](crate) for the data model and what it promises.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: Connection,
+    connection: RedisConnection,
     settings: Arc<Settings>,
 }
 
@@ -94,6 +94,12 @@ impl RedisStore {
             },
             scan_count: 500,
         }
+    }
+
+    /// The store's connection, for the application's own commands (a clone:
+    /// it shares the store's connection).
+    pub fn connection(&self) -> RedisConnection {
+        self.connection.clone()
     }
 
     /// The key prefix.
@@ -174,7 +180,7 @@ impl RedisStoreBuilder {
         if self.prefix.contains(['{', '}']) {
             return Err(SetupError::Prefix);
         }
-        let connection = Connection::open(url, self.timeouts).await?;
+        let connection = RedisConnection::open(url, self.timeouts).await?;
         Ok(RedisStore {
             connection,
             settings: Arc::new(Settings {
@@ -391,8 +397,8 @@ impl Store for RedisStore {
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.connection {
-            Connection::Single(_) => "single node",
-            Connection::Cluster(_) => "cluster",
+            RedisConnection::Single(_) => "single node",
+            RedisConnection::Cluster(_) => "cluster",
         };
         f.debug_struct("RedisStore")
             .field("prefix", &self.settings.prefix)
