@@ -663,3 +663,49 @@ async fn a_sized_body_over_the_stored_limit_is_sent_as_it_is_then_not_replayed()
     );
     assert_eq!(ledger.executions.load(Ordering::SeqCst), 1);
 }
+
+/// The suite over one Redis node and over a Redis Cluster (one of each for the
+/// whole binary, a fresh key prefix per case), and an actix and an axum
+/// instance sharing the cluster.
+mod redis {
+    use std::sync::Arc;
+
+    use idem_core::Store;
+    use idem_redis::RedisStore;
+    use idem_redis::testing::TestRedis;
+    use idem_scenarios::durable::one_key_over_instances_executes_once;
+
+    use super::{axum_instance, start_scenario_app};
+
+    idem_scenarios::scenario_tests!(start_scenario_app, store = redis_store);
+
+    mod cluster {
+        use super::super::start_scenario_app;
+
+        idem_scenarios::scenario_tests!(start_scenario_app, store = super::redis_cluster_store);
+    }
+
+    async fn redis_store() -> Arc<dyn Store> {
+        Arc::new(TestRedis::shared().fresh_store().await)
+    }
+
+    async fn redis_cluster_store() -> Arc<dyn Store> {
+        Arc::new(TestRedis::shared_cluster().fresh_store().await)
+    }
+
+    /// One instance of each adapter, each with its own `RedisStore` (its own
+    /// connections), over the shared Redis Cluster: 200 concurrent requests
+    /// with one key, spread over both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_actix_and_an_axum_instance_share_one_redis_cluster() {
+        let redis = TestRedis::shared_cluster();
+        let prefix = redis.fresh_prefix();
+        let url = redis.url();
+        let connect = || RedisStore::builder().prefix(prefix.as_str()).connect(&url);
+        let instances = vec![
+            start_scenario_app(Arc::new(connect().await.unwrap())).await,
+            axum_instance::start(Arc::new(connect().await.unwrap())).await,
+        ];
+        one_key_over_instances_executes_once(instances).await;
+    }
+}

@@ -422,3 +422,70 @@ async fn uncovered_methods_can_be_configured() {
     // One PUT ran (the second replayed), both POSTs passed through.
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
+
+/// The suite over one Redis node and over a Redis Cluster (one of each for the
+/// whole binary, a fresh key prefix per case).
+mod redis {
+    use std::sync::Arc;
+
+    use idem_core::Store;
+    use idem_redis::testing::{TestRedis, TestRedisError};
+    use idem_scenarios::durable::{
+        ServerFuture, StoreServer, store_outage_fails_closed_then_recovers,
+    };
+
+    use super::start;
+
+    idem_scenarios::scenario_tests!(start, store = redis_store);
+
+    mod cluster {
+        use super::super::start;
+
+        idem_scenarios::scenario_tests!(start, store = super::redis_cluster_store);
+    }
+
+    async fn redis_store() -> Arc<dyn Store> {
+        Arc::new(TestRedis::shared().fresh_store().await)
+    }
+
+    async fn redis_cluster_store() -> Arc<dyn Store> {
+        Arc::new(TestRedis::shared_cluster().fresh_store().await)
+    }
+
+    /// Redis stops under the running app, then starts again on its port.
+    /// (idem-actix's tests/http.rs has an actix and an axum instance sharing a
+    /// Redis Cluster.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_outage_fails_closed_then_recovers() {
+        let redis = Arc::new(
+            tokio::task::spawn_blocking(TestRedis::start)
+                .await
+                .unwrap()
+                .unwrap_or_else(|error| panic!("cannot start redis-server: {error}")),
+        );
+        let target = start(Arc::new(redis.fresh_store().await)).await;
+        store_outage_fails_closed_then_recovers(target, &StoppableRedis(Arc::clone(&redis))).await;
+    }
+
+    /// A test Redis as the outage case stops and resumes it.
+    struct StoppableRedis(Arc<TestRedis>);
+
+    impl StoreServer for StoppableRedis {
+        fn stop(&self) -> ServerFuture<'_> {
+            let redis = Arc::clone(&self.0);
+            Box::pin(redis_step(move || redis.stop()))
+        }
+
+        fn resume(&self) -> ServerFuture<'_> {
+            let redis = Arc::clone(&self.0);
+            Box::pin(redis_step(move || redis.resume()))
+        }
+    }
+
+    async fn redis_step(step: impl FnOnce() -> Result<(), TestRedisError> + Send + 'static) {
+        tokio::task::spawn_blocking(step)
+            .await
+            .unwrap()
+            .unwrap_or_else(|error| panic!("the test Redis failed: {error}"));
+    }
+}

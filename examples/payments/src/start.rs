@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use idem_core::MemoryStore;
 use idem_diesel::{Cleanup, PgStore, SetupError, SqliteStore};
+use idem_redis::RedisStore;
 
 use crate::{Guards, InvalidProviderUrl, Ledger, LedgerError, Provider};
 
@@ -57,7 +58,8 @@ pub struct Options {
     /// The address to listen on; port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:3000")]
     pub listen: String,
-    /// The idempotency store: `memory`, `sqlite://PATH` or `postgres://…`.
+    /// The idempotency store: `memory`, `sqlite://PATH`, `postgres://…`,
+    /// `redis://HOST:PORT` or `redis+cluster://HOST:PORT[,HOST:PORT…]`.
     /// Default: `DATABASE_URL`, else `sqlite://payments.db`.
     #[arg(long, env = "DATABASE_URL")]
     pub store: Option<String>,
@@ -122,6 +124,9 @@ pub enum StoreUrl {
     Sqlite(String),
     /// `postgres://…` or `postgresql://…`, the whole URL.
     Postgres(String),
+    /// `redis://…` (one node) or `redis+cluster://…` (a Redis Cluster), the
+    /// whole URL.
+    Redis(String),
 }
 
 /// What `--store` opened: the idempotency middleware of each route and the
@@ -132,6 +137,7 @@ pub enum StoreUrl {
 /// | `memory` | in memory | in memory | plain: `409` for a running duplicate |
 /// | `sqlite://PATH` | `idem_records` in the file | `payment_accounts`, `payment_operations` in the file | plain |
 /// | `postgres://…` | `idem_records` | `payment_accounts`, `payment_operations` | transactional ([`Guards::transactional`]) |
+/// | `redis://…`, `redis+cluster://…` | hashes under `idem:` | keys under `payments:` | plain, with a ledger that remembers each key's operation |
 ///
 /// With the plain stores, the claim, the ledger's writes and the completion are
 /// separate steps: a process killed between the ledger's commit and the
@@ -139,6 +145,12 @@ pub enum StoreUrl {
 /// claim's lease (`--lease-secs`, 30 s by default) lapses, the retry applies it
 /// again. On PostgreSQL the
 /// three commit together, so a crash at any point leaves one effect or none.
+/// On Redis the record and the account live in different slots, so they
+/// cannot change in one step; instead the ledger's script records, with the
+/// operation, which operation the request's key applied, and the retry gets
+/// that operation back rather than a second one: one effect after a crash
+/// too. A Redis failover that loses acknowledged writes can still let a retry
+/// apply a charge again (idem-redis's docs say when).
 #[derive(Clone, Debug)]
 pub struct Storage {
     /// The idempotency middleware of the keyed routes.
@@ -151,8 +163,15 @@ pub struct Storage {
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// The `--store` / `DATABASE_URL` value names no known store.
-    #[error("unknown store {0:?}: expected `memory`, `sqlite://PATH` or `postgres://…`")]
+    #[error(
+        "unknown store {0:?}: expected `memory`, `sqlite://PATH`, `postgres://…`, \
+         `redis://HOST:PORT` or `redis+cluster://HOST:PORT[,HOST:PORT…]`"
+    )]
     UnknownStore(String),
+    /// The Redis store could not connect (a cluster's slot map is read at
+    /// start; one node is connected on first use).
+    #[error("cannot open the Redis store")]
+    Redis(#[source] idem_redis::SetupError),
     /// The store could not be opened or migrated.
     #[error("cannot open the {kind} store")]
     Store {
@@ -244,7 +263,8 @@ impl StoreUrl {
     /// use payments::StoreUrl;
     ///
     /// assert_eq!(StoreUrl::parse("sqlite://payments.db")?, StoreUrl::Sqlite("payments.db".into()));
-    /// assert!(StoreUrl::parse("redis://localhost").is_err());
+    /// assert_eq!(StoreUrl::parse("redis://127.0.0.1:6379")?, StoreUrl::Redis("redis://127.0.0.1:6379".into()));
+    /// assert!(StoreUrl::parse("mysql://localhost").is_err());
     /// # Ok::<(), payments::StartError>(())
     /// ```
     pub fn parse(url: &str) -> Result<Self, StartError> {
@@ -254,6 +274,8 @@ impl StoreUrl {
             Ok(Self::Sqlite(path.to_owned()))
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Ok(Self::Postgres(url.to_owned()))
+        } else if url.starts_with("redis://") || url.starts_with("redis+cluster://") {
+            Ok(Self::Redis(url.to_owned()))
         } else {
             Err(StartError::UnknownStore(url.to_owned()))
         }
@@ -268,7 +290,8 @@ impl StoreUrl {
     ///
     /// The memory store needs no job to be correct (an expired record counts as
     /// absent, and is removed when next touched), but it runs one all the same,
-    /// so that expired records free their memory.
+    /// so that expired records free their memory. Redis needs none: it
+    /// deletes expired records itself.
     pub async fn open(&self, expiry: Expiry) -> Result<Storage, StartError> {
         let storage = match self {
             Self::Memory => {
@@ -326,6 +349,14 @@ impl StoreUrl {
                 );
                 Storage {
                     guards: Guards::transactional(&store),
+                    ledger,
+                }
+            }
+            Self::Redis(url) => {
+                let store = RedisStore::connect(url).await.map_err(StartError::Redis)?;
+                let ledger = Ledger::redis(store.connection(), expiry.retention);
+                Storage {
+                    guards: Guards::plain(Arc::new(store)),
                     ledger,
                 }
             }

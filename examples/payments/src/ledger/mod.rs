@@ -3,10 +3,12 @@
 
 mod memory;
 mod postgres;
+mod redis;
 mod sqlite;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use idem_core::store::BoxError;
 use idem_core::{IdempotencyKey, Scope};
@@ -14,7 +16,9 @@ use idem_diesel::{PgPool, PgTransaction, SqlitePool};
 use serde::Serialize;
 use uuid::Uuid;
 
+use idem_redis::RedisConnection;
 use memory::MemoryLedger;
+use redis::RedisLedger;
 
 /// The accounts and every operation applied to them. Cheap to clone; clones
 /// share the accounts.
@@ -25,6 +29,10 @@ use memory::MemoryLedger;
 ///   its pool; an operation whose [`Attempt`] carries the request's
 ///   [`PgTransaction`] is written in that transaction, so it commits with the
 ///   idempotency record or not at all (transactional mode, `docs/contract.md` §7).
+/// - [`Ledger::redis`]: keys in the Redis store's Redis, through its
+///   connection; each account in one cluster slot, each operation one script
+///   that also remembers which operation a keyed request applied
+///   (`src/ledger/redis.rs` says why and what that leaves open).
 ///
 /// The database ledgers create their tables with [`migrate`](Self::migrate)
 /// (`src/ledger/postgres.sql`, `src/ledger/sqlite.sql`): `payment_accounts`
@@ -60,6 +68,7 @@ enum Backend {
     Memory(MemoryLedger),
     Sqlite(SqlitePool),
     Postgres(PgPool),
+    Redis(RedisLedger),
 }
 
 /// Charges and deposits.
@@ -171,10 +180,20 @@ impl Ledger {
         }
     }
 
+    /// The ledger in the Redis of `connection` (the Redis store's:
+    /// `RedisStore::connection`), on one node or a cluster. A keyed request's
+    /// operation is remembered for `retention` (the records'), so that a retry
+    /// that runs the handler again within it does not apply it twice.
+    pub fn redis(connection: RedisConnection, retention: Duration) -> Self {
+        Self {
+            backend: Backend::Redis(RedisLedger::new(connection, retention)),
+        }
+    }
+
     /// Creates the ledger's tables if they are missing (nothing to do in memory).
     pub async fn migrate(&self) -> Result<(), LedgerError> {
         match &self.backend {
-            Backend::Memory(_) => Ok(()),
+            Backend::Memory(_) | Backend::Redis(_) => Ok(()),
             Backend::Sqlite(pool) => sqlite::migrate(pool).await,
             Backend::Postgres(pool) => postgres::migrate(pool).await,
         }
@@ -197,6 +216,7 @@ impl Ledger {
             (_, Some(_)) => Err(LedgerError::Unavailable(ForeignTransaction.into())),
             (Backend::Memory(memory), None) => memory.apply(id, operation),
             (Backend::Sqlite(pool), None) => sqlite::apply(pool, id, operation, attempt).await,
+            (Backend::Redis(redis), None) => redis.apply(id, operation, attempt).await,
         }
     }
 
@@ -206,6 +226,7 @@ impl Ledger {
             Backend::Memory(memory) => memory.account(account_id),
             Backend::Sqlite(pool) => sqlite::account(pool, account_id).await?,
             Backend::Postgres(pool) => postgres::account(pool, account_id).await?,
+            Backend::Redis(redis) => redis.account(account_id).await?,
         };
         Ok(AccountView {
             account_id: account_id.to_owned(),
@@ -214,12 +235,13 @@ impl Ledger {
         })
     }
 
-    /// Where the accounts live: `memory`, `SQLite` or `PostgreSQL`.
+    /// Where the accounts live: `memory`, `SQLite`, `PostgreSQL` or `Redis`.
     pub fn kind(&self) -> &'static str {
         match self.backend {
             Backend::Memory(_) => "memory",
             Backend::Sqlite(_) => "SQLite",
             Backend::Postgres(_) => "PostgreSQL",
+            Backend::Redis(_) => "Redis",
         }
     }
 }

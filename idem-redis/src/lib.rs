@@ -1,0 +1,12 @@
+#![doc = include_str!("../README.md")]
+
+mod connection;
+mod error;
+mod key;
+mod store;
+#[cfg(feature = "test-util")]
+pub mod testing;
+
+pub use connection::RedisConnection;
+pub use error::SetupError;
+pub use store::{DEFAULT_PREFIX, RedisStore, RedisStoreBuilder};

@@ -1,0 +1,227 @@
+//! `RedisStore` against real Redis: the core conformance suite on one node and
+//! on a three-primary Redis Cluster (one of each per test binary, shared, a key
+//! prefix per test), then what is particular to Redis: script reloading,
+//! expiry, slots, outages.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken, RecordState};
+use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoreError, StoredResponse};
+use idem_redis::testing::TestRedis;
+use idem_redis::{RedisStore, SetupError};
+
+/// The suite on one node.
+mod single {
+    use super::*;
+
+    async fn fresh_store() -> RedisStore {
+        TestRedis::shared().fresh_store().await
+    }
+
+    idem_core::conformance_tests!(fresh_store);
+}
+
+/// The suite on a Redis Cluster.
+mod cluster {
+    use super::*;
+
+    async fn fresh_store() -> RedisStore {
+        TestRedis::shared_cluster().fresh_store().await
+    }
+
+    idem_core::conformance_tests!(fresh_store);
+}
+
+fn request(key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
+    ClaimRequest {
+        scope: Scope::new("s"),
+        key: IdempotencyKey::new(key).unwrap(),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        owner: OwnerToken::random(),
+        lease,
+        retention,
+    }
+}
+
+/// The number `redis-cli` printed on the node that answered it.
+fn number(printed: &[String]) -> i64 {
+    printed
+        .iter()
+        .map(|line| line.parse::<i64>().unwrap())
+        .sum()
+}
+
+#[tokio::test]
+async fn scripts_are_loaded_again_after_noscript() {
+    for redis in [TestRedis::shared(), TestRedis::shared_cluster()] {
+        let store = redis.fresh_store().await;
+        let first = request("flushed", Duration::from_secs(60), Duration::from_secs(60));
+        assert!(matches!(
+            store.claim(&first).await.unwrap(),
+            ClaimOutcome::Claimed(_)
+        ));
+        redis.cli(&["SCRIPT", "FLUSH"]).unwrap();
+        let retry = request("flushed", Duration::from_secs(60), Duration::from_secs(60));
+        assert!(
+            matches!(
+                store.claim(&retry).await.unwrap(),
+                ClaimOutcome::InProgress { .. }
+            ),
+            "after SCRIPT FLUSH the claim script is loaded again and finds the record"
+        );
+    }
+}
+
+#[tokio::test]
+async fn redis_expires_records_but_never_a_live_lease() {
+    for redis in [TestRedis::shared(), TestRedis::shared_cluster()] {
+        let store = RedisStore::builder()
+            .prefix(redis.fresh_prefix())
+            .expiry_grace(Duration::from_millis(100))
+            .connect(&redis.url())
+            .await
+            .unwrap();
+        let scope = Scope::new("s");
+        // Completed with a short retention: gone from Redis itself.
+        let done = request("done", Duration::from_secs(60), Duration::from_secs(60));
+        let ClaimOutcome::Claimed(claim) = store.claim(&done).await.unwrap() else {
+            panic!("a new key is claimed");
+        };
+        store
+            .complete(
+                &claim,
+                &StoredResponse::new(200, vec![], "x"),
+                Duration::from_millis(200),
+            )
+            .await
+            .unwrap();
+        // In progress with a retention shorter than its lease.
+        let running = request(
+            "running",
+            Duration::from_secs(60),
+            Duration::from_millis(200),
+        );
+        let ClaimOutcome::Claimed(runner) = store.claim(&running).await.unwrap() else {
+            panic!("a new key is claimed");
+        };
+        tokio::time::sleep(Duration::from_millis(800)).await;
+
+        let done_key = store.record_key(&scope, &done.key);
+        let running_key = store.record_key(&scope, &running.key);
+        let exists = |key: &[u8]| {
+            let key = String::from_utf8(key.to_vec()).unwrap();
+            // EXISTS on every node: the record's own node answers 1 or 0, the
+            // others refuse it (MOVED), which redis-cli prints as an error.
+            redis
+                .cli(&["-c", "EXISTS", &key])
+                .map(|printed| number(&printed[..1]))
+                .unwrap()
+        };
+        assert_eq!(exists(&done_key), 0, "Redis deleted the expired record");
+        assert_eq!(
+            exists(&running_key),
+            1,
+            "Redis keeps a record whose lease lives past its retention"
+        );
+        assert!(matches!(
+            store.load(&scope, &running.key).await.unwrap().unwrap().state,
+            RecordState::InProgress { owner, .. } if owner == runner.owner
+        ));
+        assert_eq!(
+            store.delete_expired(10).await.unwrap(),
+            0,
+            "nothing is left for delete_expired"
+        );
+    }
+}
+
+#[tokio::test]
+async fn records_spread_over_the_cluster_primaries() {
+    let redis = TestRedis::shared_cluster();
+    let store = redis.fresh_store().await;
+    for n in 0..60 {
+        let claim = request(
+            &format!("spread-{n}"),
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        );
+        assert!(matches!(
+            store.claim(&claim).await.unwrap(),
+            ClaimOutcome::Claimed(_)
+        ));
+    }
+    let counts: Vec<i64> = redis
+        .cli(&["DBSIZE"])
+        .unwrap()
+        .iter()
+        .map(|count| count.parse().unwrap())
+        .collect();
+    assert_eq!(counts.len(), 3);
+    assert!(
+        counts.iter().all(|&count| count > 0),
+        "every primary holds records: {counts:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_prefix_with_braces_is_refused() {
+    let result = RedisStore::builder()
+        .prefix("a{b}")
+        .connect(&TestRedis::shared().url())
+        .await;
+    assert!(matches!(result, Err(SetupError::Prefix)));
+}
+
+#[tokio::test]
+async fn a_cluster_url_without_nodes_is_refused() {
+    assert!(matches!(
+        RedisStore::connect("redis+cluster://").await,
+        Err(SetupError::NoClusterNodes)
+    ));
+}
+
+/// The node stops under the store: steps fail as `Unavailable` within the
+/// timeouts, and succeed again once it is back, with the same store value.
+#[tokio::test]
+async fn a_stopped_node_is_unavailable_then_recovers() {
+    let redis = tokio::task::spawn_blocking(TestRedis::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let store = redis.fresh_store().await;
+    let first = request("outage", Duration::from_secs(60), Duration::from_secs(60));
+    assert!(matches!(
+        store.claim(&first).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    let redis = std::sync::Arc::new(redis);
+    let stopping = std::sync::Arc::clone(&redis);
+    tokio::task::spawn_blocking(move || stopping.stop())
+        .await
+        .unwrap()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let retry = request("outage", Duration::from_secs(60), Duration::from_secs(60));
+    assert!(matches!(
+        store.claim(&retry).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a step fails within seconds while Redis is down: {:?}",
+        started.elapsed()
+    );
+    let resuming = std::sync::Arc::clone(&redis);
+    tokio::task::spawn_blocking(move || resuming.resume())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(
+            store.claim(&retry).await.unwrap(),
+            ClaimOutcome::InProgress { .. }
+        ),
+        "the store reconnects by itself, and the record saved at shutdown is back"
+    );
+}
