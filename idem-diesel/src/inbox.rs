@@ -18,10 +18,10 @@ use idem_core::store::BoxError;
 use idem_core::store::StoreFuture;
 
 use crate::SetupError;
-use crate::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};
 use crate::postgres::{PgPool, SWEEP_LOCK_CLASS, roll_back, run_migrations, transaction_depth};
 use crate::prepared::PreparedExt;
 use crate::row::{duration_micros, time_from_micros};
+use idem_core::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};
 
 /// The migrations that create the inbox's tables.
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres_inbox");

@@ -6,7 +6,6 @@
     allow(dead_code, unused_imports)
 )]
 
-mod cleanup;
 mod error;
 mod pool;
 mod prepared;
@@ -23,8 +22,8 @@ mod sqlite;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
-pub use cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use error::SetupError;
+pub use idem_core::cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use table::DEFAULT_TABLE;
 
 #[cfg(feature = "postgres")]

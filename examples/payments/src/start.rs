@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use idem_core::MemoryStore;
-use idem_diesel::{Cleanup, PgStore, SetupError, SqliteStore};
+use idem_core::cleanup::Cleanup;
+use idem_diesel::{PgStore, SetupError, SqliteStore};
 use idem_redis::RedisStore;
 
 use crate::{Guards, InvalidProviderUrl, Ledger, LedgerError, Provider};

@@ -21,12 +21,12 @@ use idem_core::store::BoxError;
 use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
-use crate::cleanup::{Cleanup, SweepGuard, SweepLock};
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
+use idem_core::cleanup::{Cleanup, SweepGuard, SweepLock};
 use statements::Statements;
 
 pub use transactional::{

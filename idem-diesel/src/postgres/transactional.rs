@@ -21,11 +21,11 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
 use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore};
-use crate::cleanup::Cleanup;
 use crate::pool;
 use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, duration_micros};
 use crate::wait;
+use idem_core::cleanup::Cleanup;
 
 /// The advisory lock class of the keys that transactional executions hold
 /// (see [`super::MIGRATION_LOCK_CLASS`]).

@@ -23,12 +23,12 @@ use idem_core::store::BoxError;
 use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
-use crate::cleanup::Cleanup;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
+use idem_core::cleanup::Cleanup;
 use statements::Statements;
 
 /// A diesel-async connection to SQLite: diesel's synchronous connection, run on

@@ -1,13 +1,18 @@
-//! The cleanup job: deletes expired records (and the inbox's processed
-//! messages past their retention) in batches, one runner at a time.
+//! The cleanup job: deletes expired records (and, with idem-diesel, the
+//! inbox's processed messages past their retention) in batches, one runner at
+//! a time. It needs only a [`Store`], so it serves every store, the in-memory
+//! one included (which otherwise frees expired records only when it needs the
+//! room).
 
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::store::StoreFuture;
-use idem_core::{Store, StoreError};
+use tokio::time::Instant;
+
+use crate::store::StoreFuture;
+use crate::{Store, StoreError};
 
 /// Deletes expired records, in batches, for as long as the application runs.
 ///
@@ -15,28 +20,34 @@ use idem_core::{Store, StoreError};
 /// [`ExpiredRows`], its own `delete_expired`) until a batch comes back short,
 /// pausing between batches so that the deletes leave room for requests. Then the
 /// job sleeps for its interval and sweeps again. When a [`SweepLock`] is set (as
-/// [`PgStore::cleanup`](crate::PgStore::cleanup) does), a sweep runs only in the
-/// instance that takes the lock; the others skip it. An error ends the sweep, not
+/// idem-diesel's `PgStore::cleanup` does), a sweep runs only in the instance
+/// that takes the lock; the others skip it.
+///
+/// The pause between batches follows what the job observes: after a batch that
+/// took `t`, it pauses `t × (1 − duty) / duty` (at least [`pause`](Self::pause)),
+/// so the job keeps the store busy for at most its [`duty_cycle`](Self::duty_cycle)
+/// (default 50 %) of the time. A database with spare capacity answers quickly
+/// and is swept quickly; a loaded one answers slowly and is given room. An error ends the sweep, not
 /// the job: it is logged with its cause, reported, and the next interval sweeps
 /// again.
 ///
-/// Every sweep is logged (`tracing`, target `idem_diesel::cleanup`) and handed to
-/// the [`on_report`](Self::on_report) callback, if any.
+/// Every sweep is logged (`tracing`, target `idem::cleanup`) and handed to the
+/// [`on_report`](Self::on_report) callback, if any.
 ///
-/// One job may sweep more than one table: [`also`](Self::also) adds the
-/// consumer [`Inbox`](crate::Inbox)'s processed messages to a store's job, under
+/// One job may sweep more than one table: [`also`](Self::also) adds, say,
+/// idem-diesel's consumer inbox's processed messages to a store's job, under
 /// the same lock and the same report.
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use idem_diesel::{PgStore, SweepReport};
+/// use idem_core::MemoryStore;
+/// use idem_core::cleanup::{Cleanup, SweepReport};
 ///
-/// # async fn run(store: PgStore) {
+/// # async fn run(store: MemoryStore) {
 /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-/// let cleanup = store
-///     .cleanup()
+/// let cleanup = Cleanup::new(store)
 ///     .batch_size(5_000)
-///     .pause(Duration::from_millis(20))
+///     .duty_cycle(0.25)
 ///     .interval(Duration::from_secs(300))
 ///     .on_report(|report| {
 ///         if let SweepReport::Swept(sweep) = report {
@@ -58,6 +69,7 @@ pub struct Cleanup<S> {
     lock: Option<Arc<dyn SweepLock>>,
     batch_size: usize,
     pause: Duration,
+    duty: f64,
     interval: Duration,
     on_report: Option<Arc<OnReport>>,
 }
@@ -120,15 +132,17 @@ pub struct Sweep {
 }
 
 impl<S: ExpiredRows> Cleanup<S> {
-    /// A job over `store` (or any [`ExpiredRows`]): batches of 1 000, 10 ms
-    /// apart, a sweep every 60 s, and no lock (every runner sweeps).
+    /// A job over `store` (or any [`ExpiredRows`]): batches of 1 000 at a 50 %
+    /// duty cycle (at least 1 ms apart), a sweep every 60 s, and no lock (every
+    /// runner sweeps).
     pub fn new(store: S) -> Self {
         Self {
             store,
             also: Vec::new(),
             lock: None,
             batch_size: 1_000,
-            pause: Duration::from_millis(10),
+            pause: Duration::from_millis(1),
+            duty: 0.5,
             interval: Duration::from_secs(60),
             on_report: None,
         }
@@ -153,9 +167,18 @@ impl<S: ExpiredRows> Cleanup<S> {
         self
     }
 
-    /// The pause between two batches of a sweep (default 10 ms).
+    /// The shortest pause between two batches of a sweep (default 1 ms).
     pub fn pause(mut self, pause: Duration) -> Self {
         self.pause = pause;
+        self
+    }
+
+    /// The share of the time the job keeps the store busy, between 0.01 and 1
+    /// (default 0.5): after a batch that took `t`, it pauses
+    /// `t × (1 − duty) / duty`. 1 deletes back to back (after the
+    /// [`pause`](Self::pause)).
+    pub fn duty_cycle(mut self, duty: f64) -> Self {
+        self.duty = duty.clamp(0.01, 1.0);
         self
     }
 
@@ -231,14 +254,22 @@ impl<S: ExpiredRows> Cleanup<S> {
     async fn sweep_one(&self, rows: &dyn ExpiredRows, swept: &mut Sweep) -> Result<(), StoreError> {
         let batch = u64::try_from(self.batch_size).unwrap_or(u64::MAX);
         loop {
+            let started = Instant::now();
             let deleted = rows.delete_expired(self.batch_size).await?;
+            let took = started.elapsed();
             swept.batches += 1;
             swept.deleted += deleted;
             if deleted < batch {
                 return Ok(());
             }
-            tokio::time::sleep(self.pause).await;
+            tokio::time::sleep(self.pause_after(took)).await;
         }
+    }
+
+    /// The pause after a batch that took `took`: the duty cycle's, at least the
+    /// minimum.
+    fn pause_after(&self, took: Duration) -> Duration {
+        took.mul_f64((1.0 - self.duty) / self.duty).max(self.pause)
     }
 
     fn report(&self, report: &SweepReport) {
@@ -247,19 +278,20 @@ impl<S: ExpiredRows> Cleanup<S> {
                 deleted: 0,
                 batches,
             }) => {
-                tracing::debug!(deleted = 0, batches, "no expired idempotency records");
+                tracing::debug!(target: "idem::cleanup", deleted = 0, batches, "no expired idempotency records");
             }
             SweepReport::Swept(Sweep { deleted, batches }) => {
-                tracing::info!(deleted, batches, "expired idempotency records deleted");
+                tracing::info!(target: "idem::cleanup", deleted, batches, "expired idempotency records deleted");
             }
             SweepReport::Skipped => {
-                tracing::debug!("idempotency cleanup skipped: another runner holds the lock");
+                tracing::debug!(target: "idem::cleanup", "idempotency cleanup skipped: another runner holds the lock");
             }
             SweepReport::Failed {
                 swept: Sweep { deleted, batches },
                 error,
             } => {
                 tracing::warn!(
+                    target: "idem::cleanup",
                     deleted,
                     batches,
                     error = error as &(dyn std::error::Error + 'static),
@@ -280,6 +312,7 @@ impl<S> fmt::Debug for Cleanup<S> {
             .field("also", &self.also.len())
             .field("batch_size", &self.batch_size)
             .field("pause", &self.pause)
+            .field("duty", &self.duty)
             .field("interval", &self.interval)
             .finish_non_exhaustive()
     }
@@ -298,5 +331,33 @@ impl SweepGuard {
 impl fmt::Debug for SweepGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("SweepGuard")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    #[test]
+    fn the_pause_follows_the_duty_cycle() {
+        let job = Cleanup::new(MemoryStore::new());
+        assert_eq!(
+            job.pause_after(Duration::from_millis(8)),
+            Duration::from_millis(8)
+        );
+        assert_eq!(job.pause_after(Duration::ZERO), Duration::from_millis(1));
+        let quarter = Cleanup::new(MemoryStore::new()).duty_cycle(0.25);
+        assert_eq!(
+            quarter.pause_after(Duration::from_millis(8)),
+            Duration::from_millis(24)
+        );
+        let flat_out = Cleanup::new(MemoryStore::new())
+            .duty_cycle(1.0)
+            .pause(Duration::ZERO);
+        assert_eq!(
+            flat_out.pause_after(Duration::from_millis(8)),
+            Duration::ZERO
+        );
     }
 }
