@@ -7,8 +7,8 @@ use idem_core::retry::Backoff;
 use idem_diesel::{Delivery as Outcome, Inbox, InboxError, PgStore};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
@@ -128,10 +128,17 @@ pub async fn run(
         }
     };
     watcher.abort();
-    drop(deliveries);
     // The broker hands back what was not acknowledged when the connection
     // ends, cleanly or not: the close is not waited for long.
-    let _ = tokio::time::timeout(CLOSE_LIMIT, connection.close(200, "bye".into())).await;
+    let _ = tokio::time::timeout(CLOSE_LIMIT, async {
+        let _ = channel
+            .basic_cancel("payments-consumer".into(), BasicCancelOptions::default())
+            .await;
+        drop(deliveries);
+        let _ = channel.close(200, "bye".into()).await;
+        let _ = connection.close(200, "bye".into()).await;
+    })
+    .await;
     ended
 }
 
