@@ -83,8 +83,8 @@ pub enum Settlement {
     Retract(Problem),
 }
 
-/// How many times a completion is attempted at least before it is given up on
-/// (it goes on while the lease certainly holds).
+/// How many times a completion is attempted before the client gets its answer
+/// (the completion then goes on in the background while the lease holds).
 const COMPLETE_ATTEMPTS: u32 = 3;
 
 impl Engine {
@@ -464,8 +464,6 @@ impl Execution {
             return Ok(Recorded::Released);
         }
         let mut attempt = 1;
-        let backoff_cap = (self.claim.lease / 10).max(Duration::from_millis(20));
-        let mut backoff = Duration::from_millis(20).min(backoff_cap);
         loop {
             let timer = metrics::Timer::start();
             let completed = engine
@@ -490,25 +488,57 @@ impl Execution {
                     metrics::outcome(metrics::Outcome::StoreFailure);
                     return Err(error);
                 }
-                // Retried while the lease certainly holds (a store blip must not
-                // leave the record to lapse and the handler to run again), and
-                // at least a few times.
-                Err(error)
-                    if attempt >= COMPLETE_ATTEMPTS
-                        && Instant::now() + backoff >= self.held_until() =>
-                {
-                    tracing::error!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "could not record the answer; a retry after the lease lapses will run the handler again");
+                // The client is not kept waiting: the record is completed in
+                // the background while the lease holds, so a store blip does
+                // not let the record lapse and the handler run again.
+                Err(error) if attempt >= COMPLETE_ATTEMPTS => {
+                    tracing::warn!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "could not record the answer yet; retrying in the background while the lease holds");
                     metrics::outcome(metrics::Outcome::Executed);
+                    self.complete_later(response.clone());
                     return Err(error);
                 }
                 Err(error) => {
                     tracing::warn!(target: "idem", attempt, error = %error_chain(&error), "completion failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(backoff_cap);
+                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
                     attempt += 1;
                 }
             }
         }
+    }
+
+    /// Goes on completing the record in a task of its own, from 50 ms apart
+    /// doubling to a tenth of the lease (at most 1 s), until it succeeds, the
+    /// store refuses it, or the lease has certainly run out.
+    fn complete_later(&self, response: StoredResponse) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = Arc::clone(self.engine.store());
+        let claim = self.claim.clone();
+        let retention = self.engine.policy().retention;
+        let held_until = self.held_until();
+        let cap = (claim.lease / 10).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        runtime.spawn(async move {
+            let mut backoff = Duration::from_millis(50).min(cap);
+            loop {
+                if Instant::now() + backoff >= held_until {
+                    tracing::error!(target: "idem", stored = false, scope = %claim.scope, key = %claim.key.redacted(), "could not record the answer before the lease ran out; a retry after it lapses runs the handler again");
+                    return;
+                }
+                tokio::time::sleep(backoff).await;
+                match store.complete(&claim, &response, retention).await {
+                    Ok(()) => {
+                        tracing::info!(target: "idem", stored = true, scope = %claim.scope, key = %claim.key.redacted(), "the answer was recorded once the store answered again");
+                        return;
+                    }
+                    Err(error @ (StoreError::StaleOwner | StoreError::Uncommitted(_))) => {
+                        tracing::error!(target: "idem", stored = false, scope = %claim.scope, key = %claim.key.redacted(), error = %error_chain(&error), "the answer cannot be recorded any more");
+                        return;
+                    }
+                    Err(_) => backoff = (backoff * 2).min(cap),
+                }
+            }
+        });
     }
 
     /// Records the handler's answer and says what to send: the handler's
@@ -1035,16 +1065,23 @@ mod tests {
         let exec = expect_execute(engine.begin(Scope::new("s"), key("k"), fp(1)).await);
         let settlement = exec.settle(&ok(201, "made")).await;
         assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
-        // Retried while the lease (30 s) certainly held, then given up on.
-        let spent = started.elapsed();
         assert!(
-            spent >= Duration::from_secs(26) && spent <= Duration::from_secs(30),
-            "completion retried for {spent:?}"
+            started.elapsed() < Duration::from_secs(1),
+            "the client is not kept waiting"
         );
-        assert!(
-            store.completions() > COMPLETE_ATTEMPTS,
-            "a failing plain completion is retried: {} attempts",
-            store.completions()
+        assert_eq!(store.completions(), COMPLETE_ATTEMPTS);
+        // The completion goes on in the background while the lease (30 s)
+        // holds, then stops.
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        let attempts = store.completions();
+        assert!(attempts > COMPLETE_ATTEMPTS + 15, "{attempts} attempts");
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        let attempts = store.completions();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(
+            store.completions(),
+            attempts,
+            "given up once the lease ran out"
         );
     }
 

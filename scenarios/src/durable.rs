@@ -105,12 +105,14 @@ pub async fn one_key_over_instances_executes_once(instances: Vec<Target>) {
 ///   when the store goes away, then finishing while it is down): its client gets
 ///   the handler's answer. The handler has run and its effect happened outside
 ///   the store; withholding the answer would only turn the client's retry into
-///   a `409`. The answer cannot be recorded, so its claim stands until its lease
-///   lapses: a retry after the store is back is refused with
-///   `409 request-in-progress`, not run a second time. (The route's lease is an
-///   hour, so the case does not depend on how long the outage takes. Once a
-///   lease lapses a retry runs the handler again: exactly one effect across an
-///   outage mid-request is what transactional mode, `docs/contract.md` §7, is for.)
+///   a `409`. The answer cannot be recorded yet, so the engine goes on
+///   recording it in the background while the claim's lease holds: a retry is
+///   refused with `409 request-in-progress` until the store is back, then
+///   replays the answer, and the handler never runs a second time. (The
+///   route's lease is an hour, so the case does not depend on how long the
+///   outage takes. An outage longer than the lease lets the record lapse, and
+///   a retry then runs the handler again: exactly one effect across any outage
+///   is what transactional mode, `docs/contract.md` §7, is for.)
 /// - **Once it is back**, the same app recovers without a restart: the key
 ///   refused during the outage executes, its retry replays byte for byte, and
 ///   the answer recorded before the outage replays.
@@ -162,9 +164,25 @@ pub async fn store_outage_fails_closed_then_recovers(target: Target, server: &dy
     assert_eq!(after.execution(), 4);
     assert_replay_of(&client.send(&during_call).await, &after);
     assert_replay_of(&client.send(&before_call).await, &before);
-    let retry = client.send(&in_flight_call).await;
-    assert_problem(&retry, 409, "request-in-progress");
-    assert_retry_after(&retry);
+    // The in-flight answer could not be recorded while the store was down; it
+    // is recorded once the store is back (while its lease holds), so the
+    // retry, refused with 409 until then, replays it: one effect.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let retry = client.send(&in_flight_call).await;
+        if retry.status == 409 {
+            assert_problem(&retry, 409, "request-in-progress");
+            assert_retry_after(&retry);
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the in-flight answer was never recorded after the store came back"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            continue;
+        }
+        assert_replay_of(&retry, &in_flight);
+        break;
+    }
     assert_eq!(
         client.executions().await,
         Executions {
