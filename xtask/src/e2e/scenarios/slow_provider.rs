@@ -51,7 +51,8 @@ pub(super) async fn run(deployment: Arc<Deployment>) -> Result<Checks, Failure> 
             while elapsed < PROVIDER_DELAY + Duration::from_millis(500) {
                 tokio::time::sleep(RETRY_EVERY).await;
                 elapsed += RETRY_EVERY;
-                sent.push(api.send(&call));
+                let (api, call) = (api.clone(), call.clone());
+                sent.push(tokio::spawn(async move { api.send(&call).await }));
             }
             join_all(sent).await
         };
@@ -66,7 +67,7 @@ pub(super) async fn run(deployment: Arc<Deployment>) -> Result<Checks, Failure> 
         }
         let (mut conflicts, mut replays) = (0, 0);
         for retry in retries {
-            let retry = retry?;
+            let retry = retry.map_err(|e| Failure::new("harness task failed", e.to_string()))??;
             if in_progress(&retry).is_ok() {
                 conflicts += 1;
             } else {
