@@ -15,6 +15,7 @@ mod in_flight;
 mod outage;
 mod restarts;
 mod scopes;
+mod slow_provider;
 mod storm;
 
 /// What a scenario reports: one outcome per check it declares.
@@ -127,6 +128,15 @@ pub(crate) const CATALOG: &[Scenario] = &[
         alone: false,
         readiness: Readiness::Built,
         run: |d| outage::cut_off(d).boxed(),
+    },
+    Scenario {
+        name: "slow-provider",
+        checks: &[slow_provider::CHECK],
+        stores: EVERY_STORE,
+        // Its lease is 1 s: a busy machine could delay a renewal past it.
+        alone: true,
+        readiness: Readiness::NeedsFlags(slow_provider::FLAGS),
+        run: |d| slow_provider::run(d).boxed(),
     },
     Scenario {
         name: "cleanup",

@@ -11,6 +11,7 @@ use rand::{Rng, SeedableRng};
 use super::Suite;
 use super::database::{Database, OperationRow, RecordCounts, Sight};
 use super::server::{Endpoint, Post, Reply, Server};
+use crate::Principal;
 
 /// Rounds of start, charge, kill.
 const ROUNDS: usize = 18;
@@ -288,7 +289,7 @@ async fn verify(endpoint: &Endpoint, observer: &mut Database, outcomes: &[Outcom
             id: receipt.id.clone(),
             kind: "charge".to_owned(),
             amount: outcome.charge.amount,
-            idempotency_scope: Some(PRINCIPAL.to_owned()),
+            idempotency_scope: Some(Principal::from_token(PRINCIPAL).as_str().to_owned()),
             idempotency_key: Some(outcome.charge.key.clone()),
         })
         .collect();
