@@ -2,7 +2,7 @@
 //!
 //! - `serve`: one HTTP server (axum or actix-web) with the same trivial POST
 //!   handler on two routes, `/bare` and `/layered` (behind idem's middleware over
-//!   the in-memory store or `PgStore`), so that both are measured against the same
+//!   the in-memory store, `PgStore` or `RedisStore`), so that both are measured against the same
 //!   process. The first line on stdout is `listening on http://HOST:PORT`.
 //! - `load`: the load generator, closed-loop HTTP/1.1 clients (see `load`).
 //! - `memory`: bytes per record of the in-memory store, from the growth of this
@@ -11,6 +11,8 @@
 //!   that lives until stdin closes or a signal arrives.
 //! - `pg-fill`, `pg-statements`, `cleanup`: PostgreSQL set-up, the store's own
 //!   SQL as the server prepared it (for pgbench), and one timed cleanup sweep.
+//! - `redis-load`: the Redis store's own scripts called at a given concurrency,
+//!   without HTTP: the route's ceiling on that server.
 //!
 //! Helpers that answer print one JSON object on stdout.
 
@@ -22,6 +24,7 @@ mod handler;
 mod load;
 mod memory;
 mod postgres;
+mod redis;
 mod serve;
 
 /// A failure, told on stderr.
@@ -50,6 +53,8 @@ enum Command {
     PgStatements(postgres::UrlOptions),
     /// Runs one cleanup sweep and prints what it deleted and how long it took.
     Cleanup(postgres::CleanupOptions),
+    /// Calls the Redis store's scripts at a given concurrency and prints the rate.
+    RedisLoad(redis::LoadOptions),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +67,7 @@ fn main() -> ExitCode {
         Command::PgFill(options) => block_on(postgres::fill(options)),
         Command::PgStatements(options) => block_on(postgres::statements(options)),
         Command::Cleanup(options) => block_on(postgres::cleanup(options)),
+        Command::RedisLoad(options) => redis::load(options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

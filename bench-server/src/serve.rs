@@ -18,7 +18,7 @@ pub(crate) struct Options {
     /// `axum` or `actix`.
     #[arg(long)]
     framework: Framework,
-    /// `memory`, or a `postgres://` URL.
+    /// `memory`, a `postgres://` URL, or a `redis://` or `redis+cluster://` URL.
     #[arg(long, default_value = "memory")]
     store: String,
     /// Worker threads (tokio workers for axum, actix workers).
@@ -75,6 +75,11 @@ async fn open(options: &Options) -> Result<Arc<dyn Store>, BoxError> {
             .build();
         prefill(&store, options.prefill).await?;
         return Ok(Arc::new(store));
+    }
+    if options.store.starts_with("redis") {
+        return Ok(Arc::new(
+            idem_redis::RedisStore::connect(&options.store).await?,
+        ));
     }
     let store = PgStore::builder()
         .max_connections(options.pool)

@@ -87,7 +87,7 @@ impl RedisStore {
     pub fn builder() -> RedisStoreBuilder {
         RedisStoreBuilder {
             prefix: DEFAULT_PREFIX.to_owned(),
-            grace: Duration::from_secs(60),
+            grace: Duration::from_secs(5),
             timeouts: Timeouts {
                 connect: Duration::from_secs(1),
                 response: Duration::from_secs(2),
@@ -142,8 +142,8 @@ impl RedisStoreBuilder {
 
     /// How long Redis keeps a record past its expiry (or past its lease, if
     /// later) before it deletes it by itself. Meanwhile the record counts as
-    /// absent, and [`Store::delete_expired`] may delete it sooner. Default: one
-    /// minute.
+    /// absent, and [`Store::delete_expired`] may delete it sooner. Default: five
+    /// seconds.
     pub fn expiry_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self

@@ -123,8 +123,20 @@ impl TestRedis {
     /// Starts a cluster of `primaries` nodes (at least 3) without replicas, and
     /// waits until every node reports `cluster_state:ok`.
     pub fn start_cluster(primaries: usize) -> Result<Self, TestRedisError> {
-        let mut nodes = Vec::with_capacity(primaries);
-        for _ in 0..primaries.max(3) {
+        Self::start_replicated_cluster(primaries, 0)
+    }
+
+    /// Starts a cluster of `primaries` primaries (at least 3), each with
+    /// `replicas` replicas, and waits until every node reports
+    /// `cluster_state:ok`. Nodes notice a failed peer after 2 seconds
+    /// (`--cluster-node-timeout 2000`), and a replica then takes over.
+    pub fn start_replicated_cluster(
+        primaries: usize,
+        replicas: usize,
+    ) -> Result<Self, TestRedisError> {
+        let count = primaries.max(3) * (1 + replicas);
+        let mut nodes = Vec::with_capacity(count);
+        for _ in 0..count {
             nodes.push(Node::start(true)?);
         }
         let redis = Self {
@@ -136,7 +148,10 @@ impl TestRedis {
         for node in &redis.nodes {
             create.arg(format!("127.0.0.1:{}", node.port));
         }
-        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        create
+            .arg("--cluster-replicas")
+            .arg(replicas.to_string())
+            .arg("--cluster-yes");
         run(&mut create, "create the cluster")?;
         let deadline = Instant::now() + READY;
         for node in &redis.nodes {
@@ -228,6 +243,18 @@ impl TestRedis {
         self.nodes.iter().map(|node| node.cli(args)).collect()
     }
 
+    /// Runs a command on the node on `port` with `redis-cli` and answers what
+    /// it printed.
+    pub fn cli_on(&self, port: u16, args: &[&str]) -> Result<String, TestRedisError> {
+        match self.nodes.iter().find(|node| node.port == port) {
+            Some(node) => node.cli(args),
+            None => Err(TestRedisError::Failed {
+                what: format!("no node of this server listens on port {port}"),
+                output: String::new(),
+            }),
+        }
+    }
+
     /// Stops every node, saving its data (`SHUTDOWN SAVE`); [`resume`](Self::resume)
     /// starts them again on the same ports with that data.
     pub fn stop(&self) -> Result<(), TestRedisError> {
@@ -244,6 +271,75 @@ impl TestRedis {
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
+        }
+        Ok(())
+    }
+
+    /// The port of the primary that holds `key`'s slot now (from `CLUSTER
+    /// NODES` on a live node).
+    pub fn primary_of(&self, key: &str) -> Result<u16, TestRedisError> {
+        let mut failure = None;
+        for node in &self.nodes {
+            let (slot, nodes) = match node
+                .cli(&["CLUSTER", "KEYSLOT", key])
+                .and_then(|slot| Ok((slot, node.cli(&["CLUSTER", "NODES"])?)))
+            {
+                Ok(answers) => answers,
+                Err(error) => {
+                    failure = Some(error);
+                    continue;
+                }
+            };
+            let slot: u16 = slot.parse().unwrap_or(u16::MAX);
+            // `id host:port@bus flags primary-id ping pong epoch state slots…`
+            for line in nodes.lines() {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let is_primary = fields.get(2).is_some_and(|flags| {
+                    flags.split(',').any(|flag| flag == "master")
+                        && !flags.split(',').any(|flag| flag == "fail")
+                });
+                let holds = fields.iter().skip(8).any(|range| {
+                    let (start, end) = range.split_once('-').unwrap_or((range, range));
+                    matches!((start.parse::<u16>(), end.parse::<u16>()), (Ok(start), Ok(end)) if (start..=end).contains(&slot))
+                });
+                let port = fields
+                    .get(1)
+                    .and_then(|address| address.split(['@', ',']).next())
+                    .and_then(|address| address.rsplit_once(':'))
+                    .and_then(|(_, port)| port.parse().ok());
+                if let (true, true, Some(port)) = (is_primary, holds, port) {
+                    return Ok(port);
+                }
+            }
+        }
+        Err(failure.unwrap_or_else(|| TestRedisError::Failed {
+            what: format!("no live primary holds the slot of {key:?}"),
+            output: String::new(),
+        }))
+    }
+
+    /// Stops the node on `port` at once, without saving (`SHUTDOWN NOSAVE`), as
+    /// a crash would; in a cluster with replicas, one of its replicas takes
+    /// over after the node timeout.
+    pub fn crash_node(&self, port: u16) -> Result<(), TestRedisError> {
+        let node = self
+            .nodes
+            .iter()
+            .find(|node| node.port == port)
+            .ok_or_else(|| TestRedisError::Failed {
+                what: format!("no node of this server listens on port {port}"),
+                output: String::new(),
+            })?;
+        let _ = node.cli(&["SHUTDOWN", "NOSAVE"]);
+        let deadline = Instant::now() + READY;
+        while node.cli(&["PING"]).is_ok_and(|pong| pong == "PONG") {
+            if Instant::now() > deadline {
+                return Err(TestRedisError::Failed {
+                    what: format!("the node on port {port} did not stop"),
+                    output: String::new(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! `RedisStore` against real Redis: the core conformance suite on one node and
 //! on a three-primary Redis Cluster (one of each per test binary, shared, a key
 //! prefix per test), then what is particular to Redis: script reloading,
-//! expiry, slots, outages.
+//! expiry, slots, outages, a failover.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -224,4 +224,65 @@ async fn a_stopped_node_is_unavailable_then_recovers() {
         ),
         "the store reconnects by itself, and the record saved at shutdown is back"
     );
+}
+
+/// A primary of a cluster with replicas crashes: its replica takes over, and
+/// the same store value goes on, finding the record written before the crash
+/// (replicated first, with `WAIT`: losing a write that was not is what the
+/// crate docs warn about, not what this test is about).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_failing_over_is_survived() {
+    let redis = tokio::task::spawn_blocking(|| TestRedis::start_replicated_cluster(3, 1))
+        .await
+        .unwrap()
+        .unwrap();
+    let store = redis.fresh_store().await;
+    let scope = Scope::new("s");
+    let first = request("failover", Duration::from_secs(60), Duration::from_secs(60));
+    let ClaimOutcome::Claimed(claim) = store.claim(&first).await.unwrap() else {
+        panic!("a new key is claimed");
+    };
+    let response = StoredResponse::new(201, vec![], "before the failover");
+    store
+        .complete(&claim, &response, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let record_key = String::from_utf8(store.record_key(&scope, &first.key)).unwrap();
+    let primary = redis.primary_of(&record_key).unwrap();
+    assert_eq!(redis.cli_on(primary, &["WAIT", "1", "5000"]).unwrap(), "1");
+    redis.crash_node(primary).unwrap();
+
+    let retry = request("failover", Duration::from_secs(60), Duration::from_secs(60));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let outcome = loop {
+        match store.claim(&retry).await {
+            Ok(outcome) => break outcome,
+            Err(StoreError::Unavailable(_)) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => panic!("the store did not survive the failover: {error:?}"),
+        }
+    };
+    assert_eq!(
+        outcome,
+        ClaimOutcome::Completed {
+            fingerprint: first.fingerprint,
+            response
+        },
+        "the replica that took over holds the record"
+    );
+    assert_ne!(
+        redis.primary_of(&record_key).unwrap(),
+        primary,
+        "a replica took over the slot"
+    );
+    let other = request(
+        "after-failover",
+        Duration::from_secs(60),
+        Duration::from_secs(60),
+    );
+    assert!(matches!(
+        store.claim(&other).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
 }

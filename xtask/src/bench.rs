@@ -10,6 +10,9 @@
 //!   store's own statements ([`pgbench`]) at the same concurrency, on the same
 //!   throwaway cluster, nothing pinned. Transactional mode against the plain
 //!   one.
+//! - **Redis**: the layered route on `RedisStore` against the store's own
+//!   scripts called without HTTP ([`redis`]) at the same concurrency, on the
+//!   same throwaway `redis-server`: first executions and replays.
 //! - **Memory**: bytes per record of the in-memory store; peak RSS of
 //!   payments-axum (`--store memory`) under a storm of charges.
 //! - **Cleanup**: rows deleted per second, and the p99 of live requests while
@@ -31,6 +34,7 @@ mod overhead;
 mod pgbench;
 mod postgres;
 mod process;
+mod redis;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -52,7 +56,7 @@ struct Settings {
     concurrencies: Vec<usize>,
     /// Stored records of the scaling runs (in-memory store).
     record_counts: Vec<usize>,
-    /// Client counts of the PostgreSQL runs.
+    /// Client counts of the PostgreSQL and Redis runs.
     pg_concurrencies: Vec<usize>,
     /// Stored records of the PostgreSQL scaling runs (empty: skipped).
     pg_record_counts: Vec<u64>,
@@ -149,6 +153,10 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             "PostgreSQL rows: nothing pinned; server (2 workers), load generator or pgbench, and PostgreSQL share both CPUs"
                 .to_owned(),
         );
+        report.notes.push(
+            "Redis rows: nothing pinned; server (2 workers), load generator or redis-load, and redis-server share both CPUs"
+                .to_owned(),
+        );
     } else {
         report.notes.push(
             "no CPU pinning (taskset missing or a single CPU): servers run 2 worker threads"
@@ -162,12 +170,13 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 5] = [
+    let sections: [(&str, Section); 6] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
         ("storm", memory::storm),
         ("postgres", postgres::postgres),
+        ("redis", redis::redis),
     ];
     if let Some(only) = &only
         && !sections.iter().any(|(name, _)| name == only)

@@ -3,7 +3,8 @@
 //! Builds payments-axum and payments-actix (release), starts a throwaway
 //! PostgreSQL cluster, and runs every scenario of [`scenarios::CATALOG`]
 //! against each example on each store (memory; SQLite in a temporary
-//! directory; PostgreSQL, a fresh database per scenario) as real processes on
+//! directory; PostgreSQL, a fresh database per scenario; Redis, a node of the
+//! scenario's own) as real processes on
 //! 127.0.0.1, driven by a real HTTP client. Prints a table, scenario × example
 //! × store → pass or fail with the figure behind it, ending in the line
 //! `N passed, M failed`; exits non-zero on any failure.
@@ -35,7 +36,7 @@ mod scenarios;
 mod site;
 
 const USAGE: &str = "\
-usage: cargo xtask e2e [--example axum|actix|consumer]... [--store memory|sqlite|postgres]...
+usage: cargo xtask e2e [--example axum|actix|consumer]... [--store memory|sqlite|postgres|redis]...
                        [--scenario NAME]... [--include-not-built]
 
 Without options: every example, every store, every scenario that is built

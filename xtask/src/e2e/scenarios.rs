@@ -44,7 +44,9 @@ pub(crate) enum Readiness {
 }
 
 const EVERY_STORE: &[StoreKind] = &StoreKind::ALL;
-const DURABLE_STORES: &[StoreKind] = &[StoreKind::Sqlite, StoreKind::Postgres];
+const DURABLE_STORES: &[StoreKind] = &[StoreKind::Sqlite, StoreKind::Postgres, StoreKind::Redis];
+/// The stores that keep records across a process's crash and share them.
+const SHARED_STORES: &[StoreKind] = &[StoreKind::Postgres, StoreKind::Redis];
 const POSTGRES: &[StoreKind] = &[StoreKind::Postgres];
 
 /// Every scenario, in the order of the table.
@@ -108,7 +110,7 @@ pub(crate) const CATALOG: &[Scenario] = &[
     Scenario {
         name: "crash",
         checks: &[restarts::CRASH],
-        stores: POSTGRES,
+        stores: SHARED_STORES,
         alone: false,
         readiness: Readiness::Built,
         run: |d| restarts::crash(d).boxed(),

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use idem_redis::testing::TestRedis;
+
 use crate::example::{Example, Server};
 
 use super::api::{Api, Failure};
@@ -17,6 +19,8 @@ pub(crate) enum StoreKind {
     Memory,
     Sqlite,
     Postgres,
+    /// A Redis node of the scenario's own.
+    Redis,
 }
 
 /// One example over one kind of store; hands each scenario a fresh store.
@@ -39,6 +43,8 @@ pub(crate) struct Site {
     dir: PathBuf,
     url: String,
     cluster: Option<Arc<Cluster>>,
+    /// The scenario's Redis, stopped with the site.
+    redis: Option<TestRedis>,
     servers: AtomicUsize,
 }
 
@@ -49,13 +55,14 @@ pub(crate) struct Instance {
 }
 
 impl StoreKind {
-    pub(crate) const ALL: [Self; 3] = [Self::Memory, Self::Sqlite, Self::Postgres];
+    pub(crate) const ALL: [Self; 4] = [Self::Memory, Self::Sqlite, Self::Postgres, Self::Redis];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Memory => "memory",
             Self::Sqlite => "sqlite",
             Self::Postgres => "postgres",
+            Self::Redis => "redis",
         }
     }
 }
@@ -87,7 +94,8 @@ impl Deployment {
             .any(|word| word == flag)
     }
 
-    /// A fresh store for `scenario` (on PostgreSQL, a fresh database of the shared cluster).
+    /// A fresh store for `scenario` (on PostgreSQL, a fresh database of the
+    /// shared cluster; on Redis, a node of its own).
     pub(crate) async fn site(&self, scenario: &str) -> Result<Site, Failure> {
         match (&self.cluster, self.store) {
             (Ok(cluster), StoreKind::Postgres) => {
@@ -116,8 +124,15 @@ impl Deployment {
         let dir = self.scratch(scenario);
         std::fs::create_dir_all(&dir)
             .map_err(|e| Failure::new("no directory", format!("{}: {e}", dir.display())))?;
+        let mut redis = None;
         let url = match self.store {
             StoreKind::Memory => "memory".to_owned(),
+            StoreKind::Redis => {
+                let node = blocking(|| TestRedis::start().map_err(|e| e.to_string())).await?;
+                let url = node.url();
+                redis = Some(node);
+                url
+            }
             // Relative to the server's working directory, the default of `docs/contract.md` §8.
             StoreKind::Sqlite => "sqlite://payments.db".to_owned(),
             StoreKind::Postgres => {
@@ -135,6 +150,7 @@ impl Deployment {
             dir,
             url,
             cluster,
+            redis,
             servers: AtomicUsize::new(0),
         })
     }
@@ -185,6 +201,14 @@ impl Site {
     /// them (`None` for the in-memory store).
     pub(crate) async fn records(&self) -> Result<Option<i64>, Failure> {
         const COUNT: &str = "SELECT count(*) FROM idem_records";
+        if let Some(redis) = &self.redis {
+            // The Redis store's records are the keys under its default prefix.
+            let listed = redis
+                .cli(&["--scan", "--pattern", "idem:{*"])
+                .map_err(|e| Failure::new("redis-cli failed", e.to_string()))?;
+            let keys = listed.iter().flat_map(|keys| keys.lines()).count();
+            return Ok(Some(i64::try_from(keys).unwrap_or(i64::MAX)));
+        }
         let text = if let Some(cluster) = self.cluster.clone() {
             let url = self.url.clone();
             blocking(move || cluster.query(&url, COUNT).map(Some)).await?

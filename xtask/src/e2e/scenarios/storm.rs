@@ -1,5 +1,5 @@
 //! A storm: hundreds of concurrent deliveries of one charge, over two
-//! instances when the store is shared (PostgreSQL).
+//! instances when the store is shared (PostgreSQL, Redis).
 
 use std::sync::Arc;
 
@@ -18,7 +18,7 @@ pub(super) async fn run(deployment: Arc<Deployment>) -> Result<Checks, Failure> 
     // The latency keeps the charge in flight while the storm arrives.
     let flags = ["--provider-latency-ms", "300"];
     let mut instances = vec![site.start(&flags).await?];
-    if deployment.store == StoreKind::Postgres {
+    if matches!(deployment.store, StoreKind::Postgres | StoreKind::Redis) {
         // Started one after the other: both would migrate the same database.
         instances.push(site.start(&flags).await?);
     }
