@@ -144,6 +144,7 @@ pub struct FingerprintSpec {
 
 /// How the body enters the fingerprint.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BodyMode {
     /// Every byte, as sent. The default.
     #[default]

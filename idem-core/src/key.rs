@@ -16,6 +16,7 @@ pub struct IdempotencyKey(Arc<str>);
 
 /// Why a key was rejected. Each is answered `400` with problem type `invalid-key`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KeyError {
     /// The request carried the header more than once.
     #[error("the Idempotency-Key header appears more than once")]

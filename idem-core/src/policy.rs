@@ -49,6 +49,7 @@ pub enum KeyRequirement {
 
 /// What a request does when the first request with its key is still running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum InProgress {
     /// Answer `409 request-in-progress` at once, with `Retry-After`.
     Reject {
@@ -66,6 +67,7 @@ pub enum InProgress {
 
 /// What happens when the store fails.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OnStoreFailure {
     /// Answer `503 store-unavailable` and do not run the handler. The default.
     FailClosed,

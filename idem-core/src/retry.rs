@@ -32,8 +32,11 @@
 
 use std::time::Duration;
 
+use rand::Rng;
+#[cfg(any(test, feature = "test-util"))]
+use rand::SeedableRng;
+#[cfg(any(test, feature = "test-util"))]
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 /// Capped exponential backoff, with full jitter unless told otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +49,7 @@ pub struct Backoff {
 
 /// How a delay is drawn below its ceiling.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Jitter {
     /// Uniform in `[0, ceiling]`. The default.
     Full,
@@ -106,6 +110,7 @@ impl Backoff {
 }
 
 /// What [`simulate_storm`] saw.
+#[cfg(any(test, feature = "test-util"))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Storm {
     /// Retries sent in all.
@@ -116,7 +121,9 @@ pub struct Storm {
 
 /// Simulates `clients` that all fail at instant 0 against a server that is back
 /// after `outage`: each retries by `backoff` until a retry lands after the outage.
-/// Deterministic for a given `seed`.
+/// Deterministic for a given `seed`. (Feature `test-util`: the demo's and the
+/// tests' simulation, not part of the library.)
+#[cfg(any(test, feature = "test-util"))]
 pub fn simulate_storm(backoff: Backoff, clients: usize, outage: Duration, seed: u64) -> Storm {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut times = Vec::new();

@@ -112,6 +112,7 @@ pub trait Store: Send + Sync + 'static {
 
 /// Why a store step failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The caller's claim is no longer held: its lease lapsed and another request
     /// claimed the record, or the record was released or completed.
