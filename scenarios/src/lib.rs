@@ -187,7 +187,7 @@ mod tests {
                 .iter()
                 .filter(|case| case.store == CaseStore::Failing)
                 .count(),
-            1
+            2
         );
     }
 }
