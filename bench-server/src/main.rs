@@ -13,6 +13,7 @@
 //!   SQL as the server prepared it (for pgbench), and one timed cleanup sweep.
 //! - `redis-load`: the Redis store's own scripts called at a given concurrency,
 //!   without HTTP: the route's ceiling on that server.
+//! - `profile`: the axum routes driven in process, for an instruction counter.
 //!
 //! Helpers that answer print one JSON object on stdout.
 
@@ -24,6 +25,7 @@ mod handler;
 mod load;
 mod memory;
 mod postgres;
+mod profile;
 mod redis;
 mod serve;
 
@@ -55,6 +57,8 @@ enum Command {
     Cleanup(postgres::CleanupOptions),
     /// Calls the Redis store's scripts at a given concurrency and prints the rate.
     RedisLoad(redis::LoadOptions),
+    /// Drives the axum routes in process (no sockets), for an instruction counter.
+    Profile(profile::Options),
 }
 
 fn main() -> ExitCode {
@@ -68,6 +72,7 @@ fn main() -> ExitCode {
         Command::PgStatements(options) => block_on(postgres::statements(options)),
         Command::Cleanup(options) => block_on(postgres::cleanup(options)),
         Command::RedisLoad(options) => redis::load(options),
+        Command::Profile(options) => profile::run(&options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,11 +10,10 @@ use actix_web::http::header::CONTENT_LENGTH;
 use actix_web::{Error, HttpMessage, HttpRequest};
 use bytes::Bytes;
 use futures_util::future::LocalBoxFuture;
-use idem_core::protocol::{Decision, Handled, Intake, Outcome, Start};
+use idem_core::protocol::{Decision, Detached, Handled, Intake, Outcome, Start};
 use idem_core::{
     ChosenScope, Engine, Policy, RequestHead, Scope, ScopeSource, Store, StoredResponse, Unscoped,
 };
-use tokio::sync::oneshot;
 
 use crate::capture::{delivered_body, handler_body};
 use crate::edge::{AnswerError, RequestHeaders, into_http_response, stored_headers};
@@ -187,24 +186,14 @@ where
                 Box::pin(async move { Ok(response.await?.map_into_left_body()) })
             }
             Start::Answer(answer) => Box::pin(ready(Ok(answered(request, answer)))),
-            Start::Keyed(intake) => Box::pin(keyed(
-                Rc::clone(&self.service),
-                self.engine.clone(),
-                intake,
-                request,
-            )),
+            Start::Keyed(intake) => Box::pin(keyed(Rc::clone(&self.service), intake, request)),
         }
     }
 }
 
-/// Reads the body and claims; runs the handler on a task of this worker, to
-/// completion even if the client goes away (actix drops this future then).
-async fn keyed<S, B>(
-    service: Rc<S>,
-    engine: Engine,
-    intake: Intake,
-    mut request: ServiceRequest,
-) -> Answer<B>
+/// Reads the body, claims, and runs the handler, to completion even if the
+/// client goes away (actix drops this future then).
+async fn keyed<S, B>(service: Rc<S>, intake: Intake, mut request: ServiceRequest) -> Answer<B>
 where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
@@ -233,30 +222,27 @@ where
             head: (request, head),
         })
     };
-    let (sender, receiver) = oneshot::channel();
-    actix_web::rt::spawn(async move {
-        // Nobody is waiting when the client went away; the answer is recorded.
-        let _ = sender.send(run.respond(handler).await);
+    // Run here; if actix drops this future (the client went away), the rest
+    // goes on in a task of this worker, so the handler is never cancelled.
+    let outcome = Detached::new(run.respond(handler), |rest| {
+        actix_web::rt::spawn(rest);
     });
-    match receiver.await {
-        Ok(Outcome::Deliver {
+    match outcome.await {
+        Outcome::Deliver {
             head: (request, head),
             body,
-        }) => Ok(ServiceResponse::new(
+        } => Ok(ServiceResponse::new(
             request,
             head.set_body(delivered_body(body)),
         )),
-        Ok(Outcome::Answer {
+        Outcome::Answer {
             head: Some((request, _)),
             answer,
-        }) => Ok(ServiceResponse::new(request, into_http_response(answer)).map_into_right_body()),
+        } => Ok(ServiceResponse::new(request, into_http_response(answer)).map_into_right_body()),
         // The request went down with the handler: the answer travels as an
         // error, which actix answers with its response.
-        Ok(Outcome::Answer { head: None, answer }) => Err(AnswerError(answer).into()),
-        Ok(Outcome::Failed(error)) => Err(error),
-        // The worker is shutting down and dropped the task, whose claim was
-        // released.
-        Err(_) => Err(AnswerError(engine.handler_lost()).into()),
+        Outcome::Answer { head: None, answer } => Err(AnswerError(answer).into()),
+        Outcome::Failed(error) => Err(error),
     }
 }
 

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
-use idem_core::protocol::{Decision, Handled, HandlerBody, Intake, Outcome, Start};
+use idem_core::protocol::{Decision, Detached, Handled, HandlerBody, Intake, Outcome, Start};
 use idem_core::{Engine, RequestHead, ScopeSource};
 use tower_service::Service;
 
@@ -98,22 +98,17 @@ where
                 ResponseFuture::pass_through(inner.call(request))
             }
             Start::Answer(answer) => ResponseFuture::answered(to_http(answer)),
-            Start::Keyed(intake) => ResponseFuture::keyed(Box::pin(keyed(
-                intake,
-                self.engine.clone(),
-                inner,
-                parts,
-                body,
-            ))),
+            Start::Keyed(intake) => {
+                ResponseFuture::keyed(Box::pin(keyed(intake, inner, parts, body)))
+            }
         }
     }
 }
 
-/// Reads the body and claims inline; runs the inner service on a task of its
-/// own.
+/// Reads the body, claims, and runs the inner service, all in the request's
+/// own future; the run goes on in a task if the client goes away.
 async fn keyed<S, ReqBody, ResBody>(
     intake: Intake,
-    engine: Engine,
     mut inner: S,
     mut parts: Parts,
     body: ReqBody,
@@ -151,13 +146,15 @@ where
         })
     };
     // From here on the work is the record's, not the connection's: a client
-    // that disconnects drops this future, not the task.
-    match tokio::spawn(run.respond(handler)).await {
-        Ok(Outcome::Deliver { head, body }) => {
+    // that disconnects drops this future, and the rest runs on a task.
+    let outcome = Detached::new(run.respond(handler), |rest| {
+        tokio::spawn(rest);
+    });
+    match outcome.await {
+        Outcome::Deliver { head, body } => {
             Ok(Response::from_parts(head, ResponseBody::delivered(body)))
         }
-        Ok(Outcome::Answer { answer, .. }) => Ok(to_http(answer)),
-        Ok(Outcome::Failed(error)) => Err(error),
-        Err(_) => Ok(to_http(engine.handler_lost())),
+        Outcome::Answer { answer, .. } => Ok(to_http(answer)),
+        Outcome::Failed(error) => Err(error),
     }
 }

@@ -187,7 +187,7 @@ impl Engine {
 
     /// The answer when the task that ran a keyed request was lost (its runtime
     /// shut down): its claim, if any, was released.
-    pub fn handler_lost(&self) -> StoredResponse {
+    pub(crate) fn handler_lost(&self) -> StoredResponse {
         self.handler_failed().to_response()
     }
 

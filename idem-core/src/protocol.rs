@@ -168,6 +168,72 @@ pub enum Delivered<S> {
     },
 }
 
+/// A future that runs to its end even when whoever polls it goes away: polled
+/// in place (no task, no copy) while it is awaited, and handed to `spawn` to
+/// finish in the background if it is dropped before its end. Adapters wrap
+/// [`Run::respond`] in it, so a client that disconnects never cancels the
+/// handler or leaves its record half done, at no cost when it stays.
+///
+/// ```
+/// use idem_core::protocol::Detached;
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// let answer = Detached::new(async { 42 }, |rest| {
+///     tokio::spawn(rest);
+/// })
+/// .await;
+/// assert_eq!(answer, 42);
+/// # });
+/// ```
+#[must_use = "futures do nothing unless awaited"]
+pub struct Detached<F: Future> {
+    future: Option<Pin<Box<F>>>,
+    spawn: fn(Pin<Box<F>>),
+}
+
+impl<F: Future> Detached<F> {
+    /// `future`, finished by `spawn` (say `|rest| { tokio::spawn(rest); }`) if
+    /// it is dropped before its end.
+    pub fn new(future: F, spawn: fn(Pin<Box<F>>)) -> Self {
+        Self {
+            future: Some(Box::pin(future)),
+            spawn,
+        }
+    }
+}
+
+impl<F: Future> Future for Detached<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let Some(future) = self.future.as_mut() else {
+            return Poll::Pending;
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<F: Future> Drop for Detached<F> {
+    fn drop(&mut self) {
+        if let Some(rest) = self.future.take() {
+            (self.spawn)(rest);
+        }
+    }
+}
+
+// `Detached` never pins its future in place: it is boxed.
+impl<F: Future> Unpin for Detached<F> {}
+
+impl<F: Future> std::fmt::Debug for Detached<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Detached")
+            .field("done", &self.future.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
 /// The most of a refused request body that is read (and dropped) before the `413`.
 const DRAIN_BYTES: u64 = 8 * 1024 * 1024;
 /// The longest a refused request body is read before the `413`.

@@ -2,7 +2,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
+
+/// The store's hasher: foldhash (hashbrown's default; seeded per store, fast on
+/// short keys), in place of std's SipHash, which cost a few thousand
+/// instructions per request on the key hashed at every step.
+type RandomState = foldhash::fast::RandomState;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -183,7 +188,7 @@ impl MemoryStoreBuilder {
         MemoryStore {
             inner: Arc::new(Inner {
                 shards,
-                hasher: RandomState::new(),
+                hasher: RandomState::default(),
                 max_records: self.max_records,
                 max_bytes: self.max_bytes,
                 records: AtomicUsize::new(0),
@@ -303,7 +308,7 @@ struct Clock {
 
 #[derive(Default)]
 struct Shard {
-    records: HashMap<RecordKey, Entry>,
+    records: HashMap<RecordKey, Entry, RandomState>,
     /// Every record, by `(expires_at, sequence)`: cleanup walks it from the front.
     by_expiry: BTreeMap<(Instant, u64), RecordKey>,
 }
@@ -311,7 +316,7 @@ struct Shard {
 /// What each scope holds across every shard, sharded by scope. A shard's lock may
 /// be taken while a record shard's lock is held, never the other way round.
 struct ScopeTable {
-    shards: Box<[Mutex<HashMap<Scope, ScopeUsage>>]>,
+    shards: Box<[Mutex<HashMap<Scope, ScopeUsage, RandomState>>]>,
     hasher: RandomState,
     /// How many scopes hold records: `n` in the fair share.
     count: AtomicUsize,
@@ -739,7 +744,7 @@ impl ScopeTable {
     fn new(shards: usize) -> Self {
         Self {
             shards: (0..shards).map(|_| Mutex::default()).collect(),
-            hasher: RandomState::new(),
+            hasher: RandomState::default(),
             count: AtomicUsize::new(0),
             hint: Mutex::new(None),
         }
@@ -833,7 +838,7 @@ impl ScopeTable {
         (self.hasher.hash_one(scope) % self.shards.len() as u64) as usize
     }
 
-    fn lock(&self, index: usize) -> MutexGuard<'_, HashMap<Scope, ScopeUsage>> {
+    fn lock(&self, index: usize) -> MutexGuard<'_, HashMap<Scope, ScopeUsage, RandomState>> {
         // Updates do not panic halfway, so a poisoned shard is still consistent.
         self.shards[index]
             .lock()
