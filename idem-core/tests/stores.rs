@@ -11,6 +11,18 @@ async fn fresh_memory_store() -> MemoryStore {
 
 idem_core::conformance_tests!(fresh_memory_store);
 
+/// The replay cache in front of the in-memory store answers as the store.
+mod replay_cache {
+    use idem_core::MemoryStore;
+    use idem_core::store::ReplayCache;
+
+    async fn fresh_cached_store() -> ReplayCache<MemoryStore> {
+        ReplayCache::new(MemoryStore::new(), 100)
+    }
+
+    idem_core::conformance_tests!(fresh_cached_store);
+}
+
 /// Sequences of claims, renewals, completions, releases, loads, cleanups and clock
 /// jumps give the same answers from a [`MemoryStore`] and from a model that is a
 /// map with explicit times.

@@ -32,6 +32,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use idem_core::Store;
+use idem_core::store::ReplayCache;
 use idem_diesel::testing::TestCluster;
 use idem_diesel::{PgStore, SqliteStore};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -134,6 +135,24 @@ type MakeStore = fn(Arc<Databases>) -> Pin<Box<dyn Future<Output = Arc<dyn Store
 
 /// Every store configuration the conformance suite runs against.
 const STORE_VARIANTS: &[(&str, MakeStore)] = &[
+    // The replay cache in front of each durable store answers as the store.
+    ("postgres_cached", |databases| {
+        Box::pin(async move {
+            let url = databases.fresh_postgres().await;
+            let store = PgStore::connect(&url).await.expect("connect");
+            store.migrate().await.expect("migrate");
+            Arc::new(ReplayCache::new(store, 1_000)) as Arc<dyn Store>
+        })
+    }),
+    ("sqlite_cached", |databases| {
+        Box::pin(async move {
+            let store = SqliteStore::connect(&databases.fresh_sqlite_url())
+                .await
+                .expect("connect");
+            store.migrate().await.expect("migrate");
+            Arc::new(ReplayCache::new(store, 1_000)) as Arc<dyn Store>
+        })
+    }),
     ("postgres", |databases| {
         Box::pin(async move {
             let url = databases.fresh_postgres().await;

@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use crate::{IdempotencyKey, Scope};
 
+mod cache;
 mod memory;
 mod record;
 
 pub use crate::response::{Header, StoredResponse};
+pub use cache::ReplayCache;
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
 
