@@ -16,6 +16,10 @@ use crate::{Databases, TestFn, error_chain};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
+        "postgres::check_schema_names_a_missing_or_older_table_and_the_fix",
+        |d| Box::pin(check_schema_names_a_missing_or_older_table_and_the_fix(d)),
+    ),
+    (
         "postgres::migrations_run_once_under_concurrent_instances",
         |d| Box::pin(migrations_run_once_under_concurrent_instances(d)),
     ),
@@ -294,6 +298,65 @@ async fn claimed_again(store: &PgStore) -> ClaimOutcome {
         .claim(&request("s", "k-0", 1, Duration::from_secs(30)))
         .await
         .expect("claim")
+}
+
+/// The table an older idem-diesel would have made: without `replayable` and
+/// `created_at`.
+const OLDER_TABLE: &str = "CREATE TABLE idem_records (
+    scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
+    state text NOT NULL, owner uuid, lease_until timestamptz, status integer,
+    headers bytea, body bytea, expires_at timestamptz NOT NULL,
+    PRIMARY KEY (scope, key))";
+
+async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<Databases>) {
+    let store = PgStore::connect(&databases.fresh_postgres().await)
+        .await
+        .expect("connect");
+    let missing = store.check_schema().await.unwrap_err();
+    assert!(
+        matches!(&missing, SetupError::SchemaMissing { table } if table == "idem_records"),
+        "{missing:?}"
+    );
+    assert_eq!(
+        missing.to_string(),
+        "the idempotency table idem_records is missing: run store.migrate() at start-up \
+         (or apply store.ddl() with your migration tool)"
+    );
+
+    execute(&store, OLDER_TABLE).await;
+    let older = store.check_schema().await.unwrap_err();
+    assert!(
+        matches!(&older, SetupError::SchemaOutdated { table, missing }
+            if table == "idem_records" && missing == &["replayable", "created_at"]),
+        "{older:?}"
+    );
+    assert!(
+        older
+            .to_string()
+            .ends_with(": run store.migrate() at start-up")
+    );
+
+    execute(&store, "DROP TABLE idem_records").await;
+    store.migrate().await.expect("migrate");
+    store.check_schema().await.expect("a migrated table passes");
+
+    // A configured schema and table are looked up as configured, not through
+    // the search_path, which still finds the default table.
+    let custom = PgStore::builder()
+        .schema("idem")
+        .table("payment_keys")
+        .build(store.pool().clone())
+        .expect("build");
+    let missing = custom.check_schema().await.unwrap_err();
+    assert!(
+        matches!(&missing, SetupError::SchemaMissing { table } if table == "idem.payment_keys"),
+        "{missing:?}"
+    );
+    custom.migrate().await.expect("migrate");
+    custom
+        .check_schema()
+        .await
+        .expect("a migrated custom table passes");
 }
 
 async fn invalid_table_names_are_refused(databases: Arc<Databases>) {

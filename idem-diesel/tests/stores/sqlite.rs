@@ -15,6 +15,10 @@ use crate::postgres::{claimed, request};
 use crate::{Databases, TestFn};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    (
+        "sqlite::check_schema_names_a_missing_or_older_table_and_the_fix",
+        |d| Box::pin(check_schema_names_a_missing_or_older_table_and_the_fix(d)),
+    ),
     ("sqlite::records_survive_reopening_the_file", |d| {
         Box::pin(records_survive_reopening_the_file(d))
     }),
@@ -225,6 +229,64 @@ async fn url_forms_open_the_same_file(databases: Arc<Databases>) {
             .unwrap();
         assert!(found.is_some(), "{url} opens the same file");
     }
+}
+
+async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    let store = SqliteStore::connect(&url).await.expect("connect");
+    let missing = store.check_schema().await.unwrap_err();
+    assert!(
+        matches!(&missing, SetupError::SchemaMissing { table } if table == "idem_records"),
+        "{missing:?}"
+    );
+    assert_eq!(
+        missing.to_string(),
+        "the idempotency table idem_records is missing: run store.migrate() at start-up \
+         (or apply store.ddl() with your migration tool)"
+    );
+
+    // The table an older idem-diesel would have made: without `replayable` and
+    // `created_at`.
+    execute(
+        &store,
+        "CREATE TABLE idem_records (
+            scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint BLOB NOT NULL,
+            state TEXT NOT NULL, owner BLOB, lease_until INTEGER, status INTEGER,
+            headers BLOB, body BLOB, expires_at INTEGER NOT NULL,
+            PRIMARY KEY (scope, key))",
+    )
+    .await;
+    let older = store.check_schema().await.unwrap_err();
+    assert!(
+        matches!(&older, SetupError::SchemaOutdated { table, missing }
+            if table == "idem_records" && missing == &["replayable", "created_at"]),
+        "{older:?}"
+    );
+    assert!(
+        older
+            .to_string()
+            .ends_with(": run store.migrate() at start-up")
+    );
+
+    execute(&store, "DROP TABLE idem_records").await;
+    store.migrate().await.expect("migrate");
+    store.check_schema().await.expect("a migrated table passes");
+
+    let custom = SqliteStore::builder()
+        .table("payment_keys")
+        .connect(&url)
+        .await
+        .expect("connect");
+    let missing = custom.check_schema().await.unwrap_err();
+    assert!(
+        matches!(&missing, SetupError::SchemaMissing { table } if table == "payment_keys"),
+        "{missing:?}"
+    );
+    custom.migrate().await.expect("migrate");
+    custom
+        .check_schema()
+        .await
+        .expect("a migrated custom table passes");
 }
 
 async fn custom_table_is_created_and_used(databases: Arc<Databases>) {
