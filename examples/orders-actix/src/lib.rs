@@ -17,13 +17,16 @@
 //! the `/orders` resource. In the other order every keyed request is answered
 //! `500 scope-unavailable`.
 //!
-//! `src/main.rs` adds the rest of a real server: the tracing subscriber, the
-//! store's migration at start-up, the cleanup job, graceful shutdown.
+//! `src/main.rs` and [`start`] add the rest of a real server: the tracing
+//! subscriber, the store's migration at start-up, the cleanup job, graceful
+//! shutdown.
 
-// The framework-free part (principal, orders table, problem body) is
-// orders-axum's, as is.
+// The framework-free parts (principal, orders table, problem body; start-up and
+// shutdown) are orders-axum's, as they are.
 #[path = "../../orders-axum/src/orders.rs"]
 mod orders;
+#[path = "../../orders-axum/src/start.rs"]
+pub mod start;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};

@@ -15,10 +15,12 @@
 //! route (`route_layer`), authentication on the router after it (`.layer`).
 //! In the other order every keyed request is answered `500 scope-unavailable`.
 //!
-//! `src/main.rs` adds the rest of a real server: the tracing subscriber, the
-//! store's migration at start-up, the cleanup job, graceful shutdown.
+//! `src/main.rs` and [`start`] add the rest of a real server: the tracing
+//! subscriber, the store's migration at start-up, the cleanup job, graceful
+//! shutdown.
 
 mod orders;
+pub mod start;
 
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};

@@ -4,85 +4,26 @@
 //! Prints `listening on http://ADDR` first on stdout (port 0 picks a free
 //! port); logs go to stderr, filtered by `RUST_LOG` (default `info`).
 
-use std::error::Error;
-use std::io::Write;
 use std::process::ExitCode;
 
-use idem_diesel::SqliteStore;
-use orders_axum::{Orders, app};
-use tracing_subscriber::EnvFilter;
+use orders_axum::start::{self, CleanupJob, Options, StartError};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Without a subscriber, the cause of a `503 store-unavailable` is nowhere.
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    match serve().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            let mut message = format!("orders-axum: {error}");
-            let mut source = error.source();
-            while let Some(cause) = source {
-                message.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
-            eprintln!("{message}");
-            ExitCode::FAILURE
-        }
-    }
+    start::init_tracing();
+    start::exit_code("orders-axum", serve().await)
 }
 
-async fn serve() -> Result<(), Box<dyn Error + Send + Sync>> {
-    let (listen, database) = options()?;
-
-    // The records survive restarts in this file; `migrate` creates or upgrades
-    // their table (forgetting it answers every keyed request `503`).
-    let store = SqliteStore::connect(&database).await?;
-    store.migrate().await?;
-    let orders = Orders::open(store.pool().clone()).await?;
-
-    // Deletes expired records (24 h after completion by default), one batch
-    // at a time, until told to stop.
-    let (stop_cleanup, cleanup_stopped) = tokio::sync::oneshot::channel::<()>();
-    let cleanup = tokio::spawn(store.cleanup().run(async {
-        let _ = cleanup_stopped.await;
-    }));
-
-    let listener = tokio::net::TcpListener::bind(&listen).await?;
-    let mut stdout = std::io::stdout().lock();
-    writeln!(stdout, "listening on http://{}", listener.local_addr()?)?;
-    stdout.flush()?;
-    drop(stdout);
-
-    axum::serve(listener, app(store, orders))
+async fn serve() -> Result<(), StartError> {
+    let options = Options::from_args()?;
+    let (store, orders) = start::open(&options.database).await?;
+    let cleanup = CleanupJob::spawn(&store);
+    let listener = tokio::net::TcpListener::bind(&options.listen).await?;
+    start::print_listening(listener.local_addr()?)?;
+    axum::serve(listener, orders_axum::app(store, orders))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
-    let _ = stop_cleanup.send(());
-    let deleted = cleanup.await?;
-    tracing::info!(deleted, "stopped");
-    Ok(())
-}
-
-/// `--listen ADDR` (default `127.0.0.1:3000`) and `--database URL` (default
-/// `sqlite://orders.db`).
-fn options() -> Result<(String, String), String> {
-    let (mut listen, mut database) = ("127.0.0.1:3000".to_owned(), "sqlite://orders.db".to_owned());
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let target = match flag.as_str() {
-            "--listen" => &mut listen,
-            "--database" => &mut database,
-            _ => {
-                return Err(format!(
-                    "unknown argument {flag:?}: expected --listen or --database"
-                ));
-            }
-        };
-        *target = args.next().ok_or(format!("{flag} needs a value"))?;
-    }
-    Ok((listen, database))
+    cleanup.stop().await
 }
 
 /// Resolves on Ctrl-C or SIGTERM; in-flight requests then finish.

@@ -300,6 +300,36 @@ async fn claimed_again(store: &PgStore) -> ClaimOutcome {
         .expect("claim")
 }
 
+/// Asserts that `check_schema` found no table `name`, and says to migrate.
+pub(crate) fn assert_schema_missing(error: &SetupError, name: &str) {
+    assert!(
+        matches!(error, SetupError::SchemaMissing { table } if table == name),
+        "{error:?}"
+    );
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the idempotency table {name} is missing: run store.migrate() at start-up \
+             (or apply store.ddl() with your migration tool)"
+        )
+    );
+}
+
+/// Asserts that `check_schema` found an older `idem_records` (the one without
+/// `replayable` and `created_at`), and says to migrate.
+pub(crate) fn assert_schema_outdated(error: &SetupError) {
+    assert!(
+        matches!(error, SetupError::SchemaOutdated { table, missing }
+            if table == "idem_records" && missing == &["replayable", "created_at"]),
+        "{error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .ends_with(": run store.migrate() at start-up")
+    );
+}
+
 /// The table an older idem-diesel would have made: without `replayable` and
 /// `created_at`.
 const OLDER_TABLE: &str = "CREATE TABLE idem_records (
@@ -312,29 +342,10 @@ async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<
     let store = PgStore::connect(&databases.fresh_postgres().await)
         .await
         .expect("connect");
-    let missing = store.check_schema().await.unwrap_err();
-    assert!(
-        matches!(&missing, SetupError::SchemaMissing { table } if table == "idem_records"),
-        "{missing:?}"
-    );
-    assert_eq!(
-        missing.to_string(),
-        "the idempotency table idem_records is missing: run store.migrate() at start-up \
-         (or apply store.ddl() with your migration tool)"
-    );
+    assert_schema_missing(&store.check_schema().await.unwrap_err(), "idem_records");
 
     execute(&store, OLDER_TABLE).await;
-    let older = store.check_schema().await.unwrap_err();
-    assert!(
-        matches!(&older, SetupError::SchemaOutdated { table, missing }
-            if table == "idem_records" && missing == &["replayable", "created_at"]),
-        "{older:?}"
-    );
-    assert!(
-        older
-            .to_string()
-            .ends_with(": run store.migrate() at start-up")
-    );
+    assert_schema_outdated(&store.check_schema().await.unwrap_err());
 
     execute(&store, "DROP TABLE idem_records").await;
     store.migrate().await.expect("migrate");
@@ -347,10 +358,9 @@ async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<
         .table("payment_keys")
         .build(store.pool().clone())
         .expect("build");
-    let missing = custom.check_schema().await.unwrap_err();
-    assert!(
-        matches!(&missing, SetupError::SchemaMissing { table } if table == "idem.payment_keys"),
-        "{missing:?}"
+    assert_schema_missing(
+        &custom.check_schema().await.unwrap_err(),
+        "idem.payment_keys",
     );
     custom.migrate().await.expect("migrate");
     custom

@@ -11,7 +11,7 @@ use idem_core::store::ClaimOutcome;
 use idem_core::{Scope, Store, StoredResponse};
 use idem_diesel::{SetupError, SqliteStore};
 
-use crate::postgres::{claimed, request};
+use crate::postgres::{assert_schema_missing, assert_schema_outdated, claimed, request};
 use crate::{Databases, TestFn};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
@@ -234,16 +234,7 @@ async fn url_forms_open_the_same_file(databases: Arc<Databases>) {
 async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<Databases>) {
     let url = databases.fresh_sqlite_url();
     let store = SqliteStore::connect(&url).await.expect("connect");
-    let missing = store.check_schema().await.unwrap_err();
-    assert!(
-        matches!(&missing, SetupError::SchemaMissing { table } if table == "idem_records"),
-        "{missing:?}"
-    );
-    assert_eq!(
-        missing.to_string(),
-        "the idempotency table idem_records is missing: run store.migrate() at start-up \
-         (or apply store.ddl() with your migration tool)"
-    );
+    assert_schema_missing(&store.check_schema().await.unwrap_err(), "idem_records");
 
     // The table an older idem-diesel would have made: without `replayable` and
     // `created_at`.
@@ -256,17 +247,7 @@ async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<
             PRIMARY KEY (scope, key))",
     )
     .await;
-    let older = store.check_schema().await.unwrap_err();
-    assert!(
-        matches!(&older, SetupError::SchemaOutdated { table, missing }
-            if table == "idem_records" && missing == &["replayable", "created_at"]),
-        "{older:?}"
-    );
-    assert!(
-        older
-            .to_string()
-            .ends_with(": run store.migrate() at start-up")
-    );
+    assert_schema_outdated(&store.check_schema().await.unwrap_err());
 
     execute(&store, "DROP TABLE idem_records").await;
     store.migrate().await.expect("migrate");
@@ -277,11 +258,7 @@ async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<
         .connect(&url)
         .await
         .expect("connect");
-    let missing = custom.check_schema().await.unwrap_err();
-    assert!(
-        matches!(&missing, SetupError::SchemaMissing { table } if table == "payment_keys"),
-        "{missing:?}"
-    );
+    assert_schema_missing(&custom.check_schema().await.unwrap_err(), "payment_keys");
     custom.migrate().await.expect("migrate");
     custom
         .check_schema()
