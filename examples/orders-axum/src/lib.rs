@@ -22,6 +22,12 @@
 mod orders;
 pub mod start;
 
+/// The top README's Rust snippets, compiled and run as this crate's doctests
+/// (both frameworks': actix-web is a dev-dependency for them).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeSnippets;
+
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
