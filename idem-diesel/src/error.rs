@@ -2,7 +2,7 @@
 
 use idem_core::store::BoxError;
 
-/// Why a store could not be built, connected or migrated.
+/// Why a store could not be built, connected, migrated or checked.
 ///
 /// Store steps fail with [`idem_core::StoreError`] instead; this error belongs to
 /// application startup.
@@ -25,6 +25,37 @@ pub enum SetupError {
     /// The pool could not be built or its first connection failed.
     #[error("could not connect to the database")]
     Connect(#[source] BoxError),
+    /// The store's table does not exist: nothing migrated this database yet.
+    #[error(
+        "the idempotency table {table} is missing: run store.migrate() at start-up \
+         (or apply store.ddl() with your migration tool)"
+    )]
+    SchemaMissing {
+        /// The table, as the database names it.
+        table: String,
+    },
+    /// The store's table exists but lacks columns this version of idem-diesel
+    /// uses: it was created by an older version and not migrated since.
+    #[error(
+        "the idempotency table {table} is older than this library (it lacks the \
+         column(s) {}): run store.migrate() at start-up",
+        .missing.join(", ")
+    )]
+    SchemaOutdated {
+        /// The table, as the database names it.
+        table: String,
+        /// The columns this library needs that the table lacks.
+        missing: Vec<String>,
+    },
+    /// The table's columns could not be read.
+    #[error("could not read the columns of the idempotency table {table}")]
+    SchemaCheck {
+        /// The table, as the database names it.
+        table: String,
+        /// What failed.
+        #[source]
+        source: BoxError,
+    },
     /// Creating or upgrading the table failed.
     #[error("could not migrate the idempotency table {table}")]
     Migrate {

@@ -22,6 +22,10 @@ mod sqlite;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
+/// The core this store implements, re-exported as the adapters re-export it, so
+/// that an application needs no `idem-core` line of its own.
+pub use idem_core;
+
 pub use error::SetupError;
 pub use idem_core::cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use table::DEFAULT_TABLE;

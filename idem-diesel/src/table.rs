@@ -19,6 +19,30 @@ const MAX_TABLE_LEN: usize = 52;
 /// The longest schema name accepted (PostgreSQL's identifier limit).
 const MAX_SCHEMA_LEN: usize = 63;
 
+/// Every column the stores' statements use, in both DDLs. A table that lacks one
+/// was created by an older version: [`Table::check_columns`] names them.
+const COLUMNS: &[&str] = &[
+    "scope",
+    "key",
+    "fingerprint",
+    "state",
+    "owner",
+    "lease_until",
+    "status",
+    "headers",
+    "body",
+    "replayable",
+    "expires_at",
+    "created_at",
+];
+
+/// One column of the store's table, as the schema checks read the catalog.
+#[derive(Debug, diesel::QueryableByName)]
+pub(crate) struct ColumnRow {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    pub(crate) name: String,
+}
+
 /// A validated table name, with an optional schema (PostgreSQL only).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Table {
@@ -42,6 +66,35 @@ impl Table {
     /// Whether this is the table the embedded migrations create.
     pub(crate) fn is_default(&self) -> bool {
         self.schema.is_none() && self.name == DEFAULT_TABLE
+    }
+
+    /// The table's own name, unquoted and unqualified.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether the table the database described (its columns; none when it
+    /// does not exist) is the one this library's statements need: the start-up
+    /// check behind `check_schema`, whose errors name the fix.
+    pub(crate) fn check_columns(&self, found: &[ColumnRow]) -> Result<(), SetupError> {
+        if found.is_empty() {
+            return Err(SetupError::SchemaMissing {
+                table: self.display(),
+            });
+        }
+        let missing: Vec<String> = COLUMNS
+            .iter()
+            .filter(|column| !found.iter().any(|row| row.name == **column))
+            .map(|column| (*column).to_owned())
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(SetupError::SchemaOutdated {
+                table: self.display(),
+                missing,
+            })
+        }
     }
 
     #[cfg(feature = "postgres")]
@@ -180,6 +233,55 @@ mod tests {
         let migration =
             include_str!("../migrations/sqlite/2025-06-01-000000_create_idem_records/up.sql");
         assert_eq!(Table::default().sqlite_ddl(), migration);
+    }
+
+    #[test]
+    fn check_columns_names_what_is_missing() {
+        let table = Table::default();
+        let rows = |names: &[&str]| -> Vec<ColumnRow> {
+            names
+                .iter()
+                .map(|name| ColumnRow {
+                    name: (*name).to_owned(),
+                })
+                .collect()
+        };
+        assert!(table.check_columns(&rows(COLUMNS)).is_ok());
+        let error = table.check_columns(&[]).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "the idempotency table idem_records is missing: run store.migrate() at start-up \
+             (or apply store.ddl() with your migration tool)"
+        );
+        let older: Vec<&str> = COLUMNS
+            .iter()
+            .copied()
+            .filter(|c| !matches!(*c, "replayable" | "created_at"))
+            .collect();
+        let error = table.check_columns(&rows(&older)).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "the idempotency table idem_records is older than this library (it lacks the \
+             column(s) replayable, created_at): run store.migrate() at start-up"
+        );
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn every_column_is_in_the_postgres_ddl() {
+        let ddl = Table::default().postgres_ddl();
+        for column in COLUMNS {
+            assert!(ddl.contains(&format!("\n    {column} ")), "{column}");
+        }
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn every_column_is_in_the_sqlite_ddl() {
+        let ddl = Table::default().sqlite_ddl();
+        for column in COLUMNS {
+            assert!(ddl.contains(&format!("\n    {column} ")), "{column}");
+        }
     }
 
     #[test]

@@ -83,9 +83,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Resolves when the record of `(scope, key)` may have changed from in progress
     /// (completed, released, lapsed), or after `poll` at the latest. The engine
-    /// calls it in wait mode between claims. The default sleeps for `poll`; stores
-    /// that can be notified (the in-memory store, PostgreSQL's `LISTEN`) resolve
-    /// sooner.
+    /// calls it in wait mode between claims. The default sleeps for `poll` (the
+    /// Redis store keeps it). The in-memory store is notified when the record
+    /// settles and resolves at once; idem-diesel's PostgreSQL and SQLite stores
+    /// poll the record (a primary-key lookup 10 ms after the call, then backing off
+    /// to every 200 ms), not `LISTEN`/`NOTIFY`, so that they work through
+    /// transaction-pooling proxies and hold no connection open to listen.
     fn changed<'a>(
         &'a self,
         scope: &'a Scope,

@@ -24,7 +24,7 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{DEFAULT_TABLE, Table};
+use crate::table::{ColumnRow, DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::{Cleanup, SweepGuard, SweepLock};
 use statements::Statements;
@@ -256,6 +256,34 @@ impl PgStore {
                 .await
                 .map_err(|e| failed(e.into()))
         }
+    }
+
+    /// Checks that this store's table exists with every column this version
+    /// uses, so that a forgotten migration fails at start-up, naming the fix,
+    /// instead of answering every keyed request `503 store-unavailable`.
+    ///
+    /// The table is looked up as the store's statements name it (through the
+    /// connection's `search_path` unless a schema is configured).
+    /// [`migrate`](Self::migrate) makes it pass; call it at start-up when your
+    /// own migration tool creates the table ([`ddl`](Self::ddl)). It fails with
+    /// [`SetupError::SchemaMissing`] or [`SetupError::SchemaOutdated`], whose
+    /// messages say to run `store.migrate()`.
+    pub async fn check_schema(&self) -> Result<(), SetupError> {
+        let table = &self.inner.table;
+        let failed = |source: BoxError| SetupError::SchemaCheck {
+            table: table.display(),
+            source,
+        };
+        let mut connection = self.connection().await.map_err(SetupError::connect)?;
+        let found = diesel::sql_query(
+            "SELECT attname::text AS name FROM pg_attribute \
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+        )
+        .bind::<Text, _>(table.sql())
+        .load::<ColumnRow>(&mut *connection)
+        .await
+        .map_err(|e| failed(e.into()))?;
+        table.check_columns(&found)
     }
 
     /// A cleanup job for this store's table, of which one runner at a time

@@ -26,7 +26,7 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{DEFAULT_TABLE, Table};
+use crate::table::{ColumnRow, DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::Cleanup;
 use statements::Statements;
@@ -192,6 +192,31 @@ impl SqliteStore {
                 .await
         };
         outcome.map_err(|e| failed(e.into()))?.map_err(failed)
+    }
+
+    /// Checks that this store's table exists with every column this version
+    /// uses, so that a forgotten migration fails at start-up, naming the fix,
+    /// instead of answering every keyed request `503 store-unavailable`.
+    ///
+    /// [`migrate`](Self::migrate) makes it pass; call it at start-up when your
+    /// own migration tool creates the table ([`ddl`](Self::ddl)). It fails with
+    /// [`SetupError::SchemaMissing`] or [`SetupError::SchemaOutdated`], whose
+    /// messages say to run `store.migrate()`.
+    pub async fn check_schema(&self) -> Result<(), SetupError> {
+        let table = &self.inner.table;
+        let name = table.name().to_owned();
+        let found = self
+            .run_here(move |c, _| {
+                diesel::sql_query("SELECT name FROM pragma_table_info(?)")
+                    .bind::<Text, _>(name)
+                    .load::<ColumnRow>(c)
+            })
+            .await
+            .map_err(|e| SetupError::SchemaCheck {
+                table: table.display(),
+                source: e.into(),
+            })?;
+        table.check_columns(&found)
     }
 
     /// A cleanup job for this store's table. SQLite writers take turns anyway,

@@ -16,6 +16,10 @@ use crate::{Databases, TestFn, error_chain};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
+        "postgres::check_schema_names_a_missing_or_older_table_and_the_fix",
+        |d| Box::pin(check_schema_names_a_missing_or_older_table_and_the_fix(d)),
+    ),
+    (
         "postgres::migrations_run_once_under_concurrent_instances",
         |d| Box::pin(migrations_run_once_under_concurrent_instances(d)),
     ),
@@ -294,6 +298,75 @@ async fn claimed_again(store: &PgStore) -> ClaimOutcome {
         .claim(&request("s", "k-0", 1, Duration::from_secs(30)))
         .await
         .expect("claim")
+}
+
+/// Asserts that `check_schema` found no table `name`, and says to migrate.
+pub(crate) fn assert_schema_missing(error: &SetupError, name: &str) {
+    assert!(
+        matches!(error, SetupError::SchemaMissing { table } if table == name),
+        "{error:?}"
+    );
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the idempotency table {name} is missing: run store.migrate() at start-up \
+             (or apply store.ddl() with your migration tool)"
+        )
+    );
+}
+
+/// Asserts that `check_schema` found an older `idem_records` (the one without
+/// `replayable` and `created_at`), and says to migrate.
+pub(crate) fn assert_schema_outdated(error: &SetupError) {
+    assert!(
+        matches!(error, SetupError::SchemaOutdated { table, missing }
+            if table == "idem_records" && missing == &["replayable", "created_at"]),
+        "{error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .ends_with(": run store.migrate() at start-up")
+    );
+}
+
+/// The table an older idem-diesel would have made: without `replayable` and
+/// `created_at`.
+const OLDER_TABLE: &str = "CREATE TABLE idem_records (
+    scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
+    state text NOT NULL, owner uuid, lease_until timestamptz, status integer,
+    headers bytea, body bytea, expires_at timestamptz NOT NULL,
+    PRIMARY KEY (scope, key))";
+
+async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<Databases>) {
+    let store = PgStore::connect(&databases.fresh_postgres().await)
+        .await
+        .expect("connect");
+    assert_schema_missing(&store.check_schema().await.unwrap_err(), "idem_records");
+
+    execute(&store, OLDER_TABLE).await;
+    assert_schema_outdated(&store.check_schema().await.unwrap_err());
+
+    execute(&store, "DROP TABLE idem_records").await;
+    store.migrate().await.expect("migrate");
+    store.check_schema().await.expect("a migrated table passes");
+
+    // A configured schema and table are looked up as configured, not through
+    // the search_path, which still finds the default table.
+    let custom = PgStore::builder()
+        .schema("idem")
+        .table("payment_keys")
+        .build(store.pool().clone())
+        .expect("build");
+    assert_schema_missing(
+        &custom.check_schema().await.unwrap_err(),
+        "idem.payment_keys",
+    );
+    custom.migrate().await.expect("migrate");
+    custom
+        .check_schema()
+        .await
+        .expect("a migrated custom table passes");
 }
 
 async fn invalid_table_names_are_refused(databases: Arc<Databases>) {

@@ -11,10 +11,14 @@ use idem_core::store::ClaimOutcome;
 use idem_core::{Scope, Store, StoredResponse};
 use idem_diesel::{SetupError, SqliteStore};
 
-use crate::postgres::{claimed, request};
+use crate::postgres::{assert_schema_missing, assert_schema_outdated, claimed, request};
 use crate::{Databases, TestFn};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    (
+        "sqlite::check_schema_names_a_missing_or_older_table_and_the_fix",
+        |d| Box::pin(check_schema_names_a_missing_or_older_table_and_the_fix(d)),
+    ),
     ("sqlite::records_survive_reopening_the_file", |d| {
         Box::pin(records_survive_reopening_the_file(d))
     }),
@@ -225,6 +229,41 @@ async fn url_forms_open_the_same_file(databases: Arc<Databases>) {
             .unwrap();
         assert!(found.is_some(), "{url} opens the same file");
     }
+}
+
+async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    let store = SqliteStore::connect(&url).await.expect("connect");
+    assert_schema_missing(&store.check_schema().await.unwrap_err(), "idem_records");
+
+    // The table an older idem-diesel would have made: without `replayable` and
+    // `created_at`.
+    execute(
+        &store,
+        "CREATE TABLE idem_records (
+            scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint BLOB NOT NULL,
+            state TEXT NOT NULL, owner BLOB, lease_until INTEGER, status INTEGER,
+            headers BLOB, body BLOB, expires_at INTEGER NOT NULL,
+            PRIMARY KEY (scope, key))",
+    )
+    .await;
+    assert_schema_outdated(&store.check_schema().await.unwrap_err());
+
+    execute(&store, "DROP TABLE idem_records").await;
+    store.migrate().await.expect("migrate");
+    store.check_schema().await.expect("a migrated table passes");
+
+    let custom = SqliteStore::builder()
+        .table("payment_keys")
+        .connect(&url)
+        .await
+        .expect("connect");
+    assert_schema_missing(&custom.check_schema().await.unwrap_err(), "payment_keys");
+    custom.migrate().await.expect("migrate");
+    custom
+        .check_schema()
+        .await
+        .expect("a migrated custom table passes");
 }
 
 async fn custom_table_is_created_and_used(databases: Arc<Databases>) {

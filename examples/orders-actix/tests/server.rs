@@ -1,0 +1,10 @@
+//! The example as a process: the checks orders-axum's test runs too.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../../orders-axum/tests/checks/mod.rs"]
+mod checks;
+
+#[tokio::test]
+async fn orders_are_made_once() {
+    checks::orders_are_made_once(env!("CARGO_BIN_EXE_orders-actix")).await;
+}

@@ -1,0 +1,121 @@
+//! Getting started with idem on axum: a small orders API, complete.
+//!
+//! | route | |
+//! |---|---|
+//! | `POST /orders` `{"item": STRING, "quantity": INT}` | creates an order: `201` with it; needs an `Idempotency-Key`, so a retry replays the answer instead of ordering twice |
+//! | `GET /orders` | the caller's orders |
+//!
+//! Every route needs `Authorization: Bearer TOKEN` (`401` problem otherwise).
+//! The caller's [`Principal`] is the idempotency scope: two callers never share
+//! a key.
+//!
+//! **Layer order.** The idempotency layer reads the scope that authentication
+//! put in the request, so authentication must run first, as the outer layer.
+//! axum runs the layer added *last* first: the idempotency layer goes on the
+//! route (`route_layer`), authentication on the router after it (`.layer`).
+//! In the other order every keyed request is answered `500 scope-unavailable`.
+//!
+//! `src/main.rs` and [`start`] add the rest of a real server: the tracing
+//! subscriber, the store's migration at start-up, the cleanup job, graceful
+//! shutdown.
+
+mod orders;
+pub mod start;
+
+/// The top README's Rust snippets, compiled and run as this crate's doctests
+/// (both frameworks': actix-web is a dev-dependency for them).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeSnippets;
+
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use idem_axum::IdempotencyLayer;
+use idem_axum::idem_core::Policy;
+use idem_diesel::SqliteStore;
+
+pub use orders::{NewOrder, Order, Orders, OrdersError, Principal, problem_body};
+
+/// The application: the orders routes behind authentication, `POST /orders`
+/// behind the idempotency layer on `store`. The orders live in the store's
+/// SQLite file ([`Orders::open`] on `store.pool()`).
+pub fn app(store: SqliteStore, orders: Orders) -> Router {
+    let idempotency =
+        IdempotencyLayer::new(store, Policy::required()).scope_from_extension::<Principal>();
+    Router::new()
+        .route(
+            "/orders",
+            post(create_order).route_layer(idempotency).get(list_orders),
+        )
+        // Added last, so it runs first: the idempotency layer finds the principal.
+        .layer(middleware::from_fn(authenticate))
+        .with_state(orders)
+}
+
+/// Puts the caller's [`Principal`] in the request, or answers `401`.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let authorization = request.headers().get(header::AUTHORIZATION);
+    match Principal::from_authorization(authorization.map(|value| value.as_bytes())) {
+        Some(principal) => {
+            request.extensions_mut().insert(principal);
+            next.run(request).await
+        }
+        None => problem(StatusCode::UNAUTHORIZED, "a bearer token is required"),
+    }
+}
+
+/// Runs once per (principal, key): retries get its answer replayed.
+async fn create_order(
+    State(orders): State<Orders>,
+    Extension(principal): Extension<Principal>,
+    Json(order): Json<NewOrder>,
+) -> Response {
+    if order.quantity < 1 {
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "quantity must be at least 1",
+        );
+    }
+    match orders.create(&principal, order).await {
+        Ok(order) => (StatusCode::CREATED, Json(order)).into_response(),
+        Err(error) => unavailable(&error),
+    }
+}
+
+async fn list_orders(
+    State(orders): State<Orders>,
+    Extension(principal): Extension<Principal>,
+) -> Response {
+    match orders.list(&principal).await {
+        Ok(orders) => Json(orders).into_response(),
+        Err(error) => unavailable(&error),
+    }
+}
+
+/// A database failure: `503`, which the idempotency layer does not store, so
+/// the retry runs again. The cause goes to the log only.
+fn unavailable(error: &OrdersError) -> Response {
+    tracing::error!(error = %error, "the orders table failed");
+    problem(StatusCode::SERVICE_UNAVAILABLE, "try again shortly")
+}
+
+/// An RFC 9457 problem answer.
+fn problem(status: StatusCode, detail: &str) -> Response {
+    let title = status.canonical_reason().unwrap_or_default();
+    let mut response = (status, problem_body(status.as_u16(), title, detail)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/problem+json"),
+    );
+    if status == StatusCode::UNAUTHORIZED {
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    response
+}
