@@ -50,7 +50,9 @@ const EXECUTION_RUNNING: &str =
 /// A [`PgStore`] in transactional mode: the claim, the handler's own writes and
 /// the completion commit together, or not at all (`docs/contract.md` §7).
 ///
-/// `claim` checks a connection out of the pool, `BEGIN`s, takes a
+/// `claim` first reads the committed record: a live one (completed and
+/// unexpired: a replay) is answered at once, without a transaction. Otherwise
+/// it `BEGIN`s on a pooled connection, takes a
 /// transaction-scoped advisory lock on the key and writes the in-progress record
 /// inside the transaction. The open transaction is handed to the handler as a
 /// [`PgTransaction`] (through
