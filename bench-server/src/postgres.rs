@@ -67,8 +67,17 @@ const FILL_BODY: usize = 200;
 /// and deletes it.
 pub(crate) fn cluster(options: &ClusterOptions) -> Result<(), BoxError> {
     let cluster = TestCluster::start()?;
+    // `pg_stat_statements` counts the statements each request runs (the bench
+    // prints them per request); it is loaded at server start.
+    cluster.psql(
+        idem_diesel::testing::DEFAULT_DATABASE,
+        "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+    )?;
+    cluster.stop()?;
+    cluster.resume()?;
     for database in &options.databases {
         cluster.create_database(database)?;
+        cluster.psql(database, "CREATE EXTENSION pg_stat_statements")?;
     }
     {
         let mut stdout = std::io::stdout().lock();

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text, Uuid as SqlUuid};
-use diesel::{OptionalExtension, QueryResult, QueryableByName};
+use diesel::{QueryResult, QueryableByName};
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_async::pooled_connection::{
     AsyncDieselConnectionManager, ManagerConfig, PoolableConnection, RecyclingMethod,
@@ -22,7 +22,6 @@ use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 use crate::pool::{self, ConnectFailures};
-use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{ColumnRow, DEFAULT_TABLE, Table};
 use crate::{SetupError, wait};
@@ -312,13 +311,15 @@ impl PgStore {
 
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let mut connection = self.connection().await?;
-        diesel::sql_query(&self.inner.statements.in_progress)
+        let binds = statements::binds()
             .bind::<Text, _>(scope.as_str())
-            .bind::<Text, _>(key.as_str())
-            .prepared()
-            .get_result::<InProgressRow>(&mut *connection)
+            .bind::<Text, _>(key.as_str());
+        self.inner
+            .statements
+            .in_progress
+            .row::<_, InProgressRow>(&mut connection, binds)
             .await
-            .map(|row| row.in_progress)
+            .map(|row| row.is_some_and(|row| row.in_progress))
             .map_err(StoreError::unavailable)
     }
 }
@@ -437,17 +438,19 @@ impl PgStore {
         request: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
-            let row = diesel::sql_query(&self.inner.statements.claim)
+            let binds = statements::binds()
                 .bind::<Text, _>(request.scope.as_str())
                 .bind::<Text, _>(request.key.as_str())
                 .bind::<Binary, _>(&request.fingerprint.as_bytes()[..])
                 .bind::<SqlUuid, _>(request.owner.as_uuid())
                 .bind::<BigInt, _>(duration_micros(request.lease))
-                .bind::<BigInt, _>(duration_micros(request.retention))
-                .prepared()
-                .get_result::<ClaimRow>(connection)
+                .bind::<BigInt, _>(duration_micros(request.retention));
+            let row = self
+                .inner
+                .statements
+                .claim
+                .row::<_, ClaimRow>(connection, binds)
                 .await
-                .optional()
                 .map_err(StoreError::unavailable)?;
             match row {
                 Some(row) if row.claimed => {
@@ -468,7 +471,7 @@ impl PgStore {
         response: &StoredResponse,
         retention: Duration,
     ) -> Result<(), StoreError> {
-        let rows = diesel::sql_query(&self.inner.statements.complete)
+        let binds = statements::binds()
             .bind::<Text, _>(claim.scope.as_str())
             .bind::<Text, _>(claim.key.as_str())
             .bind::<SqlUuid, _>(claim.owner.as_uuid())
@@ -476,10 +479,8 @@ impl PgStore {
             .bind::<Binary, _>(response.encode_headers())
             .bind::<Binary, _>(&response.body[..])
             .bind::<Bool, _>(response.replayable)
-            .bind::<BigInt, _>(duration_micros(retention))
-            .prepared()
-            .execute(connection)
-            .await;
+            .bind::<BigInt, _>(duration_micros(retention));
+        let rows = self.inner.statements.complete.run(connection, binds).await;
         fenced(rows)
     }
 }
@@ -495,13 +496,16 @@ impl Store for PgStore {
     fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let mut connection = self.connection().await?;
-            let rows = diesel::sql_query(&self.inner.statements.renew)
+            let binds = statements::binds()
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
                 .bind::<SqlUuid, _>(claim.owner.as_uuid())
-                .bind::<BigInt, _>(duration_micros(lease))
-                .prepared()
-                .execute(&mut *connection)
+                .bind::<BigInt, _>(duration_micros(lease));
+            let rows = self
+                .inner
+                .statements
+                .renew
+                .run(&mut connection, binds)
                 .await;
             fenced(rows)
         })
@@ -523,12 +527,15 @@ impl Store for PgStore {
     fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let mut connection = self.connection().await?;
-            let rows = diesel::sql_query(&self.inner.statements.release)
+            let binds = statements::binds()
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
-                .bind::<SqlUuid, _>(claim.owner.as_uuid())
-                .prepared()
-                .execute(&mut *connection)
+                .bind::<SqlUuid, _>(claim.owner.as_uuid());
+            let rows = self
+                .inner
+                .statements
+                .release
+                .run(&mut connection, binds)
                 .await;
             fenced(rows)
         })
@@ -541,13 +548,15 @@ impl Store for PgStore {
     ) -> StoreFuture<'a, Option<Record>> {
         Box::pin(async move {
             let mut connection = self.connection().await?;
-            let row = diesel::sql_query(&self.inner.statements.load)
+            let binds = statements::binds()
                 .bind::<Text, _>(scope.as_str())
-                .bind::<Text, _>(key.as_str())
-                .prepared()
-                .get_result::<RecordRow>(&mut *connection)
+                .bind::<Text, _>(key.as_str());
+            let row = self
+                .inner
+                .statements
+                .load
+                .row::<_, RecordRow>(&mut connection, binds)
                 .await
-                .optional()
                 .map_err(StoreError::unavailable)?;
             row.map(|row| row.into_record(scope, key)).transpose()
         })
@@ -556,10 +565,13 @@ impl Store for PgStore {
     fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
             let mut connection = self.connection().await?;
-            let deleted = diesel::sql_query(&self.inner.statements.delete_expired)
-                .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
-                .prepared()
-                .execute(&mut *connection)
+            let binds =
+                statements::binds().bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX));
+            let deleted = self
+                .inner
+                .statements
+                .delete_expired
+                .run(&mut connection, binds)
                 .await
                 .map_err(StoreError::unavailable)?;
             Ok(u64::try_from(deleted).unwrap_or(u64::MAX))

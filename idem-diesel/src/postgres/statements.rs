@@ -1,8 +1,27 @@
-//! The SQL of each store step on PostgreSQL, for one table.
+//! The SQL of each store step on PostgreSQL, for one table, and how it runs.
 //!
 //! Times are compared with the database's clock (`now()`, the start of the
 //! statement's transaction, which for these single-statement steps is the
 //! statement itself); durations are bound as microseconds.
+//!
+//! Each connection keeps every statement prepared. diesel's statement cache
+//! finds a prepared statement by a key: by default its SQL text and bind types,
+//! which costs a hash and a copy of the whole text (over a kilobyte for the
+//! claim) on every execution. The statements of one table are keyed instead by
+//! a type of their own ([`StatementKey`]), a lookup by `TypeId`. A type names
+//! one text for the whole process, so only one table per process gets them: the
+//! first one a store is built for. Stores over other tables (rare: several
+//! tables in one process) fall back to the text key.
+
+use std::any::Any;
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId, SqlQuery};
+use diesel::sql_types::Untyped;
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::row::{COMPLETED, IN_PROGRESS};
 use crate::table::Table;
@@ -12,7 +31,11 @@ use crate::table::Table;
 pub(super) struct Statements {
     /// `$1` scope, `$2` key, `$3` fingerprint, `$4` owner, `$5` lease µs,
     /// `$6` retention µs → zero or one `ClaimRow`.
-    pub(super) claim: String,
+    pub(super) claim: Statement<Claim>,
+    /// `$1` scope, `$2` key → the record as a `RecordRow` when it is live (a
+    /// claim would not take it), without writing anything: what transactional
+    /// mode looks at before it opens a transaction.
+    pub(super) live: Statement<Live>,
     /// The claim of transactional mode, in the execution's transaction: as
     /// `claim`, gated by the key's advisory lock (`$7` class, `$8` lock key
     /// text), with the transaction's lock waits bounded (`$9`, e.g. `5000ms`),
@@ -21,20 +44,20 @@ pub(super) struct Statements {
     /// local to the transaction.
     /// When the lock is held, one `ClaimRow` that stands for the invisible
     /// in-progress record (the request's own fingerprint, its lease).
-    pub(super) transactional_claim: String,
+    pub(super) transactional_claim: Statement<TransactionalClaim>,
     /// `$1` scope, `$2` key, `$3` owner, `$4` lease µs → rows updated.
-    pub(super) renew: String,
+    pub(super) renew: Statement<Renew>,
     /// `$1` scope, `$2` key, `$3` owner, `$4` status, `$5` headers, `$6` body,
     /// `$7` replayable, `$8` retention µs → rows updated.
-    pub(super) complete: String,
+    pub(super) complete: Statement<Complete>,
     /// `$1` scope, `$2` key, `$3` owner → rows deleted.
-    pub(super) release: String,
+    pub(super) release: Statement<Release>,
     /// `$1` scope, `$2` key → zero or one `RecordRow`.
-    pub(super) load: String,
+    pub(super) load: Statement<Load>,
     /// `$1` batch size → rows deleted.
-    pub(super) delete_expired: String,
+    pub(super) delete_expired: Statement<DeleteExpired>,
     /// `$1` scope, `$2` key → one `InProgressRow`.
-    pub(super) in_progress: String,
+    pub(super) in_progress: Statement<InProgress>,
 }
 
 /// The columns of a `RecordRow`, read from the row alias `r`.
@@ -46,6 +69,7 @@ const RECORD_COLUMNS: &str = "r.fingerprint, r.state, uuid_send(r.owner) AS owne
 impl Statements {
     pub(super) fn new(table: &Table) -> Self {
         let t = table.sql();
+        let keyed = *KEYED_TABLE.get_or_init(|| t.clone()) == t;
         // A record counts as new when it is completed and past its retention, or
         // in progress and past its lease. An in-progress record past its
         // retention but under a live lease is still being worked on.
@@ -73,7 +97,7 @@ impl Statements {
             // once, before the statements that read it). When another
             // execution's transaction holds the key, its record is uncommitted
             // and invisible: the third branch answers in its place.
-            transactional_claim: format!(
+            transactional_claim: Statement::new(keyed, format!(
                 "WITH gate AS MATERIALIZED (
                     SELECT set_config('lock_timeout', $9, true) AS lock_timeout,
                            set_config('idle_in_transaction_session_timeout', $10, true)
@@ -105,76 +129,289 @@ impl Statements {
                        NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean,
                        (extract(epoch FROM now() + $6 * interval '1 microsecond') * 1000000)::bigint
                 FROM gate WHERE NOT gate.free"
-            ),
-            // One statement, one round trip. The upsert claims a new, expired or
-            // lapsed record and returns it; otherwise the second branch returns the
-            // record as the statement's snapshot saw it. That snapshot predates the
+            )),
+            // One statement, one round trip. A live record (one a claim would
+            // not take: completed and unexpired, or in progress under its lease)
+            // is returned as the statement's snapshot saw it, and nothing is
+            // written: a replay only reads. Otherwise the upsert claims the new,
+            // expired or lapsed record and returns it. The snapshot predates the
             // statement, so it misses a row another transaction committed while
-            // the upsert waited on it: then neither branch returns a row (or the
-            // snapshot's row is itself claimable) and the caller runs the statement
-            // again with a fresh snapshot.
-            claim: format!(
-                "WITH claimed AS (
+            // the upsert waited on it: then neither branch returns a row and the
+            // caller runs the statement again with a fresh snapshot.
+            claim: Statement::new(keyed, format!(
+                "WITH found AS (
+                    SELECT {RECORD_COLUMNS} FROM {t} AS r
+                    WHERE r.scope = $1 AND r.key = $2 AND NOT ({claimable})
+                ), claimed AS (
                     INSERT INTO {t} AS r
                         (scope, key, fingerprint, state, owner, lease_until, expires_at, created_at)
-                    VALUES ($1, $2, $3, '{IN_PROGRESS}', $4,
-                            now() + $5 * interval '1 microsecond',
-                            now() + $6 * interval '1 microsecond', now())
-                    ON CONFLICT (scope, key) DO UPDATE SET
-                        fingerprint = excluded.fingerprint,
-                        state = excluded.state,
-                        owner = excluded.owner,
-                        lease_until = excluded.lease_until,
-                        status = NULL, headers = NULL, body = NULL, replayable = NULL,
-                        expires_at = excluded.expires_at,
-                        created_at = excluded.created_at
-                    WHERE {claimable}
-                    RETURNING {RECORD_COLUMNS}
+                    SELECT $1, $2, $3, '{IN_PROGRESS}', $4,
+                           now() + $5 * interval '1 microsecond',
+                           now() + $6 * interval '1 microsecond', now()
+                    WHERE NOT EXISTS (SELECT 1 FROM found)
+                    {upsert}
                 )
                 SELECT true AS claimed, * FROM claimed
                 UNION ALL
-                SELECT false AS claimed, {RECORD_COLUMNS} FROM {t} AS r
-                WHERE r.scope = $1 AND r.key = $2
-                  AND NOT ({claimable})
-                  AND NOT EXISTS (SELECT 1 FROM claimed)"
-            ),
-            renew: format!(
+                SELECT false AS claimed, * FROM found"
+            )),
+            live: Statement::new(keyed, format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} AS r
+                 WHERE r.scope = $1 AND r.key = $2 AND NOT ({claimable})"
+            )),
+            renew: Statement::new(keyed, format!(
                 "UPDATE {t} AS r SET lease_until = now() + $4 * interval '1 microsecond'
                  WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
-            ),
-            complete: format!(
+            )),
+            complete: Statement::new(keyed, format!(
                 "UPDATE {t} AS r SET
                     state = '{COMPLETED}', owner = NULL, lease_until = NULL,
                     status = $4, headers = $5, body = $6, replayable = $7,
                     expires_at = now() + $8 * interval '1 microsecond'
                  WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
-            ),
-            release: format!(
+            )),
+            release: Statement::new(keyed, format!(
                 "DELETE FROM {t} AS r
                  WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
-            ),
-            load: format!(
+            )),
+            load: Statement::new(keyed, format!(
                 "SELECT {RECORD_COLUMNS} FROM {t} AS r
                  WHERE r.scope = $1 AND r.key = $2 AND NOT ({expired})"
-            ),
+            )),
             // `ctid = ANY(ARRAY(…))` is a TID scan: the batch is found through the
             // `expires_at` index and deleted by its physical address, without a
             // scan of the table. The outer condition is checked again on the row
             // version the delete meets, so a record claimed anew in between (a new
             // version) survives.
-            delete_expired: format!(
+            delete_expired: Statement::new(keyed, format!(
                 "DELETE FROM {t} AS r
                  WHERE r.ctid = ANY(ARRAY(
                      SELECT r.ctid FROM {t} AS r WHERE {expired} LIMIT $1))
                    AND {expired}"
-            ),
-            in_progress: format!(
+            )),
+            in_progress: Statement::new(keyed, format!(
                 "SELECT EXISTS(
                      SELECT 1 FROM {t} AS r
                      WHERE r.scope = $1 AND r.key = $2
                        AND r.state = '{IN_PROGRESS}' AND r.lease_until > now()
                  ) AS in_progress"
-            ),
+            )),
         }
+    }
+}
+
+/// The SQL text `sql` with every run of whitespace made one space: the text is
+/// sent to the server once per connection, and copied on every execution.
+fn compact(sql: &str) -> String {
+    sql.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The one table whose statements are keyed by type in this process (see the
+/// module docs).
+static KEYED_TABLE: OnceLock<String> = OnceLock::new();
+
+/// What keys a statement in the connections' statement caches: a type of its
+/// own ([`Keyed`]), or its text ([`ByText`]).
+pub(super) trait StatementKey: Any {
+    /// Whether the cache key is this type rather than the text.
+    const BY_TYPE: bool;
+}
+
+/// Keyed by its text (a statement of a table other than the keyed one).
+pub(super) enum ByText {}
+
+impl StatementKey for ByText {
+    const BY_TYPE: bool = false;
+}
+
+macro_rules! statement_keys {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub(super) enum $name {}
+
+        impl StatementKey for $name {
+            const BY_TYPE: bool = true;
+        }
+    )*};
+}
+
+statement_keys!(
+    /// The key of [`Statements::claim`].
+    Claim,
+    /// The key of [`Statements::live`].
+    Live,
+    /// The key of [`Statements::transactional_claim`].
+    TransactionalClaim,
+    /// The key of [`Statements::renew`].
+    Renew,
+    /// The key of [`Statements::complete`].
+    Complete,
+    /// The key of [`Statements::release`].
+    Release,
+    /// The key of [`Statements::load`].
+    Load,
+    /// The key of [`Statements::delete_expired`].
+    DeleteExpired,
+    /// The key of [`Statements::in_progress`].
+    InProgress,
+);
+
+/// One statement's text, and whether it is keyed by `K`.
+pub(super) struct Statement<K> {
+    sql: String,
+    keyed: bool,
+    key: PhantomData<fn() -> K>,
+}
+
+impl<K> std::fmt::Debug for Statement<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Statement")
+            .field("sql", &self.sql)
+            .field("keyed", &self.keyed)
+            .finish()
+    }
+}
+
+/// The binds of one execution: chain `.bind::<Type, _>(value)` on it, in the
+/// order of the placeholders.
+pub(super) fn binds() -> SqlQuery {
+    diesel::sql_query(String::new())
+}
+
+impl<K: StatementKey> Statement<K> {
+    fn new(keyed: bool, sql: String) -> Self {
+        Self {
+            sql: compact(&sql),
+            keyed,
+            key: PhantomData,
+        }
+    }
+
+    /// The statement's text.
+    #[cfg(test)]
+    pub(super) fn sql(&self) -> &str {
+        &self.sql
+    }
+
+    /// Runs the statement with `binds` (see [`binds`]): its one row, if any.
+    pub(super) async fn row<'a, B, R>(
+        &'a self,
+        connection: &mut AsyncPgConnection,
+        binds: B,
+    ) -> QueryResult<Option<R>>
+    where
+        B: QueryFragment<Pg> + Send + 'a,
+        R: QueryableByName<Pg> + Send + 'static,
+    {
+        use diesel::OptionalExtension;
+        if self.keyed && K::BY_TYPE {
+            Execution::<K, B>::new(&self.sql, binds)
+                .get_result(connection)
+                .await
+                .optional()
+        } else {
+            Execution::<ByText, B>::new(&self.sql, binds)
+                .get_result(connection)
+                .await
+                .optional()
+        }
+    }
+
+    /// Runs the statement with `binds` (see [`binds`]): the rows it changed.
+    pub(super) async fn run<'a, B>(
+        &'a self,
+        connection: &mut AsyncPgConnection,
+        binds: B,
+    ) -> QueryResult<usize>
+    where
+        B: QueryFragment<Pg> + Send + 'a,
+    {
+        if self.keyed && K::BY_TYPE {
+            Execution::<K, B>::new(&self.sql, binds)
+                .execute(connection)
+                .await
+        } else {
+            Execution::<ByText, B>::new(&self.sql, binds)
+                .execute(connection)
+                .await
+        }
+    }
+}
+
+/// One execution of a fixed statement: its text, borrowed, and its binds.
+pub(super) struct Execution<'a, K, B> {
+    sql: &'a str,
+    binds: B,
+    key: PhantomData<fn() -> K>,
+}
+
+impl<'a, K, B> Execution<'a, K, B> {
+    fn new(sql: &'a str, binds: B) -> Self {
+        Self {
+            sql,
+            binds,
+            key: PhantomData,
+        }
+    }
+}
+
+impl<K, B: QueryFragment<Pg>> QueryFragment<Pg> for Execution<'_, K, B> {
+    fn walk_ast<'b>(&'b self, mut pass: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        // The binds' own text is empty.
+        self.binds.walk_ast(pass.reborrow())?;
+        pass.push_sql(self.sql);
+        Ok(())
+    }
+
+    // A fixed text: the cache holds a handful of entries per connection.
+    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
+        Ok(true)
+    }
+}
+
+impl<K: StatementKey, B> QueryId for Execution<'_, K, B> {
+    type QueryId = K;
+    const HAS_STATIC_QUERY_ID: bool = K::BY_TYPE;
+}
+
+impl<K, B> Query for Execution<'_, K, B> {
+    type SqlType = Untyped;
+}
+
+impl<K, B, Conn> diesel::RunQueryDsl<Conn> for Execution<'_, K, B> {}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn the_first_table_is_keyed_by_type_and_others_by_text() {
+        let first = Table::new(None, "first_table").unwrap();
+        let other = Table::new(Some("elsewhere"), "first_table").unwrap();
+        let statements = Statements::new(&first);
+        assert!(statements.claim.keyed && statements.complete.keyed);
+        assert!(Statements::new(&first).live.keyed);
+        let elsewhere = Statements::new(&other);
+        assert!(!elsewhere.claim.keyed && !elsewhere.complete.keyed);
+        assert!(
+            elsewhere
+                .claim
+                .sql()
+                .contains(r#"INSERT INTO "elsewhere"."first_table""#)
+        );
+    }
+
+    #[test]
+    fn texts_are_compact() {
+        let statements = Statements::new(&Table::new(None, "first_table").unwrap());
+        let claim = statements.claim.sql();
+        assert!(!claim.contains('\n') && !claim.contains("  "), "{claim}");
+        assert_eq!(
+            compact("SELECT  1\n   FROM t\tWHERE x = '1 microsecond' "),
+            "SELECT 1 FROM t WHERE x = '1 microsecond'"
+        );
     }
 }

@@ -7,8 +7,8 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text, Uuid as SqlUuid};
-use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
@@ -20,10 +20,10 @@ use idem_core::store::{
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
-use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore};
+use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore, statements};
 use crate::pool;
 use crate::prepared::PreparedExt;
-use crate::row::{ClaimRow, duration_micros};
+use crate::row::{ClaimRow, RecordRow, duration_micros};
 use crate::wait;
 use idem_core::cleanup::Cleanup;
 
@@ -50,7 +50,9 @@ const EXECUTION_RUNNING: &str =
 /// A [`PgStore`] in transactional mode: the claim, the handler's own writes and
 /// the completion commit together, or not at all (`docs/contract.md` §7).
 ///
-/// `claim` checks a connection out of the pool, `BEGIN`s, takes a
+/// `claim` first reads the committed record: a live one (completed and
+/// unexpired: a replay) is answered at once, without a transaction. Otherwise
+/// it `BEGIN`s on a pooled connection, takes a
 /// transaction-scoped advisory lock on the key and writes the in-progress record
 /// inside the transaction. The open transaction is handed to the handler as a
 /// [`PgTransaction`] (through
@@ -272,14 +274,28 @@ impl TransactionalPgStore {
         self.transactions().remove(&owner)
     }
 
-    /// Claims inside a fresh transaction; keeps it open when the claim is
-    /// granted, ends it otherwise.
+    /// Answers from the committed record when it is live (a replay, or a plain
+    /// store's execution in progress), without a transaction: one read.
+    /// Otherwise claims inside a fresh transaction; keeps it open when the
+    /// claim is granted, ends it otherwise.
     async fn claim_in_transaction(
         &self,
         request: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
         let inner = &self.store.inner;
         let mut connection = pool::checkout_owned(&inner.pool, inner.failures.as_ref()).await?;
+        let binds = statements::binds()
+            .bind::<Text, _>(request.scope.as_str())
+            .bind::<Text, _>(request.key.as_str());
+        let live = inner
+            .statements
+            .live
+            .row::<_, RecordRow>(&mut connection, binds)
+            .await
+            .map_err(StoreError::unavailable)?;
+        if let Some(record) = live {
+            return record.into_found();
+        }
         AnsiTransactionManager::begin_transaction(&mut *connection)
             .await
             .map_err(StoreError::unavailable)?;
@@ -316,7 +332,7 @@ impl TransactionalPgStore {
         let keepalive = Keepalive::for_lease(request.lease);
         let lock_key = self.lock_key(&request.scope, &request.key);
         for _ in 0..CLAIM_ATTEMPTS {
-            let row = diesel::sql_query(&self.store.inner.statements.transactional_claim)
+            let binds = statements::binds()
                 .bind::<Text, _>(request.scope.as_str())
                 .bind::<Text, _>(request.key.as_str())
                 .bind::<Binary, _>(&request.fingerprint.as_bytes()[..])
@@ -330,11 +346,14 @@ impl TransactionalPgStore {
                 .bind::<Text, _>(keepalive.idle_secs.to_string())
                 .bind::<Text, _>(keepalive.interval_secs.to_string())
                 .bind::<Text, _>(KEEPALIVE_PROBES.to_string())
-                .bind::<Text, _>(keepalive.bound_millis().to_string())
-                .prepared()
-                .get_result::<ClaimRow>(&mut *connection)
+                .bind::<Text, _>(keepalive.bound_millis().to_string());
+            let row = self
+                .store
+                .inner
+                .statements
+                .transactional_claim
+                .row::<_, ClaimRow>(connection, binds)
                 .await
-                .optional()
                 .map_err(StoreError::unavailable)?;
             match row {
                 Some(row) if row.claimed => {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel::QueryableByName;
-use diesel::sql_types::BigInt;
+use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
 use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoreError, StoredResponse};
@@ -33,6 +33,9 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     ),
     ("postgres::store_statements_stay_prepared", |d| {
         Box::pin(store_statements_stay_prepared(d))
+    }),
+    ("postgres::a_claim_of_a_live_record_writes_nothing", |d| {
+        Box::pin(a_claim_of_a_live_record_writes_nothing(d))
     }),
     ("postgres::invalid_table_names_are_refused", |d| {
         Box::pin(invalid_table_names_are_refused(d))
@@ -284,13 +287,79 @@ async fn store_statements_stay_prepared(databases: Arc<Databases>) {
             &store,
             "SELECT count(*) AS n FROM pg_prepared_statements
              WHERE statement NOT LIKE '%pg_prepared_statements%'
-               AND (statement LIKE '%WITH claimed AS%'
+               AND (statement LIKE '%claimed AS%'
                     OR statement LIKE '%SET%state = ''completed''%')"
         )
         .await,
         2,
         "the claim and the completion are each prepared once and reused: one round trip per step"
     );
+}
+
+/// The row version of `key_name` in scope `s`: its physical address and the
+/// transaction that last locked or updated it (0 when none did).
+async fn row_version(store: &PgStore, key_name: &str) -> (String, String) {
+    #[derive(QueryableByName)]
+    struct Version {
+        #[diesel(sql_type = Text)]
+        ctid: String,
+        #[diesel(sql_type = Text)]
+        xmax: String,
+    }
+    let mut connection = store.pool().get().await.expect("a connection");
+    let version = diesel::sql_query(
+        "SELECT ctid::text AS ctid, xmax::text AS xmax FROM idem_records
+         WHERE scope = 's' AND key = $1",
+    )
+    .bind::<Text, _>(key_name)
+    .get_result::<Version>(&mut *connection)
+    .await
+    .expect("the record's row");
+    (version.ctid, version.xmax)
+}
+
+async fn a_claim_of_a_live_record_writes_nothing(databases: Arc<Databases>) {
+    let store = fresh_store(&databases).await;
+    let lease = Duration::from_secs(30);
+    let running = claimed(&store, &request("s", "running", 1, lease)).await;
+    let done = claimed(&store, &request("s", "done", 1, lease)).await;
+    store
+        .complete(
+            &done,
+            &StoredResponse::new(201, vec![], "ok"),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("complete");
+    let before = (
+        row_version(&store, "running").await,
+        row_version(&store, "done").await,
+    );
+    assert_eq!((before.0.1.as_str(), before.1.1.as_str()), ("0", "0"));
+    for _ in 0..3 {
+        let found = store
+            .claim(&request("s", "running", 1, lease))
+            .await
+            .expect("claim");
+        assert!(
+            matches!(found, ClaimOutcome::InProgress { .. }),
+            "{found:?}"
+        );
+        let found = store
+            .claim(&request("s", "done", 1, lease))
+            .await
+            .expect("claim");
+        assert!(matches!(found, ClaimOutcome::Completed { .. }), "{found:?}");
+    }
+    let after = (
+        row_version(&store, "running").await,
+        row_version(&store, "done").await,
+    );
+    assert_eq!(
+        after, before,
+        "a claim that finds a live record neither locks nor updates its row"
+    );
+    store.release(&running).await.expect("release");
 }
 
 async fn claimed_again(store: &PgStore) -> ClaimOutcome {

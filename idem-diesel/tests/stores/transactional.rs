@@ -44,6 +44,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         |d| Box::pin(a_duplicate_during_the_transaction_gets_409(d)),
     ),
     (
+        "transactional::a_replay_reads_the_record_outside_any_transaction",
+        |d| Box::pin(a_replay_reads_the_record_outside_any_transaction(d)),
+    ),
+    (
         "transactional::a_lock_wait_past_lock_timeout_fails_and_rolls_back",
         |d| Box::pin(a_lock_wait_past_lock_timeout_fails_and_rolls_back(d)),
     ),
@@ -178,6 +182,47 @@ where
     while !condition().await {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+async fn a_replay_reads_the_record_outside_any_transaction(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let engine = engine(&store, Policy::required());
+    let execution = execute_new(&engine, "paid").await;
+    let settlement = execution.settle(&created("paid")).await;
+    assert!(matches!(settlement, Settlement::Deliver), "{settlement:?}");
+    // Another session holds the key's execution lock (class 0x69646d03, the
+    // hash of the table, the scope and the key, newline-separated: what an
+    // execution's transaction takes). A replay that opened a transaction and
+    // tried the lock would answer in progress; the replay reads the completed
+    // record without either.
+    let mut holder = plain.pool().get().await.expect("a connection");
+    holder
+        .batch_execute(
+            "SELECT pg_advisory_lock(1768189187, hashtext('idem_records' || E'\\n' || 'alice' || E'\\n' || 'paid'))",
+        )
+        .await
+        .expect("lock");
+    let replay = store
+        .claim(&idem_core::store::ClaimRequest {
+            scope: Scope::new("alice"),
+            key: key("paid"),
+            fingerprint: fingerprint(),
+            owner: idem_core::store::OwnerToken::random(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(60),
+        })
+        .await
+        .expect("claim");
+    let idem_core::store::ClaimOutcome::Completed { response, .. } = replay else {
+        panic!("a completed record answered {replay:?}");
+    };
+    assert_eq!(response.body, "paid");
+    assert_eq!(store.open_transactions(), 0);
+    holder
+        .batch_execute("SELECT pg_advisory_unlock_all()")
+        .await
+        .expect("unlock");
 }
 
 async fn a_stored_status_commits_the_record_and_the_writes_together(databases: Arc<Databases>) {

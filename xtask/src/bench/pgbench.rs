@@ -144,6 +144,25 @@ pub(crate) fn binary() -> Option<PathBuf> {
     })
 }
 
+/// The statements the cluster has run so far, all databases, as
+/// `pg_stat_statements` counts them (the extension is loaded by `bench-server
+/// cluster`); `None` when it cannot be read. Its own query is not counted.
+pub(crate) fn statements_run(pgbench: &std::path::Path, port: u16) -> Option<u64> {
+    let output = Command::new(pgbench.with_file_name("psql"))
+        .args(["-X", "-q", "-A", "-t", "-h", "127.0.0.1", "-U", "postgres"])
+        .args(["-p", &port.to_string(), "-d", "bench", "-c"])
+        .arg(
+            "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements \
+             WHERE query NOT LIKE '%pg_stat_statements%'",
+        )
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    String::from_utf8_lossy(&output.stdout).trim().parse().ok()
+}
+
 /// pgbench against one database of the bench's cluster.
 pub(crate) struct PgBench {
     pub(crate) binary: PathBuf,

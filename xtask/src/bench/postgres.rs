@@ -85,7 +85,7 @@ fn limit(
             &["--store", &url, "--pool", &pool, "--transactional"],
             UNPINNED,
         );
-        let workload = |server: &Server, replay: bool| -> Result<Measured, String> {
+        let workload = |server: &Server, replay: bool| -> Result<(Measured, Counted), String> {
             let workload = Workload {
                 server,
                 path: "/layered",
@@ -101,28 +101,41 @@ fn limit(
                     Expect::Executed
                 },
             };
+            let statements_before = pgbench::statements_run(&pgbench.binary, port);
             let before = postgres_cpu_seconds(port);
             let mut measured = bench.run_workload(&workload, c, UNPINNED)?;
             measured.database_cpu_seconds = before
                 .zip(postgres_cpu_seconds(port))
                 .map(|(before, after)| after - before);
-            Ok(measured)
+            let counted = Counted {
+                statements: statements_before
+                    .zip(pgbench::statements_run(&pgbench.binary, port))
+                    .map(|(before, after)| after.saturating_sub(before)),
+                answers: measured.answered,
+            };
+            Ok((measured, counted))
         };
         let mut first = Measured::default();
         let mut replay = Measured::default();
         let mut tx_first = Measured::default();
         let mut tx_replay = Measured::default();
+        // Statements per answer: first, replay, transactional first, replay.
+        let mut counted = [Counted::default(); 4];
         let mut bench_first = None::<pgbench::Outcome>;
         let mut bench_replay = None::<pgbench::Outcome>;
         let mut tx_error = transactional.as_ref().err().cloned();
         for _ in 0..bench.settings.rounds {
-            first = first.pooled(workload(&plain, false)?);
+            let (run, count) = workload(&plain, false)?;
+            first = first.pooled(run);
+            counted[0] = counted[0].add(count);
             let run = pgbench.run(&scripts.first, c, seconds)?;
             bench_first = Some(match bench_first {
                 Some(earlier) => earlier.pooled(run),
                 None => run,
             });
-            replay = replay.pooled(workload(&plain, true)?);
+            let (run, count) = workload(&plain, true)?;
+            replay = replay.pooled(run);
+            counted[1] = counted[1].add(count);
             let run = pgbench.run(&scripts.replay, c, seconds)?;
             bench_replay = Some(match bench_replay {
                 Some(earlier) => earlier.pooled(run),
@@ -131,9 +144,11 @@ fn limit(
             if let (Ok(server), None) = (&transactional, &tx_error) {
                 match workload(server, false).and_then(|first| Ok((first, workload(server, true)?)))
                 {
-                    Ok((first, replay)) => {
+                    Ok(((first, first_count), (replay, replay_count))) => {
                         tx_first = tx_first.pooled(first);
                         tx_replay = tx_replay.pooled(replay);
+                        counted[2] = counted[2].add(first_count);
+                        counted[3] = counted[3].add(replay_count);
                     }
                     Err(error) => tx_error = Some(error),
                 }
@@ -194,6 +209,27 @@ fn limit(
                 );
             }
         }
+        let kinds = [
+            ("first execution", "; goal 2"),
+            ("replay", "; goal 1"),
+            ("transactional first execution", ""),
+            ("transactional replay", "; goal 1"),
+        ];
+        for (index, ((what, floor), count)) in kinds.iter().zip(counted).enumerate() {
+            if index >= 2 && tx_error.is_some() {
+                continue;
+            }
+            report.figures.push(Figure {
+                section: "postgres",
+                what: format!("statements per PgStore {what} (c={c})"),
+                value: count.per_answer(),
+                unit: "statements",
+                note: format!(
+                    "pg_stat_statements calls / answers (warm-up and replay priming \
+                     included), one round trip each{floor}"
+                ),
+            });
+        }
         match tx_error {
             None => {
                 report.rows.push(Row::from_load(
@@ -227,6 +263,33 @@ fn limit(
         }
     }
     Ok(())
+}
+
+/// Statements the cluster ran during a workload, and the workload's answers.
+#[derive(Clone, Copy, Default)]
+struct Counted {
+    /// `None` when `pg_stat_statements` could not be read.
+    statements: Option<u64>,
+    answers: u64,
+}
+
+impl Counted {
+    fn add(self, other: Self) -> Self {
+        let statements = if self.answers == 0 {
+            other.statements
+        } else {
+            self.statements.zip(other.statements).map(|(a, b)| a + b)
+        };
+        Self {
+            statements,
+            answers: self.answers + other.answers,
+        }
+    }
+
+    fn per_answer(self) -> Option<f64> {
+        let statements = self.statements?;
+        (self.answers > 0).then(|| statements as f64 / self.answers as f64)
+    }
 }
 
 fn pgbench_row(what: &str, c: usize, outcome: &pgbench::Outcome) -> Row {
