@@ -883,6 +883,90 @@ mod tests {
         );
     }
 
+    /// A store whose first `failures` renewals fail, then behaves.
+    struct StumblingRenewals {
+        memory: MemoryStore,
+        failures: std::sync::atomic::AtomicU32,
+    }
+
+    impl Store for StumblingRenewals {
+        fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
+            self.memory.claim(request)
+        }
+        fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
+            let left = self.failures.load(std::sync::atomic::Ordering::SeqCst);
+            if left > 0 {
+                self.failures
+                    .store(left - 1, std::sync::atomic::Ordering::SeqCst);
+                return Box::pin(async { Err(StoreError::unavailable(Refused)) });
+            }
+            self.memory.renew(claim, lease)
+        }
+        fn complete<'a>(
+            &'a self,
+            claim: &'a Claim,
+            response: &'a StoredResponse,
+            retention: Duration,
+        ) -> StoreFuture<'a, ()> {
+            self.memory.complete(claim, response, retention)
+        }
+        fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
+            self.memory.release(claim)
+        }
+        fn load<'a>(
+            &'a self,
+            scope: &'a Scope,
+            key: &'a IdempotencyKey,
+        ) -> StoreFuture<'a, Option<Record>> {
+            self.memory.load(scope, key)
+        }
+        fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+            self.memory.delete_expired(batch)
+        }
+    }
+
+    /// The reproduction: two failed renewals in a row, the default
+    /// lease, a 90 s handler, a duplicate waiting from 15 s: one execution.
+    #[tokio::test(start_paused = true)]
+    async fn two_failed_renewals_in_a_row_do_not_run_the_handler_twice() {
+        let store = Arc::new(StumblingRenewals {
+            memory: MemoryStore::new(),
+            failures: std::sync::atomic::AtomicU32::new(2),
+        });
+        let policy = Policy::required().in_progress(InProgress::Wait {
+            up_to: Duration::from_secs(120),
+        });
+        let engine = Engine::from_shared(store, policy);
+        let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let attempt = |engine: Engine, runs: Arc<std::sync::atomic::AtomicU32>| async move {
+            match engine.begin(Scope::new("s"), key("k"), fp(1)).await {
+                Begin::Execute(execution) => {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let response = execution
+                        .run(async {
+                            tokio::time::sleep(Duration::from_secs(90)).await;
+                            ok(201, "once")
+                        })
+                        .await;
+                    let _ = execution.settle(&response).await;
+                    response
+                }
+                Begin::Replay(response) => response,
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        let first = tokio::spawn(attempt(engine.clone(), Arc::clone(&runs)));
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let duplicate = tokio::spawn(attempt(engine, Arc::clone(&runs)));
+        let (first, duplicate) = (first.await.unwrap(), duplicate.await.unwrap());
+        assert_eq!(
+            runs.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "one execution"
+        );
+        assert_eq!(first.body, duplicate.body);
+    }
+
     struct FailingStore;
 
     #[derive(Debug, thiserror::Error)]
