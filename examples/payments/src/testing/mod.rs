@@ -129,111 +129,38 @@ pub fn run(binary: &str) -> ExitCode {
 /// A trial: an async function over the suite that panics on failure.
 type TestFn = fn(Arc<Suite>) -> Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// `"prefix" => module::function, …` as `(name, TestFn)` pairs, each trial
+/// named `prefix::function`.
+macro_rules! trials {
+    ($($prefix:literal => $module:ident :: $test:ident),* $(,)?) => {
+        &[$((
+            concat!($prefix, "::", stringify!($test)),
+            |suite| Box::pin($module::$test(suite)),
+        )),*]
+    };
+}
+
 /// Every trial, by name.
-const TRIALS: &[(&str, TestFn)] = &[
-    (
-        "crash::sigkill_mid_charge_applies_each_charge_exactly_once",
-        |suite| {
-            Box::pin(crash::sigkill_mid_charge_applies_each_charge_exactly_once(
-                suite,
-            ))
-        },
-    ),
-    (
-        "transactional::a_duplicate_during_the_transaction_replays_the_committed_answer",
-        |suite| {
-            Box::pin(trials::a_duplicate_during_the_transaction_replays_the_committed_answer(suite))
-        },
-    ),
-    (
-        "ledger::the_ledger_and_the_records_survive_a_restart",
-        |suite| Box::pin(trials::the_ledger_and_the_records_survive_a_restart(suite)),
-    ),
-    (
-        "provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key",
-        |suite| {
-            Box::pin(provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key(suite))
-        },
-    ),
-    (
-        "provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again",
-        |suite| {
-            Box::pin(provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again(suite))
-        },
-    ),
-    (
-        "provider::help_lists_the_provider_and_lease_flags",
-        |suite| Box::pin(provider::help_lists_the_provider_and_lease_flags(suite)),
-    ),
-    ("logs::no_token_key_or_body_in_the_log_at_trace", |suite| {
-        Box::pin(logs::no_token_key_or_body_in_the_log_at_trace(suite))
-    }),
-    (
-        "routes::deposits_invalid_bodies_overflow_and_principals_on_postgres",
-        |suite| {
-            Box::pin(trials::deposits_invalid_bodies_overflow_and_principals_on_postgres(suite))
-        },
-    ),
-    (
-        "service::the_binary_charges_once_per_key_on_the_memory_store",
-        |suite| Box::pin(service::the_binary_charges_once_per_key_on_the_memory_store(suite)),
-    ),
-    (
-        "service::the_default_sqlite_store_keeps_records_and_ledger_across_a_restart",
-        |suite| {
-            Box::pin(
-                service::the_default_sqlite_store_keeps_records_and_ledger_across_a_restart(suite),
-            )
-        },
-    ),
-    (
-        "service::the_help_lists_retention_and_cleanup_interval_with_their_defaults",
-        |suite| {
-            Box::pin(
-                service::the_help_lists_retention_and_cleanup_interval_with_their_defaults(suite),
-            )
-        },
-    ),
-    (
-        "service::a_charge_retried_after_its_retention_runs_afresh",
-        |suite| {
-            Box::pin(service::a_charge_retried_after_its_retention_runs_afresh(
-                suite,
-            ))
-        },
-    ),
-    ("service::the_binary_refuses_an_unknown_store", |suite| {
-        Box::pin(service::the_binary_refuses_an_unknown_store(suite))
-    }),
-    ("service::a_charge_answers_its_receipt", |suite| {
-        Box::pin(service::a_charge_answers_its_receipt(suite))
-    }),
-    ("service::a_charge_needs_a_key_and_a_principal", |suite| {
-        Box::pin(service::a_charge_needs_a_key_and_a_principal(suite))
-    }),
-    (
-        "service::deposits_without_a_key_take_effect_every_time",
-        |suite| {
-            Box::pin(service::deposits_without_a_key_take_effect_every_time(
-                suite,
-            ))
-        },
-    ),
-    (
-        "service::an_invalid_body_is_a_400_problem_and_is_replayed",
-        |suite| {
-            Box::pin(service::an_invalid_body_is_a_400_problem_and_is_replayed(
-                suite,
-            ))
-        },
-    ),
-    ("service::principals_do_not_share_keys", |suite| {
-        Box::pin(service::principals_do_not_share_keys(suite))
-    }),
-    (
-        "service::parallel_charges_with_one_key_charge_once",
-        |suite| Box::pin(service::parallel_charges_with_one_key_charge_once(suite)),
-    ),
+const TRIALS: &[(&str, TestFn)] = trials![
+    "crash" => crash::sigkill_mid_charge_applies_each_charge_exactly_once,
+    "transactional" => trials::a_duplicate_during_the_transaction_replays_the_committed_answer,
+    "ledger" => trials::the_ledger_and_the_records_survive_a_restart,
+    "provider" => provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key,
+    "provider" => provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again,
+    "provider" => provider::help_lists_the_provider_and_lease_flags,
+    "logs" => logs::no_token_key_or_body_in_the_log_at_trace,
+    "routes" => trials::deposits_invalid_bodies_overflow_and_principals_on_postgres,
+    "service" => service::the_binary_charges_once_per_key_on_the_memory_store,
+    "service" => service::the_default_sqlite_store_keeps_records_and_ledger_across_a_restart,
+    "service" => service::the_help_lists_retention_and_cleanup_interval_with_their_defaults,
+    "service" => service::a_charge_retried_after_its_retention_runs_afresh,
+    "service" => service::the_binary_refuses_an_unknown_store,
+    "service" => service::a_charge_answers_its_receipt,
+    "service" => service::a_charge_needs_a_key_and_a_principal,
+    "service" => service::deposits_without_a_key_take_effect_every_time,
+    "service" => service::an_invalid_body_is_a_400_problem_and_is_replayed,
+    "service" => service::principals_do_not_share_keys,
+    "service" => service::parallel_charges_with_one_key_charge_once,
 ];
 
 /// How long a trial may run before it counts as hung (a guard against a hang,

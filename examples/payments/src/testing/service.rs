@@ -40,6 +40,26 @@ fn problem_type(reply: &Reply) -> String {
     problem["type"].as_str().unwrap_or_default().to_owned()
 }
 
+/// Charges `order-1` as `alice`: a fresh `201`.
+async fn first_charge(server: &Server) -> Reply {
+    let first = send(server, charge("alice", Some("order-1"))).await;
+    assert_eq!((first.status, first.replayed), (201, false), "{first:?}");
+    first
+}
+
+/// Retries `order-1`: `first` replayed, byte for byte, and `acct-1` charged once.
+async fn replayed_once(server: &Server, first: Reply) {
+    let retry = send(server, charge("alice", Some("order-1"))).await;
+    assert_eq!(
+        retry,
+        Reply {
+            replayed: true,
+            ..first
+        }
+    );
+    assert_eq!(server.endpoint().account("acct-1").await, (100, 1));
+}
+
 /// On `--store memory`, a retried charge replays its answer and charges once,
 /// and no database file is written.
 pub(crate) async fn the_binary_charges_once_per_key_on_the_memory_store(suite: Arc<Suite>) {
@@ -52,17 +72,8 @@ pub(crate) async fn the_binary_charges_once_per_key_on_the_memory_store(suite: A
         },
     )
     .await;
-    let first = send(&server, charge("alice", Some("order-1"))).await;
-    assert_eq!((first.status, first.replayed), (201, false), "{first:?}");
-    let retry = send(&server, charge("alice", Some("order-1"))).await;
-    assert_eq!(
-        retry,
-        Reply {
-            replayed: true,
-            ..first
-        }
-    );
-    assert_eq!(server.endpoint().account("acct-1").await, (100, 1));
+    let first = first_charge(&server).await;
+    replayed_once(&server, first).await;
     server.kill().await;
     assert!(!scratch.path().join("payments.db").exists());
 }
@@ -75,23 +86,14 @@ pub(crate) async fn the_default_sqlite_store_keeps_records_and_ledger_across_a_r
     let scratch = Scratch::new("payments-sqlite");
     let launch = Launch::default_store_in(scratch.path());
     let server = Server::launch(suite.binary(), launch.clone()).await;
-    let first = send(&server, charge("alice", Some("order-1"))).await;
-    assert_eq!((first.status, first.replayed), (201, false), "{first:?}");
+    let first = first_charge(&server).await;
     server.kill().await;
     assert!(scratch.path().join("payments.db").exists());
 
     let server = Server::launch(suite.binary(), launch).await;
     // The ledger is in the same file: the charge is still there, once.
     assert_eq!(server.endpoint().account("acct-1").await, (100, 1));
-    let retry = send(&server, charge("alice", Some("order-1"))).await;
-    assert_eq!(
-        retry,
-        Reply {
-            replayed: true,
-            ..first
-        }
-    );
-    assert_eq!(server.endpoint().account("acct-1").await, (100, 1));
+    replayed_once(&server, first).await;
     server.kill().await;
 }
 
@@ -129,8 +131,7 @@ pub(crate) async fn a_charge_retried_after_its_retention_runs_afresh(suite: Arc<
             .arg("--cleanup-interval-secs", 1),
     )
     .await;
-    let first = send(&server, charge("alice", Some("order-1"))).await;
-    assert_eq!((first.status, first.replayed), (201, false), "{first:?}");
+    first_charge(&server).await;
     let retry = send(&server, charge("alice", Some("order-1"))).await;
     assert_eq!((retry.status, retry.replayed), (201, true), "{retry:?}");
     // Past the retention (and a sweep of the cleanup job), the key is new again.
