@@ -4,16 +4,15 @@
 use std::sync::Arc;
 
 use super::Suite;
-use super::server::{Launch, Post, Server};
+use super::server::{Launch, Post, Scratch, Server};
 use crate::Principal;
 
 /// Every store, `RUST_LOG=trace`, each kind of keyed and unkeyed request: the
 /// whole log holds the scope (the token's hash) but never the token, a key or
 /// a body.
 pub(crate) async fn no_token_key_or_body_in_the_log_at_trace(suite: Arc<Suite>) {
-    let scratch = std::env::temp_dir().join(format!("payments-logs-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&scratch).expect("a scratch directory");
-    let sqlite = format!("sqlite://{}", scratch.join("payments.db").display());
+    let scratch = Scratch::new("payments-logs");
+    let sqlite = scratch.sqlite();
     let postgres = suite.fresh_database().await;
     for store in ["memory", sqlite.as_str(), postgres.as_str()] {
         let secrets = Secrets::new();
@@ -47,7 +46,6 @@ pub(crate) async fn no_token_key_or_body_in_the_log_at_trace(suite: Arc<Suite>) 
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&scratch);
 }
 
 /// A token, keys and bodies that appear nowhere else.

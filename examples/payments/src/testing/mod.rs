@@ -1,7 +1,7 @@
-//! The checks both example binaries pass as processes on PostgreSQL (feature
-//! `test-util`), so that `payments-axum` and `payments-actix` are held to the
-//! same behaviour by the same code. Each example's `tests/postgres.rs` is one
-//! line:
+//! The checks both example binaries pass as processes (feature `test-util`),
+//! so that `payments-axum` and `payments-actix` are held to the same behaviour
+//! by the same code. Each example has one test binary, `tests/binary.rs`
+//! (`harness = false`), which is one line:
 //!
 //! ```no_run
 //! fn main() -> std::process::ExitCode {
@@ -10,13 +10,16 @@
 //! ```
 //!
 //! [`run`] is the test binary's harness (libtest-mimic, so the usual filters
-//! and `--list` work): it starts a throwaway PostgreSQL cluster on first use
-//! (idem-diesel's `TestCluster`), gives each trial a fresh database, runs the
-//! trials, and removes the cluster at the end. Servers are started with
-//! `--listen 127.0.0.1:0` and killed (`SIGKILL`) when a trial is done with
-//! them, or drops them on a failure.
+//! and `--list` work): it runs the trials, starting a throwaway PostgreSQL
+//! cluster (idem-diesel's `TestCluster`) when the first trial that needs one
+//! asks for a database, giving each such trial a fresh database, and removes
+//! the cluster at the end. The `service::` trials use the memory and SQLite
+//! stores only: run alone (`cargo test -p payments-axum -- service::`), they
+//! start no cluster. Servers are started with `--listen 127.0.0.1:0` and
+//! killed (`SIGKILL`) when a trial is done with them, or drops them on a
+//! failure.
 //!
-//! The trials:
+//! The trials on PostgreSQL (some on every store):
 //!
 //! - **the crash test** (`crash::sigkill_mid_charge_applies_each_charge_exactly_once`):
 //!   rounds of a server started with a random `--provider-latency-ms`, a batch
@@ -43,6 +46,27 @@
 //! - on every store, with `RUST_LOG=trace`, every kind of request leaves the
 //!   scope in the log but never the bearer token, a full idempotency key or a
 //!   request body.
+//!
+//! The `service::` trials, on memory and SQLite (`docs/contract.md` §8):
+//!
+//! - on `--store memory`, a retried charge replays its answer byte for byte
+//!   and charges once, and no database file is written;
+//! - without `--store`, records and ledger go to `payments.db` in the working
+//!   directory and survive a restart (the retry replays, once);
+//! - `--help` shows `--retention-secs` (86400) and `--cleanup-interval-secs`
+//!   (60) with their defaults; with a retention of a second, a charge retried
+//!   past it runs afresh;
+//! - an unknown `--store` exits with an error naming it, and listens nowhere;
+//! - a charge answers `201` and exactly its receipt; without a key it is a
+//!   `400` `missing-key`, without a bearer token a `401` `unauthorized`,
+//!   applying nothing;
+//! - deposits without a key take effect every time, with one once;
+//! - an invalid body is a `400` `invalid-request`, replayed on retry;
+//! - two principals with one key make two charges;
+//! - twenty charges at once with one key are `201`s or `409`s and charge once.
+//!
+//! Every answer's `Idempotent-Replayed` header is either absent or `true`, and
+//! every `GET /accounts/{id}` is exactly `{"account_id", "balance", "operations"}`.
 
 // Test support: a failed expectation is a panic, which fails the trial.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -52,6 +76,7 @@ mod database;
 mod logs;
 mod provider;
 mod server;
+mod service;
 mod trials;
 
 use std::any::Any;
@@ -104,51 +129,38 @@ pub fn run(binary: &str) -> ExitCode {
 /// A trial: an async function over the suite that panics on failure.
 type TestFn = fn(Arc<Suite>) -> Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// `"prefix" => module::function, …` as `(name, TestFn)` pairs, each trial
+/// named `prefix::function`.
+macro_rules! trials {
+    ($($prefix:literal => $module:ident :: $test:ident),* $(,)?) => {
+        &[$((
+            concat!($prefix, "::", stringify!($test)),
+            |suite| Box::pin($module::$test(suite)),
+        )),*]
+    };
+}
+
 /// Every trial, by name.
-const TRIALS: &[(&str, TestFn)] = &[
-    (
-        "crash::sigkill_mid_charge_applies_each_charge_exactly_once",
-        |suite| {
-            Box::pin(crash::sigkill_mid_charge_applies_each_charge_exactly_once(
-                suite,
-            ))
-        },
-    ),
-    (
-        "transactional::a_duplicate_during_the_transaction_replays_the_committed_answer",
-        |suite| {
-            Box::pin(trials::a_duplicate_during_the_transaction_replays_the_committed_answer(suite))
-        },
-    ),
-    (
-        "ledger::the_ledger_and_the_records_survive_a_restart",
-        |suite| Box::pin(trials::the_ledger_and_the_records_survive_a_restart(suite)),
-    ),
-    (
-        "provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key",
-        |suite| {
-            Box::pin(provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key(suite))
-        },
-    ),
-    (
-        "provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again",
-        |suite| {
-            Box::pin(provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again(suite))
-        },
-    ),
-    (
-        "provider::help_lists_the_provider_and_lease_flags",
-        |suite| Box::pin(provider::help_lists_the_provider_and_lease_flags(suite)),
-    ),
-    ("logs::no_token_key_or_body_in_the_log_at_trace", |suite| {
-        Box::pin(logs::no_token_key_or_body_in_the_log_at_trace(suite))
-    }),
-    (
-        "routes::deposits_invalid_bodies_overflow_and_principals_on_postgres",
-        |suite| {
-            Box::pin(trials::deposits_invalid_bodies_overflow_and_principals_on_postgres(suite))
-        },
-    ),
+const TRIALS: &[(&str, TestFn)] = trials![
+    "crash" => crash::sigkill_mid_charge_applies_each_charge_exactly_once,
+    "transactional" => trials::a_duplicate_during_the_transaction_replays_the_committed_answer,
+    "ledger" => trials::the_ledger_and_the_records_survive_a_restart,
+    "provider" => provider::a_charge_calls_the_provider_once_with_a_stable_forwarded_key,
+    "provider" => provider::a_failed_provider_call_is_a_502_and_the_retry_calls_again,
+    "provider" => provider::help_lists_the_provider_and_lease_flags,
+    "logs" => logs::no_token_key_or_body_in_the_log_at_trace,
+    "routes" => trials::deposits_invalid_bodies_overflow_and_principals_on_postgres,
+    "service" => service::the_binary_charges_once_per_key_on_the_memory_store,
+    "service" => service::the_default_sqlite_store_keeps_records_and_ledger_across_a_restart,
+    "service" => service::the_help_lists_retention_and_cleanup_interval_with_their_defaults,
+    "service" => service::a_charge_retried_after_its_retention_runs_afresh,
+    "service" => service::the_binary_refuses_an_unknown_store,
+    "service" => service::a_charge_answers_its_receipt,
+    "service" => service::a_charge_needs_a_key_and_a_principal,
+    "service" => service::deposits_without_a_key_take_effect_every_time,
+    "service" => service::an_invalid_body_is_a_400_problem_and_is_replayed,
+    "service" => service::principals_do_not_share_keys,
+    "service" => service::parallel_charges_with_one_key_charge_once,
 ];
 
 /// How long a trial may run before it counts as hung (a guard against a hang,

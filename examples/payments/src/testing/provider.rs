@@ -7,25 +7,19 @@ use idem_core::{IdempotencyKey, Scope};
 use payments_provider::Provider;
 
 use super::Suite;
-use super::server::{Launch, Post, Reply, Server};
+use super::server::{Launch, Post, Reply, Scratch, Server, help};
 use crate::{Principal, forwarded_key};
 
 const BODY: &str = r#"{"amount": 250, "currency": "EUR"}"#;
 
 /// The stores a provider trial runs on: memory, a SQLite file in `scratch`, and
 /// a fresh PostgreSQL database (transactional).
-async fn stores(suite: &Arc<Suite>, scratch: &std::path::Path) -> [String; 3] {
+async fn stores(suite: &Arc<Suite>, scratch: &Scratch) -> [String; 3] {
     [
         "memory".to_owned(),
-        format!("sqlite://{}", scratch.join("payments.db").display()),
+        scratch.sqlite(),
         suite.fresh_database().await,
     ]
-}
-
-fn scratch() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("payments-provider-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
 }
 
 /// The `Idempotency-Key` the service forwards for `token`'s `key`.
@@ -49,7 +43,7 @@ fn charge<'a>(principal: &'a str, key: &'a str) -> Post<'a> {
 pub(crate) async fn a_charge_calls_the_provider_once_with_a_stable_forwarded_key(
     suite: Arc<Suite>,
 ) {
-    let scratch = scratch();
+    let scratch = Scratch::new("payments-provider");
     for store in stores(&suite, &scratch).await {
         let provider = Provider::start().await.expect("a provider");
         let server = Server::launch(
@@ -117,14 +111,13 @@ pub(crate) async fn a_charge_calls_the_provider_once_with_a_stable_forwarded_key
         assert_eq!(endpoint.account("acct-provider").await, (750, 3), "{store}");
         server.kill().await;
     }
-    let _ = std::fs::remove_dir_all(&scratch);
 }
 
 /// A provider that declines (`500`) or cannot be reached: the charge is a `502`
 /// problem, nothing is applied, and the retry with the same key calls the
 /// provider again with the same forwarded key and applies once.
 pub(crate) async fn a_failed_provider_call_is_a_502_and_the_retry_calls_again(suite: Arc<Suite>) {
-    let scratch = scratch();
+    let scratch = Scratch::new("payments-provider");
     for store in stores(&suite, &scratch).await {
         let provider = Provider::start().await.expect("a provider");
         provider.answer_with(500);
@@ -178,7 +171,6 @@ pub(crate) async fn a_failed_provider_call_is_a_502_and_the_retry_calls_again(su
         );
         server.kill().await;
     }
-    let _ = std::fs::remove_dir_all(&scratch);
 }
 
 fn assert_provider_failed(reply: &Reply, store: &str) {
@@ -193,13 +185,7 @@ fn assert_provider_failed(reply: &Reply, store: &str) {
 
 /// `--help` documents both flags and their defaults.
 pub(crate) async fn help_lists_the_provider_and_lease_flags(suite: Arc<Suite>) {
-    let output = tokio::process::Command::new(suite.binary())
-        .arg("--help")
-        .output()
-        .await
-        .expect("run --help");
-    assert!(output.status.success());
-    let help = String::from_utf8_lossy(&output.stdout);
+    let help = help(suite.binary()).await;
     for expected in [
         "--provider-url <URL>",
         "--lease-secs <LEASE_SECS>",

@@ -35,8 +35,11 @@ pub(crate) struct Server {
 /// How to start a server beyond its binary.
 #[derive(Clone, Debug)]
 pub(crate) struct Launch<'a> {
-    /// `--store`.
-    pub(crate) store: &'a str,
+    /// `--store`; without it, the binary's default (`sqlite://payments.db`,
+    /// in [`dir`](Self::dir)).
+    pub(crate) store: Option<&'a str>,
+    /// The working directory; the test's own without it.
+    pub(crate) dir: Option<&'a Path>,
     /// More arguments (`--provider-latency-ms`, `--lease-secs`, …).
     pub(crate) args: Vec<String>,
     /// `RUST_LOG`.
@@ -49,10 +52,20 @@ impl<'a> Launch<'a> {
     /// On `store`, logging warnings, keeping the last lines for a failure's report.
     pub(crate) fn new(store: &'a str) -> Self {
         Self {
-            store,
+            store: Some(store),
+            dir: None,
             args: Vec::new(),
             rust_log: "warn",
             log_lines: LOG_LINES,
+        }
+    }
+
+    /// On the binary's default store, in `dir`: `sqlite://payments.db` there.
+    pub(crate) fn default_store_in(dir: &'a Path) -> Self {
+        Self {
+            store: None,
+            dir: Some(dir),
+            ..Self::new("")
         }
     }
 
@@ -86,7 +99,7 @@ pub(crate) struct Reply {
 pub(crate) struct Post<'a> {
     /// `/accounts/{account}/charges` or `…/deposits`.
     pub(crate) path: &'a str,
-    /// The bearer token.
+    /// The bearer token; empty: no `Authorization` header.
     pub(crate) principal: &'a str,
     /// The `Idempotency-Key`, if any.
     pub(crate) key: Option<&'a str>,
@@ -108,8 +121,15 @@ impl Server {
     /// Starts `binary` as `launch` says, and waits for its `listening on` line.
     pub(crate) async fn launch(binary: &Path, launch: Launch<'_>) -> Self {
         let log_lines = launch.log_lines;
-        let mut child = Command::new(binary)
-            .args(["--listen", "127.0.0.1:0", "--store", launch.store])
+        let mut command = Command::new(binary);
+        command.args(["--listen", "127.0.0.1:0"]);
+        if let Some(store) = launch.store {
+            command.args(["--store", store]);
+        }
+        if let Some(dir) = launch.dir {
+            command.current_dir(dir);
+        }
+        let mut child = command
             .args(&launch.args)
             .env_remove("DATABASE_URL")
             .env("RUST_LOG", launch.rust_log)
@@ -204,18 +224,22 @@ impl Endpoint {
         let mut request = self
             .client
             .post(format!("{}{}", self.base, post.path))
-            .bearer_auth(post.principal)
             .header("content-type", "application/json")
             .body(post.body.to_owned());
+        if !post.principal.is_empty() {
+            request = request.bearer_auth(post.principal);
+        }
         if let Some(key) = post.key {
             request = request.header("idempotency-key", key);
         }
         let response = request.send().await?;
         let status = response.status().as_u16();
-        let replayed = response
-            .headers()
-            .get("idempotent-replayed")
-            .is_some_and(|value| value == "true");
+        // `Idempotent-Replayed: true` on a replay, and no such header otherwise.
+        let replayed = match response.headers().get("idempotent-replayed") {
+            None => false,
+            Some(value) if value == "true" => true,
+            Some(value) => panic!("{post:?}: Idempotent-Replayed: {value:?}"),
+        };
         let body = response.text().await?;
         Ok(Reply {
             status,
@@ -242,7 +266,8 @@ impl Endpoint {
         );
     }
 
-    /// `GET /accounts/{account}` as `(balance, operations)`.
+    /// `GET /accounts/{account}` as `(balance, operations)`; the view must be
+    /// exactly `{"account_id", "balance", "operations"}`.
     pub(crate) async fn account(&self, account: &str) -> (i64, u64) {
         let response = self
             .client
@@ -256,6 +281,10 @@ impl Endpoint {
         assert_eq!(view["account_id"], account, "{view}");
         let balance = view["balance"].as_i64().expect("a balance");
         let operations = view["operations"].as_u64().expect("an operation count");
+        assert_eq!(
+            view,
+            serde_json::json!({"account_id": account, "balance": balance, "operations": operations})
+        );
         (balance, operations)
     }
 }
@@ -263,4 +292,45 @@ impl Endpoint {
 fn tail(log: &Mutex<VecDeque<String>>) -> String {
     let log = log.lock().unwrap_or_else(PoisonError::into_inner);
     log.iter().cloned().collect::<Vec<_>>().join("\n")
+}
+
+/// A directory of its own under the system's temporary directory, removed
+/// when dropped (a failed trial's too).
+pub(crate) struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    /// A new, empty directory whose name starts with `prefix`.
+    pub(crate) fn new(prefix: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir)
+            .unwrap_or_else(|error| panic!("create {}: {error}", dir.display()));
+        Self(dir)
+    }
+
+    /// The directory.
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// `sqlite://` and a database file in the directory.
+    pub(crate) fn sqlite(&self) -> String {
+        format!("sqlite://{}", self.0.join("payments.db").display())
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `binary --help`'s standard output; the command must succeed.
+pub(crate) async fn help(binary: &Path) -> String {
+    let output = Command::new(binary)
+        .arg("--help")
+        .output()
+        .await
+        .unwrap_or_else(|error| panic!("run {} --help: {error}", binary.display()));
+    assert!(output.status.success(), "--help: {output:?}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }

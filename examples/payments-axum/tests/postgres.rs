@@ -1,8 +1,0 @@
-//! payments-axum as a process on PostgreSQL: the crash test (`SIGKILL` while
-//! charges are in flight; each charge takes effect exactly once), transactional
-//! mode's duplicates, a restart, and the routes. The trials are
-//! `payments::testing`'s, shared with payments-actix.
-
-fn main() -> std::process::ExitCode {
-    payments::testing::run(env!("CARGO_BIN_EXE_payments-axum"))
-}
