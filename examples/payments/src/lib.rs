@@ -35,10 +35,17 @@
 //!   effect or none, and the retry gets exactly one charge. A duplicate that
 //!   arrives while the first request's transaction is open waits for the commit
 //!   and replays the committed answer.
+//! - `redis://HOST:PORT` or `redis+cluster://HOST:PORT[,HOST:PORT…]`:
+//!   idem-redis's store, and the ledger in the same Redis ([`Ledger::redis`]);
+//!   both survive an application restart, and as much of a Redis restart or
+//!   failover as Redis's persistence and replication keep. The record and the
+//!   account cannot change in one step; the ledger remembers which operation
+//!   each key applied, so a retry after a crash gets it back instead of a
+//!   second charge.
 //!
 //! `open` migrates the store's table and the ledger's
 //! (`payment_accounts`, `payment_operations`; see [`Ledger`]) and starts the
-//! store's cleanup job. `--retention-secs` (default 86 400, the contract's
+//! store's cleanup job (Redis needs none: it expires records itself). `--retention-secs` (default 86 400, the contract's
 //! 24 h) is how long the keyed routes keep a completed record, and
 //! `--cleanup-interval-secs` (default 60) how often the job deletes the
 //! expired ones ([`Expiry`]).
