@@ -269,7 +269,7 @@ async fn a_charge_retried_after_its_retention_runs_afresh() {
 async fn the_binary_refuses_an_unknown_store() {
     let scratch = Scratch::new();
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_payments-actix"))
-        .args(["--listen", "127.0.0.1:0", "--store", "redis://localhost"])
+        .args(["--listen", "127.0.0.1:0", "--store", "mysql://localhost"])
         .current_dir(&scratch.0)
         .output()
         .await
@@ -278,7 +278,7 @@ async fn the_binary_refuses_an_unknown_store() {
     assert!(output.stdout.is_empty());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("unknown store \"redis://localhost\""),
+        stderr.contains("unknown store \"mysql://localhost\""),
         "{stderr}"
     );
 }
