@@ -63,7 +63,7 @@ async fn run(options: LoadOptions) -> Result<(), BoxError> {
     let run_id = uuid::Uuid::new_v4().simple().to_string();
     if options.mode == Mode::Replay {
         for n in 0..REPLAY_POOL {
-            once(&store, &scope, &format!("replay-{n}"), true).await?;
+            once(&store, &scope, &format!("replay-{n}"), Step::Prime).await?;
         }
     }
     let measuring = Arc::new(AtomicBool::new(false));
@@ -86,7 +86,11 @@ async fn run(options: LoadOptions) -> Result<(), BoxError> {
                         Mode::Replay => format!("replay-{}", (caller * 7919 + n) % REPLAY_POOL),
                     };
                     let started = Instant::now();
-                    once(&store, &scope, &key, mode == Mode::First).await?;
+                    let step = match mode {
+                        Mode::First => Step::First,
+                        Mode::Replay => Step::Replay,
+                    };
+                    once(&store, &scope, &key, step).await?;
                     if measuring.load(Ordering::Relaxed) {
                         latencies.push(started.elapsed());
                     }
@@ -124,13 +128,19 @@ async fn run(options: LoadOptions) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// One operation: a claim of `key`, completed when it was new and `complete`.
-async fn once(
-    store: &RedisStore,
-    scope: &Scope,
-    key: &str,
-    complete: bool,
-) -> Result<(), BoxError> {
+/// What one call of [`once`] does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Claims a new key and completes it.
+    First,
+    /// Claims a completed key.
+    Replay,
+    /// Makes sure the key is completed (claims and completes it, or finds it so).
+    Prime,
+}
+
+/// One operation on `key`.
+async fn once(store: &RedisStore, scope: &Scope, key: &str, step: Step) -> Result<(), BoxError> {
     let request = ClaimRequest {
         scope: scope.clone(),
         key: IdempotencyKey::new(key)?,
@@ -139,14 +149,14 @@ async fn once(
         lease: Duration::from_secs(30),
         retention: Duration::from_secs(3600),
     };
-    match store.claim(&request).await? {
-        ClaimOutcome::Claimed(claim) if complete => {
+    match (store.claim(&request).await?, step) {
+        (ClaimOutcome::Claimed(claim), Step::First | Step::Prime) => {
             store
                 .complete(&claim, &handler::recorded(BODY), request.retention)
                 .await?;
             Ok(())
         }
-        ClaimOutcome::Completed { .. } if !complete => Ok(()),
-        other => Err(format!("{key}: unexpected claim outcome {other:?}").into()),
+        (ClaimOutcome::Completed { .. }, Step::Replay | Step::Prime) => Ok(()),
+        (other, _) => Err(format!("{key}: unexpected claim outcome {other:?}").into()),
     }
 }

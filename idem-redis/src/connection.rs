@@ -136,10 +136,25 @@ impl RedisConnection {
     }
 }
 
+/// One node's commands are tried a second time when the first found no
+/// connection (`ECONNREFUSED`: nothing was sent). `ConnectionManager` keeps the
+/// outcome of its last reconnection: after an outage, that is the refusal of an
+/// attempt made while the server was down, and the first command after the
+/// server is back would fail on it, only starting a new attempt. The second try
+/// waits for that attempt, so the first request after an outage succeeds. A
+/// command that may have reached the server (a connection dropped mid-way) is
+/// not repeated. The cluster client retries by itself.
 impl ConnectionLike for RedisConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Self::Single(connection) => connection.req_packed_command(cmd),
+            Self::Single(connection) => Box::pin(async move {
+                match connection.req_packed_command(cmd).await {
+                    Err(error) if error.is_connection_refusal() => {
+                        connection.req_packed_command(cmd).await
+                    }
+                    answered => answered,
+                }
+            }),
             Self::Cluster(connection) => connection.req_packed_command(cmd),
         }
     }
@@ -151,7 +166,19 @@ impl ConnectionLike for RedisConnection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
-            Self::Single(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Self::Single(connection) => Box::pin(async move {
+                match connection
+                    .req_packed_commands(pipeline, offset, count)
+                    .await
+                {
+                    Err(error) if error.is_connection_refusal() => {
+                        connection
+                            .req_packed_commands(pipeline, offset, count)
+                            .await
+                    }
+                    answered => answered,
+                }
+            }),
             Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
         }
     }

@@ -45,6 +45,13 @@
 //!   effect or none, and the retry gets exactly one charge. A duplicate that
 //!   arrives while the first request's transaction is open waits for the commit
 //!   and replays the committed answer.
+//! - `redis://HOST:PORT` or `redis+cluster://HOST:PORT[,HOST:PORT…]`:
+//!   idem-redis's store, and the ledger in the same Redis ([`Ledger::redis`]);
+//!   both survive an application restart, and as much of a Redis restart or
+//!   failover as Redis's persistence and replication keep. The record and the
+//!   account cannot change in one step; the ledger remembers which operation
+//!   each key applied, so a retry after a crash gets it back instead of a
+//!   second charge.
 //!
 //! ## The provider and the lease
 //!
@@ -64,8 +71,9 @@
 //!
 //! `open` migrates the store's table and the ledger's
 //! (`payment_accounts`, `payment_operations`; see [`Ledger`]) and starts the
-//! store's cleanup job. `--retention-secs` (default 86 400, the 24 h
-//! of `docs/contract.md` §6) is how long the keyed routes keep a completed record, and
+//! store's cleanup job (Redis needs none: it expires records itself).
+//! `--retention-secs` (default 86 400, the 24 h of `docs/contract.md` §6) is
+//! how long the keyed routes keep a completed record, and
 //! `--cleanup-interval-secs` (default 60) how often the job deletes the
 //! expired ones ([`Expiry`]).
 //!

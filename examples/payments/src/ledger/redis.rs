@@ -147,3 +147,65 @@ fn parse_applied(applied: &str) -> Option<Applied> {
         balance: balance.parse().ok()?,
     })
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use idem_core::{IdempotencyKey, Scope};
+    use idem_redis::testing::TestRedis;
+
+    use super::*;
+    use crate::{Ledger, LedgerError, OperationKind};
+
+    async fn ledger() -> Ledger {
+        let redis = TestRedis::shared();
+        Ledger::redis(
+            redis.fresh_store().await.connection(),
+            Duration::from_secs(60),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_keys_operation_is_applied_once_and_answered_again() {
+        let ledger = ledger().await;
+        let account = format!("acct-{}", Uuid::new_v4());
+        let charge = Operation::new(OperationKind::Charge, &account, 25, "EUR");
+        let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("k-1").unwrap());
+        let first = ledger.apply(&charge, &keyed).await.unwrap();
+        let again = ledger.apply(&charge, &keyed).await.unwrap();
+        assert_eq!(again, first, "the key's operation, not a second one");
+        let other_scope = Attempt::keyed(Scope::new("bob"), IdempotencyKey::new("k-1").unwrap());
+        let bobs = ledger.apply(&charge, &other_scope).await.unwrap();
+        assert_ne!(bobs.id, first.id);
+        for _ in 0..2 {
+            ledger.apply(&charge, &Attempt::unkeyed()).await.unwrap();
+        }
+        let view = ledger.account(&account).await.unwrap();
+        assert_eq!((view.balance, view.operations), (100, 4));
+    }
+
+    #[tokio::test]
+    async fn an_overflowing_balance_is_refused_and_applies_nothing() {
+        let ledger = ledger().await;
+        let account = format!("acct-{}", Uuid::new_v4());
+        let huge = Operation::new(OperationKind::Deposit, &account, i64::MAX, "EUR");
+        ledger.apply(&huge, &Attempt::unkeyed()).await.unwrap();
+        let one = Operation::new(OperationKind::Deposit, &account, 1, "EUR");
+        assert!(matches!(
+            ledger.apply(&one, &Attempt::unkeyed()).await,
+            Err(LedgerError::Overflow { .. })
+        ));
+        let view = ledger.account(&account).await.unwrap();
+        assert_eq!((view.balance, view.operations), (i64::MAX, 1));
+        assert_eq!(ledger.account("unknown").await.unwrap().operations, 0);
+    }
+
+    #[test]
+    fn account_keys_cannot_spell_each_other() {
+        assert_eq!(account_key("a}b"), "payments:{account:3:a}b}");
+        assert_ne!(
+            format!("{}:operations", account_key("x")),
+            account_key("x}:operations")
+        );
+    }
+}
