@@ -54,9 +54,13 @@ pub(crate) struct CleanupOptions {
     /// Records per delete statement.
     #[arg(long, default_value_t = 1_000)]
     batch: usize,
-    /// Pause between two batches, in milliseconds.
-    #[arg(long, default_value_t = 10)]
+    /// The shortest pause between two batches, in milliseconds (the job's
+    /// default, 1).
+    #[arg(long, default_value_t = 1)]
     pause_ms: u64,
+    /// The job's duty cycle (its default, 0.5; 1 pauses only `pause_ms`).
+    #[arg(long, default_value_t = 0.5)]
+    duty: f64,
 }
 
 /// The body size of filled records.
@@ -235,7 +239,8 @@ pub(crate) async fn cleanup(options: CleanupOptions) -> Result<(), BoxError> {
     let cleanup = store
         .cleanup()
         .batch_size(options.batch)
-        .pause(Duration::from_millis(options.pause_ms));
+        .pause(Duration::from_millis(options.pause_ms))
+        .duty_cycle(options.duty);
     let started = Instant::now();
     let report = cleanup.sweep().await;
     let seconds = started.elapsed().as_secs_f64();

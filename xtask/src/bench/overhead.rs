@@ -75,7 +75,8 @@ pub(super) fn overhead(bench: &Bench, report: &mut Report) -> Result<(), String>
                             Target::None,
                         )
                         .note(format!(
-                            "server CPU per request: bare {bare_cost:.1} us, layered {cost:.1} us"
+                            "added server CPU per request {:.1} us (bare {bare_cost:.1} us, layered {cost:.1} us)",
+                            cost - bare_cost
                         )),
                     );
                 }
