@@ -34,10 +34,6 @@ impl ResponseError for AnswerError {
 pub(crate) struct RequestHeaders<'a>(pub(crate) &'a HeaderMap);
 
 impl HeaderSource for RequestHeaders<'_> {
-    fn header(&self, name: &str) -> Option<&[u8]> {
-        self.0.get(name).map(HeaderValue::as_bytes)
-    }
-
     fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
         self.0
             .get_all(name)

@@ -10,10 +10,6 @@ use crate::ResponseBody;
 pub(crate) struct HttpHeaders<'a>(pub(crate) &'a HeaderMap);
 
 impl HeaderSource for HttpHeaders<'_> {
-    fn header(&self, name: &str) -> Option<&[u8]> {
-        self.0.get(name).map(HeaderValue::as_bytes)
-    }
-
     fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
         self.0
             .get_all(name)

@@ -23,8 +23,10 @@ const CHUNK: usize = 16 * 1024;
 struct JsonHeaders;
 
 impl HeaderSource for JsonHeaders {
-    fn header(&self, name: &str) -> Option<&[u8]> {
-        (name == "content-type").then_some(b"application/json".as_slice())
+    fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
+        if name == "content-type" {
+            each(b"application/json");
+        }
     }
 }
 

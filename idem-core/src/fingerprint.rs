@@ -53,8 +53,8 @@ const VERSION_TAG: &[u8] = b"idem-fingerprint-v1";
 /// struct Headers(Vec<(&'static str, &'static [u8])>);
 ///
 /// impl HeaderSource for Headers {
-///     fn header(&self, name: &str) -> Option<&[u8]> {
-///         self.0.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+///     fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
+///         self.0.iter().filter(|(n, _)| *n == name).for_each(|(_, v)| each(v));
 ///     }
 /// }
 ///
@@ -108,16 +108,17 @@ impl fmt::Display for Fingerprint {
 
 /// Where the adapter's request headers are looked up by the fingerprint.
 pub trait HeaderSource {
-    /// The value of the first field named `name` (lower-case), if any.
-    fn header(&self, name: &str) -> Option<&[u8]>;
-
     /// Calls `each` with the value of every field named `name` (lower-case), in
-    /// order. Repeats matter for `Idempotency-Key`, which must appear once; the
-    /// default reports the first field only, so adapters override it.
-    fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
-        if let Some(value) = self.header(name) {
-            each(value);
-        }
+    /// order. Repeats matter: `Idempotency-Key` must appear once.
+    fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8]));
+
+    /// The value of the first field named `name` (lower-case), if any.
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        let mut first = None;
+        self.each_field(name, &mut |value| {
+            first = first.or(Some(value));
+        });
+        first
     }
 }
 
@@ -364,11 +365,11 @@ mod tests {
     struct Headers(Vec<(String, Vec<u8>)>);
 
     impl HeaderSource for Headers {
-        fn header(&self, name: &str) -> Option<&[u8]> {
+        fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
             self.0
                 .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.as_slice())
+                .filter(|(n, _)| n == name)
+                .for_each(|(_, v)| each(v));
         }
     }
 
