@@ -14,14 +14,13 @@ use std::sync::Arc;
 
 use idem_core::Store;
 use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
-use idem_diesel::{PgStore, SqliteStore};
 
 use crate::Target;
 use crate::cases::{assert_retry_after, joined, spawn_send, the_executed_one};
 use crate::client::{
     Answer, Call, Client, Executions, assert_executed, assert_problem, assert_replay_of,
 };
-use crate::stores::TempDir;
+use crate::stores::{TempDir, fresh_postgres_url, migrated_postgres, migrated_sqlite};
 
 /// How many requests with one key [`one_key_over_instances_executes_once`]
 /// sends at once, spread over the instances.
@@ -230,24 +229,10 @@ pub type Start = fn(Arc<dyn Store>) -> Pin<Box<dyn Future<Output = Target> + Sen
 ///
 /// When PostgreSQL cannot be started or the instances misbehave.
 pub async fn instances_over_one_postgres_database(starts: &[Start]) {
-    let url = tokio::task::spawn_blocking(|| {
-        let cluster = TestCluster::shared()?;
-        let database = cluster.fresh_database("instances")?;
-        Ok::<_, ClusterError>(cluster.url(&database))
-    })
-    .await
-    .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
-    .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"));
+    let url = fresh_postgres_url("instances").await;
     let mut instances = Vec::new();
     for start in starts {
-        let store = PgStore::connect(&url)
-            .await
-            .unwrap_or_else(|error| panic!("cannot connect to {url}: {error}"));
-        store
-            .migrate()
-            .await
-            .unwrap_or_else(|error| panic!("cannot migrate {url}: {error}"));
-        instances.push(start(Arc::new(store)).await);
+        instances.push(start(Arc::new(migrated_postgres(&url).await)).await);
     }
     one_key_over_instances_executes_once(instances).await;
 }
@@ -263,14 +248,7 @@ pub async fn instances_over_one_sqlite_file(starts: &[Start]) {
     let path = dir.file("idem.db");
     let mut instances = Vec::new();
     for start in starts {
-        let store = SqliteStore::connect(&path)
-            .await
-            .unwrap_or_else(|error| panic!("cannot open {path}: {error}"));
-        store
-            .migrate()
-            .await
-            .unwrap_or_else(|error| panic!("cannot migrate {path}: {error}"));
-        instances.push(start(Arc::new(store)).await);
+        instances.push(start(Arc::new(migrated_sqlite(&path).await)).await);
     }
     one_key_over_instances_executes_once(instances).await;
 }
@@ -288,14 +266,7 @@ pub async fn postgres_outage(start: Start) {
             .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
             .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}")),
     );
-    let url = cluster.url(DEFAULT_DATABASE);
-    let store = PgStore::connect(&url)
-        .await
-        .unwrap_or_else(|error| panic!("cannot connect to {url}: {error}"));
-    store
-        .migrate()
-        .await
-        .unwrap_or_else(|error| panic!("cannot migrate {url}: {error}"));
+    let store = migrated_postgres(&cluster.url(DEFAULT_DATABASE)).await;
     let target = start(Arc::new(store)).await;
     store_outage_fails_closed_then_recovers(target, &Stoppable(Arc::clone(&cluster))).await;
     // Stopped and deleted here, on a blocking thread (the app's pools go with

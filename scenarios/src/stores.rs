@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoredResponse};
-use idem_diesel::testing::TestCluster;
+use idem_diesel::testing::{ClusterError, TestCluster};
 use idem_diesel::{PgStore, SqliteStore};
 
 /// A fresh SQLite store in a temporary directory, deleted with the store.
@@ -18,13 +18,7 @@ use idem_diesel::{PgStore, SqliteStore};
 /// When the file cannot be made or migrated.
 pub async fn sqlite_store() -> Arc<dyn Store> {
     let dir = TempDir::new();
-    let store = SqliteStore::connect(&dir.file("idem.db"))
-        .await
-        .unwrap_or_else(|error| panic!("cannot open a SQLite store: {error}"));
-    store
-        .migrate()
-        .await
-        .unwrap_or_else(|error| panic!("cannot migrate a SQLite store: {error}"));
+    let store = migrated_sqlite(&dir.file("idem.db")).await;
     Arc::new(Owning { store, _owned: dir })
 }
 
@@ -35,22 +29,57 @@ pub async fn sqlite_store() -> Arc<dyn Store> {
 /// When PostgreSQL cannot be started (the message says what to install) or the
 /// database made.
 pub async fn postgres_store() -> Arc<dyn Store> {
-    let url = tokio::task::spawn_blocking(|| {
+    Arc::new(migrated_postgres(&fresh_postgres_url("scenario").await).await)
+}
+
+/// The URL of a new database named after `prefix` on the binary's shared
+/// cluster.
+///
+/// # Panics
+///
+/// When PostgreSQL cannot be started (the message says what to install) or the
+/// database made.
+pub async fn fresh_postgres_url(prefix: &'static str) -> String {
+    tokio::task::spawn_blocking(move || {
         let cluster = TestCluster::shared()?;
-        let database = cluster.fresh_database("scenario")?;
-        Ok::<_, idem_diesel::testing::ClusterError>(cluster.url(&database))
+        let database = cluster.fresh_database(prefix)?;
+        Ok::<_, ClusterError>(cluster.url(&database))
     })
     .await
     .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
-    .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"));
-    let store = PgStore::connect(&url)
+    .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"))
+}
+
+/// A `PgStore` on `url`, its table migrated.
+///
+/// # Panics
+///
+/// When it cannot connect or migrate.
+pub async fn migrated_postgres(url: &str) -> PgStore {
+    let store = PgStore::connect(url)
         .await
         .unwrap_or_else(|error| panic!("cannot connect to {url}: {error}"));
     store
         .migrate()
         .await
         .unwrap_or_else(|error| panic!("cannot migrate {url}: {error}"));
-    Arc::new(store)
+    store
+}
+
+/// A `SqliteStore` on the file at `path`, its table migrated.
+///
+/// # Panics
+///
+/// When it cannot open or migrate the file.
+pub async fn migrated_sqlite(path: &str) -> SqliteStore {
+    let store = SqliteStore::connect(path)
+        .await
+        .unwrap_or_else(|error| panic!("cannot open {path}: {error}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|error| panic!("cannot migrate {path}: {error}"));
+    store
 }
 
 /// A temporary directory, deleted when dropped.
