@@ -889,9 +889,9 @@ mod tests {
         failures: std::sync::atomic::AtomicU32,
     }
 
-    impl Store for StumblingRenewals {
-        fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
-            self.memory.claim(request)
+    impl crate::store::StoreLayer for StumblingRenewals {
+        fn inner(&self) -> &dyn Store {
+            &self.memory
         }
         fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
             let left = self.failures.load(std::sync::atomic::Ordering::SeqCst);
@@ -901,27 +901,6 @@ mod tests {
                 return Box::pin(async { Err(StoreError::unavailable(Refused)) });
             }
             self.memory.renew(claim, lease)
-        }
-        fn complete<'a>(
-            &'a self,
-            claim: &'a Claim,
-            response: &'a StoredResponse,
-            retention: Duration,
-        ) -> StoreFuture<'a, ()> {
-            self.memory.complete(claim, response, retention)
-        }
-        fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
-            self.memory.release(claim)
-        }
-        fn load<'a>(
-            &'a self,
-            scope: &'a Scope,
-            key: &'a IdempotencyKey,
-        ) -> StoreFuture<'a, Option<Record>> {
-            self.memory.load(scope, key)
-        }
-        fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-            self.memory.delete_expired(batch)
         }
     }
 
@@ -1030,12 +1009,9 @@ mod tests {
         }
     }
 
-    impl Store for TransactionalFake {
-        fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
-            self.memory.claim(request)
-        }
-        fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
-            self.memory.renew(claim, lease)
+    impl crate::store::StoreLayer for TransactionalFake {
+        fn inner(&self) -> &dyn Store {
+            &self.memory
         }
         fn complete<'a>(
             &'a self,
@@ -1056,19 +1032,6 @@ mod tests {
                     Err(error) => Err(error),
                 }
             })
-        }
-        fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
-            self.memory.release(claim)
-        }
-        fn load<'a>(
-            &'a self,
-            scope: &'a Scope,
-            key: &'a IdempotencyKey,
-        ) -> StoreFuture<'a, Option<Record>> {
-            self.memory.load(scope, key)
-        }
-        fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-            self.memory.delete_expired(batch)
         }
         fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
             Some(Arc::new(FakeTransaction(claim.owner)))

@@ -24,7 +24,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
-use crate::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Record, StoreFuture};
+use crate::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture, StoreLayer};
 use crate::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 /// What a [`FaultyStore`] does to the steps it forwards.
@@ -108,6 +108,14 @@ impl<S: Store> FaultyStore<S> {
         self.injected.load(Ordering::Relaxed)
     }
 
+    /// `step` after this step's fate: a delay, then perhaps a failure instead.
+    fn stumbling<'a, T: Send + 'a>(&'a self, step: StoreFuture<'a, T>) -> StoreFuture<'a, T> {
+        Box::pin(async move {
+            self.stumble().await?;
+            step.await
+        })
+    }
+
     /// Draws this step's fate: a delay, then whether it fails.
     async fn stumble(&self) -> Result<(), StoreError> {
         let (delay, fail) = {
@@ -134,18 +142,15 @@ impl<S: Store> FaultyStore<S> {
     }
 }
 
-impl<S: Store> Store for FaultyStore<S> {
+impl<S: Store> StoreLayer for FaultyStore<S> {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
-        Box::pin(async move {
-            self.stumble().await?;
-            self.inner.claim(request).await
-        })
+        self.stumbling(self.inner.claim(request))
     }
     fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
-        Box::pin(async move {
-            self.stumble().await?;
-            self.inner.renew(claim, lease).await
-        })
+        self.stumbling(self.inner.renew(claim, lease))
     }
     fn complete<'a>(
         &'a self,
@@ -153,42 +158,19 @@ impl<S: Store> Store for FaultyStore<S> {
         response: &'a StoredResponse,
         retention: Duration,
     ) -> StoreFuture<'a, ()> {
-        Box::pin(async move {
-            self.stumble().await?;
-            self.inner.complete(claim, response, retention).await
-        })
+        self.stumbling(self.inner.complete(claim, response, retention))
     }
     fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
-        Box::pin(async move {
-            self.stumble().await?;
-            self.inner.release(claim).await
-        })
+        self.stumbling(self.inner.release(claim))
     }
     fn load<'a>(
         &'a self,
         scope: &'a Scope,
         key: &'a IdempotencyKey,
     ) -> StoreFuture<'a, Option<Record>> {
-        Box::pin(async move {
-            self.stumble().await?;
-            self.inner.load(scope, key).await
-        })
+        self.stumbling(self.inner.load(scope, key))
     }
     fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-        Box::pin(async move {
-            self.stumble().await?;
-            self.inner.delete_expired(batch).await
-        })
-    }
-    fn changed<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        poll: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.inner.changed(scope, key, poll)
-    }
-    fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
-        self.inner.execution_context(claim)
+        self.stumbling(self.inner.delete_expired(batch))
     }
 }

@@ -4,10 +4,9 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Record, StoreFuture};
-use idem_core::{IdempotencyKey, Scope, Store, StoredResponse};
+use idem_core::Store;
+use idem_core::store::StoreLayer;
 use idem_diesel::testing::{ClusterError, TestCluster};
 use idem_diesel::{PgStore, SqliteStore};
 
@@ -123,43 +122,8 @@ struct Owning<S, G> {
     _owned: G,
 }
 
-impl<S: Store, G: Send + Sync + 'static> Store for Owning<S, G> {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
-        self.store.claim(request)
-    }
-    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
-        self.store.renew(claim, lease)
-    }
-    fn complete<'a>(
-        &'a self,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-        retention: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.store.complete(claim, response, retention)
-    }
-    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
-        self.store.release(claim)
-    }
-    fn load<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-    ) -> StoreFuture<'a, Option<Record>> {
-        self.store.load(scope, key)
-    }
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-        self.store.delete_expired(batch)
-    }
-    fn changed<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        poll: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.store.changed(scope, key, poll)
-    }
-    fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
-        self.store.execution_context(claim)
+impl<S: Store, G: Send + Sync + 'static> StoreLayer for Owning<S, G> {
+    fn inner(&self) -> &dyn Store {
+        &self.store
     }
 }

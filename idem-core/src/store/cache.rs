@@ -8,9 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{
-    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Record, Store, StoreFuture, StoredResponse,
-};
+use super::{Claim, ClaimOutcome, ClaimRequest, Store, StoreFuture, StoreLayer, StoredResponse};
 use crate::{Fingerprint, IdempotencyKey, Scope};
 
 /// A bounded cache of completed records in front of a store (opt-in): a
@@ -119,15 +117,15 @@ impl<S: Store> ReplayCache<S> {
     }
 }
 
-impl<S: Store> Store for ReplayCache<S> {
+impl<S: Store> StoreLayer for ReplayCache<S> {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         if let Some(outcome) = self.cached(&request.scope, &request.key) {
             return Box::pin(std::future::ready(Ok(outcome)));
         }
         self.inner.claim(request)
-    }
-    fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
-        self.inner.renew(claim, lease)
     }
     fn complete<'a>(
         &'a self,
@@ -142,29 +140,5 @@ impl<S: Store> Store for ReplayCache<S> {
             self.remember(claim, response, until);
             Ok(())
         })
-    }
-    fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
-        self.inner.release(claim)
-    }
-    fn load<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-    ) -> StoreFuture<'a, Option<Record>> {
-        self.inner.load(scope, key)
-    }
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-        self.inner.delete_expired(batch)
-    }
-    fn changed<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        poll: Duration,
-    ) -> StoreFuture<'a, ()> {
-        self.inner.changed(scope, key, poll)
-    }
-    fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
-        self.inner.execution_context(claim)
     }
 }

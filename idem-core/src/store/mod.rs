@@ -10,11 +10,13 @@ use std::time::Duration;
 use crate::{IdempotencyKey, Scope};
 
 mod cache;
+mod layer;
 mod memory;
 mod record;
 
 pub use crate::response::{Header, StoredResponse};
 pub use cache::ReplayCache;
+pub use layer::StoreLayer;
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{Claim, ClaimOutcome, ClaimRequest, OwnerToken, Record, RecordState};
 
