@@ -48,7 +48,7 @@ impl HeaderSource for RequestHeaders<'_> {
 pub(crate) fn stored_headers(headers: &HeaderMap) -> Vec<Header> {
     headers
         .iter()
-        .map(|(name, value)| Header::new(name.as_str(), bytes_of(value)))
+        .map(|(name, value)| Header::named(name.as_str(), bytes_of(value)))
         .collect()
 }
 

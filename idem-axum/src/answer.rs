@@ -24,7 +24,7 @@ impl HeaderSource for HttpHeaders<'_> {
 pub(crate) fn stored_headers(headers: &HeaderMap) -> Vec<Header> {
     headers
         .iter()
-        .map(|(name, value)| Header::new(name.as_str(), Bytes::copy_from_slice(value.as_bytes())))
+        .map(|(name, value)| Header::named(name.as_str(), Bytes::copy_from_slice(value.as_bytes())))
         .collect()
 }
 
@@ -71,7 +71,7 @@ mod tests {
         headers.append("x-trace", HeaderValue::from_static("t"));
         headers.append("set-cookie", HeaderValue::from_static("b=2"));
         let stored = StoredResponse::new(201, stored_headers(&headers), "{}");
-        let names: Vec<_> = stored.headers.iter().map(|h| h.name.as_str()).collect();
+        let names: Vec<_> = stored.headers.iter().map(|h| &*h.name).collect();
         assert_eq!(
             names,
             ["content-type", "set-cookie", "set-cookie", "x-trace"]

@@ -729,7 +729,7 @@ mod tests {
         let names: Vec<_> = replay
             .headers
             .iter()
-            .map(|h| (h.name.as_str(), &h.value[..]))
+            .map(|h| (&*h.name, &h.value[..]))
             .collect();
         assert_eq!(
             names,

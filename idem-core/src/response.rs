@@ -1,5 +1,7 @@
 //! The response a completed record keeps and replays.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 
 /// A response as idem stores it: framework-neutral, so that the same record replays
@@ -22,10 +24,14 @@ pub struct StoredResponse {
 }
 
 /// One header field: a lower-case name and its value's raw bytes.
+///
+/// The name is a `Cow` so that the names answers carry most (`content-type`,
+/// `location`, the replay marker…) are shared, not allocated per response:
+/// cloning a stored answer for a replay then copies no name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Header {
     /// The field name, lower-case.
-    pub name: String,
+    pub name: Cow<'static, str>,
     /// The field value, as sent (not necessarily UTF-8).
     pub value: Bytes,
 }
@@ -34,13 +40,53 @@ pub struct Header {
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 impl Header {
-    /// A header field; the name is lower-cased.
-    pub fn new(name: impl AsRef<str>, value: impl Into<Bytes>) -> Self {
+    /// A header field; the name is lower-cased (a name that already is, as a
+    /// `&'static str` or a `String`, is kept as it is, without a copy).
+    pub fn new(name: impl Into<Cow<'static, str>>, value: impl Into<Bytes>) -> Self {
+        let mut name = name.into();
+        if name.bytes().any(|b| b.is_ascii_uppercase()) {
+            name.to_mut().make_ascii_lowercase();
+        }
         Self {
-            name: name.as_ref().to_ascii_lowercase(),
+            name,
             value: value.into(),
         }
     }
+
+    /// A header field whose name is borrowed from a request or response being
+    /// converted: a common name is shared, any other copied (lower-cased).
+    pub fn named(name: &str, value: impl Into<Bytes>) -> Self {
+        match common_name(name) {
+            Some(name) => Self {
+                name: Cow::Borrowed(name),
+                value: value.into(),
+            },
+            None => Self::new(name.to_owned(), value),
+        }
+    }
+}
+
+/// `name` as one of the header names responses carry most, if it is one.
+fn common_name(name: &str) -> Option<&'static str> {
+    const COMMON: [&str; 16] = [
+        "content-type",
+        "content-length",
+        "content-encoding",
+        "content-language",
+        "content-location",
+        "location",
+        "cache-control",
+        "etag",
+        "last-modified",
+        "expires",
+        "vary",
+        "set-cookie",
+        "link",
+        "retry-after",
+        "x-request-id",
+        REPLAYED_HEADER,
+    ];
+    COMMON.into_iter().find(|common| *common == name)
 }
 
 impl StoredResponse {
@@ -105,9 +151,9 @@ impl StoredResponse {
         }
         let mut headers = Vec::new();
         while !bytes.is_empty() {
-            let name = std::str::from_utf8(part(&mut bytes)?).ok()?.to_owned();
+            let name = std::str::from_utf8(part(&mut bytes)?).ok()?;
             let value = Bytes::copy_from_slice(part(&mut bytes)?);
-            headers.push(Header { name, value });
+            headers.push(Header::named(name, value));
         }
         Some(headers)
     }
