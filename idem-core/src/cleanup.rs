@@ -7,6 +7,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -23,13 +24,17 @@ use crate::{Store, StoreError};
 /// idem-diesel's `PgStore::cleanup` does), a sweep runs only in the instance
 /// that takes the lock; the others skip it.
 ///
-/// The pause between batches follows what the job observes: after a batch that
-/// took `t`, it pauses `t × (1 − duty) / duty` (at least [`pause`](Self::pause)),
-/// so the job keeps the store busy for at most its [`duty_cycle`](Self::duty_cycle)
-/// (default 50 %) of the time. A database with spare capacity answers quickly
-/// and is swept quickly; a loaded one answers slowly and is given room. An error ends the sweep, not
-/// the job: it is logged with its cause, reported, and the next interval sweeps
-/// again.
+/// The pause between batches follows what the job observes. The job keeps the
+/// store busy for at most its [`duty_cycle`](Self::duty_cycle) (default 50 %)
+/// of the time, and less when the store is loaded: it remembers the fastest
+/// batch it has seen (per row deleted), and a batch that took `s` times as long
+/// per row is read as a store `s` times as busy, so the duty cycle that follows
+/// is divided by `s`. After a batch that took `t`, at duty cycle `d`, it pauses
+/// `t × (1 − d) / d` (at least [`pause`](Self::pause)). A database with spare
+/// capacity answers quickly and is swept at the full duty cycle; a loaded one
+/// answers slowly and is given room in proportion (as TCP Vegas reads queueing
+/// from round-trip times). An error ends the sweep, not the job: it is logged
+/// with its cause, reported, and the next interval sweeps again.
 ///
 /// Every sweep is logged (`tracing`, target `idem::cleanup`) and handed to the
 /// [`on_report`](Self::on_report) callback, if any.
@@ -72,6 +77,8 @@ pub struct Cleanup<S> {
     duty: f64,
     interval: Duration,
     on_report: Option<Arc<OnReport>>,
+    /// The fastest batch seen, in nanoseconds per row (`f64` bits; 0: none yet).
+    fastest: AtomicU64,
 }
 
 /// The callback of [`Cleanup::on_report`].
@@ -145,6 +152,7 @@ impl<S: ExpiredRows> Cleanup<S> {
             duty: 0.5,
             interval: Duration::from_secs(60),
             on_report: None,
+            fastest: AtomicU64::new(0),
         }
     }
 
@@ -173,10 +181,11 @@ impl<S: ExpiredRows> Cleanup<S> {
         self
     }
 
-    /// The share of the time the job keeps the store busy, between 0.01 and 1
+    /// The most of the time the job keeps the store busy, between 0.01 and 1
     /// (default 0.5): after a batch that took `t`, it pauses
-    /// `t × (1 − duty) / duty`. 1 deletes back to back (after the
-    /// [`pause`](Self::pause)).
+    /// `t × (1 − duty) / duty`, with `duty` divided by how much slower per row
+    /// the batch was than the fastest seen. 1 deletes back to back (after the
+    /// [`pause`](Self::pause)) while the store answers at its fastest.
     pub fn duty_cycle(mut self, duty: f64) -> Self {
         self.duty = duty.clamp(0.01, 1.0);
         self
@@ -262,14 +271,33 @@ impl<S: ExpiredRows> Cleanup<S> {
             if deleted < batch {
                 return Ok(());
             }
-            tokio::time::sleep(self.pause_after(took)).await;
+            let load = self.observe(took, deleted);
+            tokio::time::sleep(self.pause_after(took, load)).await;
         }
     }
 
-    /// The pause after a batch that took `took`: the duty cycle's, at least the
-    /// minimum.
-    fn pause_after(&self, took: Duration) -> Duration {
-        took.mul_f64((1.0 - self.duty) / self.duty).max(self.pause)
+    /// Records a full batch of `deleted` rows that took `took`, and answers how
+    /// much slower per row it was than the fastest seen (1 or more).
+    fn observe(&self, took: Duration, deleted: u64) -> f64 {
+        let per_row = took.as_nanos() as f64 / deleted.max(1) as f64;
+        let fastest = match self.fastest.load(Ordering::Relaxed) {
+            0 => per_row,
+            bits => f64::from_bits(bits).min(per_row),
+        };
+        if fastest > 0.0 {
+            self.fastest.store(fastest.to_bits(), Ordering::Relaxed);
+            per_row / fastest
+        } else {
+            1.0
+        }
+    }
+
+    /// The pause after a batch that took `took`, `load` times slower per row than
+    /// the fastest: the duty cycle divided by the load, at least the minimum
+    /// pause.
+    fn pause_after(&self, took: Duration, load: f64) -> Duration {
+        let duty = (self.duty / load.max(1.0)).max(0.01);
+        took.mul_f64((1.0 - duty) / duty).max(self.pause)
     }
 
     fn report(&self, report: &SweepReport) {
@@ -343,21 +371,42 @@ mod tests {
     fn the_pause_follows_the_duty_cycle() {
         let job = Cleanup::new(MemoryStore::new());
         assert_eq!(
-            job.pause_after(Duration::from_millis(8)),
+            job.pause_after(Duration::from_millis(8), 1.0),
             Duration::from_millis(8)
         );
-        assert_eq!(job.pause_after(Duration::ZERO), Duration::from_millis(1));
+        assert_eq!(
+            job.pause_after(Duration::ZERO, 1.0),
+            Duration::from_millis(1)
+        );
         let quarter = Cleanup::new(MemoryStore::new()).duty_cycle(0.25);
         assert_eq!(
-            quarter.pause_after(Duration::from_millis(8)),
+            quarter.pause_after(Duration::from_millis(8), 1.0),
             Duration::from_millis(24)
         );
         let flat_out = Cleanup::new(MemoryStore::new())
             .duty_cycle(1.0)
             .pause(Duration::ZERO);
         assert_eq!(
-            flat_out.pause_after(Duration::from_millis(8)),
+            flat_out.pause_after(Duration::from_millis(8), 1.0),
             Duration::ZERO
         );
+    }
+
+    #[test]
+    fn a_slower_batch_per_row_gives_the_store_more_room() {
+        let job = Cleanup::new(MemoryStore::new());
+        // 1 000 rows in 4 ms: the fastest yet, so the load is 1.
+        assert_eq!(job.observe(Duration::from_millis(4), 1_000), 1.0);
+        // Twice as long per row: the store is read as twice as busy, and the
+        // duty cycle halves (50 % to 25 %: the pause is three times the batch).
+        let load = job.observe(Duration::from_millis(8), 1_000);
+        assert_eq!(load, 2.0);
+        assert_eq!(
+            job.pause_after(Duration::from_millis(8), load),
+            Duration::from_millis(24)
+        );
+        // A faster batch becomes the reference.
+        assert_eq!(job.observe(Duration::from_millis(1), 500), 1.0);
+        assert_eq!(job.observe(Duration::from_millis(4), 1_000), 2.0);
     }
 }
