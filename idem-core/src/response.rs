@@ -134,7 +134,14 @@ fn walk_headers(
         *at = end;
         Some(start..end)
     }
-    let mut headers = Vec::new();
+    // Counted first, so that the list is allocated once at its size.
+    let (mut fields, mut at) = (0, 0);
+    while at < bytes.len() {
+        part(bytes, &mut at)?;
+        part(bytes, &mut at)?;
+        fields += 1;
+    }
+    let mut headers = Vec::with_capacity(fields);
     let mut at = 0;
     while at < bytes.len() {
         let name = std::str::from_utf8(&bytes[part(bytes, &mut at)?])
