@@ -121,42 +121,81 @@ impl StoredResponse {
     /// Encodes the header list into one byte string, for stores that keep it in a
     /// single column. Each name and value is prefixed by its length (u32, big-endian).
     pub fn encode_headers(&self) -> Vec<u8> {
-        let size = self
-            .headers
+        let mut out = Vec::with_capacity(self.encoded_headers_len());
+        self.encode_headers_into(&mut out);
+        out
+    }
+
+    /// The length of [`encode_headers`](Self::encode_headers)' answer.
+    pub(crate) fn encoded_headers_len(&self) -> usize {
+        self.headers
             .iter()
             .map(|h| 8 + h.name.len() + h.value.len())
-            .sum();
-        let mut out = Vec::with_capacity(size);
+            .sum()
+    }
+
+    /// Appends [`encode_headers`](Self::encode_headers)' answer to `out`.
+    pub(crate) fn encode_headers_into(&self, out: &mut Vec<u8>) {
         for h in &self.headers {
             for part in [h.name.as_bytes(), h.value.as_ref()] {
                 out.extend_from_slice(&(part.len() as u32).to_be_bytes());
                 out.extend_from_slice(part);
             }
         }
-        out
     }
 
     /// Decodes what [`encode_headers`](Self::encode_headers) wrote; `None` if the
     /// bytes are not such an encoding.
-    pub fn decode_headers(mut bytes: &[u8]) -> Option<Vec<Header>> {
-        fn part<'a>(bytes: &mut &'a [u8]) -> Option<&'a [u8]> {
-            let (len, rest) = bytes.split_first_chunk::<4>()?;
-            let len = u32::from_be_bytes(*len) as usize;
-            if rest.len() < len {
-                return None;
-            }
-            let (value, rest) = rest.split_at(len);
-            *bytes = rest;
-            Some(value)
-        }
-        let mut headers = Vec::new();
-        while !bytes.is_empty() {
-            let name = std::str::from_utf8(part(&mut bytes)?).ok()?;
-            let value = Bytes::copy_from_slice(part(&mut bytes)?);
-            headers.push(Header::named(name, value));
-        }
-        Some(headers)
+    pub fn decode_headers(bytes: &[u8]) -> Option<Vec<Header>> {
+        walk_headers(bytes, |value| Bytes::copy_from_slice(&bytes[value]))
     }
+
+    /// [`decode_headers`](Self::decode_headers) of the encoding at `within` in a
+    /// shared buffer: the values are slices of `bytes`, not copies.
+    pub(crate) fn decode_shared_headers(
+        bytes: &Bytes,
+        within: std::ops::Range<usize>,
+    ) -> Option<Vec<Header>> {
+        let offset = within.start;
+        walk_headers(bytes.get(within)?, |value| {
+            bytes.slice(offset + value.start..offset + value.end)
+        })
+    }
+}
+
+/// The fields of a header encoding, each value made by `value` from its range in
+/// `bytes`.
+fn walk_headers(
+    bytes: &[u8],
+    mut value: impl FnMut(std::ops::Range<usize>) -> Bytes,
+) -> Option<Vec<Header>> {
+    /// The range of the next length-prefixed part at `*at`, which moves past it.
+    fn part(bytes: &[u8], at: &mut usize) -> Option<std::ops::Range<usize>> {
+        let (len, _) = bytes.get(*at..)?.split_first_chunk::<4>()?;
+        let start = *at + 4;
+        let end = start.checked_add(u32::from_be_bytes(*len) as usize)?;
+        if end > bytes.len() {
+            return None;
+        }
+        *at = end;
+        Some(start..end)
+    }
+    // Counted first, so that the list is allocated once: at its size, and one
+    // more for the replay marker a replayed answer gains.
+    let (mut fields, mut at) = (0, 0);
+    while at < bytes.len() {
+        part(bytes, &mut at)?;
+        part(bytes, &mut at)?;
+        fields += 1;
+    }
+    let mut headers = Vec::with_capacity(fields + 1);
+    let mut at = 0;
+    while at < bytes.len() {
+        let name = std::str::from_utf8(&bytes[part(bytes, &mut at)?]).ok()?;
+        let value = value(part(bytes, &mut at)?);
+        headers.push(Header::named(name, value));
+    }
+    Some(headers)
 }
 
 #[cfg(test)]
