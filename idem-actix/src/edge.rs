@@ -5,9 +5,9 @@ use std::fmt;
 
 use actix_web::body::BoxBody;
 use actix_web::http::StatusCode;
-use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
+use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::{HttpResponse, ResponseError};
-use idem_core::{Header, HeaderSource, StoredResponse};
+use idem_core::{Header, HeaderSource, KEY_HEADER, REPLAYED_HEADER, StoredResponse};
 
 /// An answer sent as an actix-web error, where no request is left to answer it
 /// with (the handler panicked, or its task was lost).
@@ -35,9 +35,11 @@ pub(crate) struct RequestHeaders<'a>(pub(crate) &'a HeaderMap);
 
 impl HeaderSource for RequestHeaders<'_> {
     fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
-        self.0
-            .get_all(name)
-            .for_each(|value| each(value.as_bytes()));
+        let values = match known_name(name) {
+            Some(name) => self.0.get_all(name),
+            None => self.0.get_all(name),
+        };
+        values.for_each(|value| each(value.as_bytes()));
     }
 }
 
@@ -59,7 +61,8 @@ pub(crate) fn into_http_response(stored: StoredResponse) -> HttpResponse<BoxBody
     let headers = response.headers_mut();
     for header in stored.headers {
         match (
-            HeaderName::from_bytes(header.name.as_bytes()),
+            known_name(&header.name)
+                .map_or_else(|| HeaderName::from_bytes(header.name.as_bytes()), Ok),
             HeaderValue::from_maybe_shared(header.value),
         ) {
             (Ok(name), Ok(value)) => headers.append(name, value),
@@ -69,6 +72,20 @@ pub(crate) fn into_http_response(stored: StoredResponse) -> HttpResponse<BoxBody
         }
     }
     response
+}
+
+/// The names idem looks up or answers with on every keyed request, made once
+/// rather than parsed (and, for the custom ones, allocated) per request.
+fn known_name(name: &str) -> Option<HeaderName> {
+    const KEY: HeaderName = HeaderName::from_static(KEY_HEADER);
+    const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
+    match name {
+        KEY_HEADER => Some(KEY),
+        REPLAYED_HEADER => Some(REPLAYED),
+        "content-type" => Some(header::CONTENT_TYPE),
+        "content-encoding" => Some(header::CONTENT_ENCODING),
+        _ => None,
+    }
 }
 
 fn status_code(status: u16) -> StatusCode {

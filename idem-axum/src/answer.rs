@@ -1,8 +1,8 @@
 //! The edge between `http` 1 and idem's own response type.
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use idem_core::{Header, HeaderSource, StoredResponse};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
+use idem_core::{Header, HeaderSource, KEY_HEADER, REPLAYED_HEADER, StoredResponse};
 
 use crate::ResponseBody;
 
@@ -11,10 +11,11 @@ pub(crate) struct HttpHeaders<'a>(pub(crate) &'a HeaderMap);
 
 impl HeaderSource for HttpHeaders<'_> {
     fn each_field<'a>(&'a self, name: &str, each: &mut dyn FnMut(&'a [u8])) {
-        self.0
-            .get_all(name)
-            .iter()
-            .for_each(|value| each(value.as_bytes()));
+        let values = match known_name(name) {
+            Some(name) => self.0.get_all(name),
+            None => self.0.get_all(name),
+        };
+        values.iter().for_each(|value| each(value.as_bytes()));
     }
 }
 
@@ -37,7 +38,8 @@ pub(crate) fn to_http<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     let mut headers = HeaderMap::with_capacity(stored.headers.len());
     for header in stored.headers {
         match (
-            HeaderName::from_bytes(header.name.as_bytes()),
+            known_name(&header.name)
+                .map_or_else(|| HeaderName::from_bytes(header.name.as_bytes()), Ok),
             HeaderValue::from_maybe_shared(header.value),
         ) {
             (Ok(name), Ok(value)) => {
@@ -54,7 +56,20 @@ pub(crate) fn to_http<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     response
 }
 
-/// The response to send for a problem.
+/// The names idem looks up or answers with on every keyed request, made once
+/// rather than parsed (and, for the custom ones, allocated) per request.
+fn known_name(name: &str) -> Option<HeaderName> {
+    const KEY: HeaderName = HeaderName::from_static(KEY_HEADER);
+    const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
+    match name {
+        KEY_HEADER => Some(KEY),
+        REPLAYED_HEADER => Some(REPLAYED),
+        "content-type" => Some(header::CONTENT_TYPE),
+        "content-encoding" => Some(header::CONTENT_ENCODING),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
