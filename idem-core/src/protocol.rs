@@ -297,22 +297,10 @@ impl Intake {
     /// rather than a reset connection. A body that fails to arrive whole (the
     /// client went away, a malformed chunked body) is answered
     /// `400 body-unreadable`.
-    // A plain function returning the instrumented future, not an `async fn`
-    // around it: one future fewer to lay out and move.
-    pub fn read<S, E>(
-        self,
-        declared: Option<u64>,
-        body: S,
-    ) -> impl Future<Output = Result<Claimable, StoredResponse>>
-    where
-        S: Stream<Item = Result<Bytes, E>>,
-        E: Display,
-    {
-        let span = self.span.clone();
-        self.read_body(declared, body).instrument(span)
-    }
-
-    async fn read_body<S, E>(
+    ///
+    /// Nothing is logged while the body streams in, so the span is entered only
+    /// around the lines a refused body logs, not at every poll.
+    pub async fn read<S, E>(
         self,
         declared: Option<u64>,
         body: S,
@@ -332,6 +320,7 @@ impl Intake {
         let mut body = pin!(body);
         if declared.is_some_and(|length| length > limit as u64) {
             drain(body.as_mut(), declared).await;
+            let _in_span = span.enter();
             return Err(engine.payload_too_large().to_response());
         }
         let mut chunks = Joined::default();
@@ -339,12 +328,14 @@ impl Intake {
             let chunk = match chunk {
                 Ok(chunk) => chunk,
                 Err(error) => {
+                    let _in_span = span.enter();
                     tracing::debug!(target: "idem", %error, "the request body could not be read");
                     return Err(engine.body_unreadable().to_response());
                 }
             };
             if chunks.len() + chunk.len() > limit {
                 drain(body.as_mut(), None).await;
+                let _in_span = span.enter();
                 return Err(engine.payload_too_large().to_response());
             }
             hasher.update(&chunk);
