@@ -128,19 +128,19 @@ pub struct MemoryStoreBuilder {
 impl MemoryStore {
     /// The bytes each record counts on top of its key, scope, header fields (each
     /// counted as its name, its value and 8 bytes of lengths) and body: its slot
-    /// (32 B) and table entry (4 B and a control byte, the table 7/16 to 7/8
+    /// (32 B) and table entry (8 B and a control byte, the table 7/16 to 7/8
     /// full), the fixed head of its buffer (24 B and the 32-byte fingerprint),
     /// the allocator's header and rounding, and its entries in the expiry queue
     /// (8 B) and in its scope's eviction queue (16 B), with their spare capacity.
     ///
     /// Measured, not guessed: `cargo xtask bench` prints the resident bytes per
     /// record beside the counted ones. With 200-byte bodies, UUID keys, one
-    /// header field and 100 scopes, a record takes 418–422 B of RSS at 300 k,
+    /// header field and 100 scopes, a record takes 424–432 B of RSS at 300 k,
     /// 700 k and 1 M records, of which 281 B are key, scope, header and body; so
     /// `max_bytes` bounds the memory really used within a few percent. A record
     /// in progress holds a claim of about 120 B in place of its buffer; it
     /// counts the same overhead.
-    pub const RECORD_OVERHEAD: usize = 140;
+    pub const RECORD_OVERHEAD: usize = 146;
 
     /// A store with the default bounds: 1,000,000 records, 512 MiB, 16 shards.
     pub fn new() -> Self {
@@ -342,13 +342,16 @@ struct Name<'a> {
 /// One lock's worth of records.
 ///
 /// A record lives in a slot of `slots`; `table` maps its name to the slot's
-/// index (4 bytes per entry), and the expiry queues hold [`Ref`]s (8 bytes).
-/// Nothing else holds a copy of the name: the hash is recomputed from the slot
-/// when the table grows.
+/// index and 32 bits of the name's hash (8 bytes per entry), and the expiry
+/// queues hold [`Ref`]s (8 bytes). Nothing else holds a copy of the name. The
+/// hash bits in the table let it grow without reading a record (a rehash that
+/// recomputed each hash from its record would stall the shard's lock for
+/// milliseconds at a million records, a cache miss per record) and let a
+/// lookup skip a record whose bits differ.
 struct Shard {
     index: u32,
     hasher: RandomState,
-    table: HashTable<u32>,
+    table: HashTable<(u32, u32)>,
     slots: Vec<Slot>,
     /// Indexes of empty slots, reused first.
     free: Vec<u32>,
@@ -938,9 +941,9 @@ impl Inner {
     }
 
     fn shard_of(&self, hash: u64) -> usize {
-        // The table inside the shard uses the low bits and the top seven; the shard
-        // takes the middle ones. The modulo keeps the value below the shard count,
-        // so the cast back is exact.
+        // The shard takes the high 32 bits, its table the low 32 (see
+        // `table_bits`). The modulo keeps the value below the shard count, so
+        // the cast back is exact.
         ((hash >> 32) % self.shards.len() as u64) as usize
     }
 
@@ -950,6 +953,19 @@ impl Inner {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// The 32 bits of a name's hash a shard's table keeps (the shard was chosen by
+/// the other 32).
+fn table_bits(hash: u64) -> u32 {
+    hash as u32
+}
+
+/// The table's hash of `bits`: spread over 64 bits (the table indexes by the
+/// low bits and tags by the top 7), the same whether computed from the name or
+/// from the table's entry.
+fn spread(bits: u32) -> u64 {
+    u64::from(bits).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 impl Shard {
@@ -968,10 +984,12 @@ impl Shard {
     }
 
     fn find(&self, hash: u64, name: &Name<'_>) -> Option<u32> {
-        let slots = &self.slots;
+        let (slots, bits) = (&self.slots, table_bits(hash));
         self.table
-            .find(hash, |&slot| slots[slot as usize].name().is(name))
-            .copied()
+            .find(spread(bits), |&(slot, other)| {
+                other == bits && slots[slot as usize].name().is(name)
+            })
+            .map(|&(slot, _)| slot)
     }
 
     /// Puts a new record in a free slot; answers the slot.
@@ -987,9 +1005,9 @@ impl Shard {
                 (self.slots.len() - 1) as u32
             }
         };
-        let (slots, hasher) = (&self.slots, &self.hasher);
+        let bits = table_bits(hash);
         self.table
-            .insert_unique(hash, slot, |&slot| slots[slot as usize].name().hash(hasher));
+            .insert_unique(spread(bits), (slot, bits), |&(_, bits)| spread(bits));
         slot
     }
 
@@ -997,8 +1015,8 @@ impl Shard {
     /// its waiters; answers what it counted.
     fn remove(&mut self, scopes: &ScopeTable, slot: u32) -> usize {
         let record = &self.slots[slot as usize];
-        let hash = record.name().hash(&self.hasher);
-        if let Ok(entry) = self.table.find_entry(hash, |&other| other == slot) {
+        let hash = spread(table_bits(record.name().hash(&self.hasher)));
+        if let Ok(entry) = self.table.find_entry(hash, |&(other, _)| other == slot) {
             entry.remove();
         }
         let record = std::mem::replace(&mut self.slots[slot as usize], Slot::FREE);
