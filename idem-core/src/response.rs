@@ -56,7 +56,7 @@ impl Header {
     /// A header field whose name is borrowed from a request or response being
     /// converted: a common name is shared, any other copied (lower-cased).
     pub fn named(name: &str, value: impl Into<Bytes>) -> Self {
-        match common_name(name) {
+        match common_name(name.as_bytes()) {
             Some(name) => Self {
                 name: Cow::Borrowed(name),
                 value: value.into(),
@@ -67,7 +67,7 @@ impl Header {
 }
 
 /// `name` as one of the header names responses carry most, if it is one.
-fn common_name(name: &str) -> Option<&'static str> {
+fn common_name(name: &[u8]) -> Option<&'static str> {
     const COMMON: [&str; 16] = [
         "content-type",
         "content-length",
@@ -86,7 +86,7 @@ fn common_name(name: &str) -> Option<&'static str> {
         "x-request-id",
         REPLAYED_HEADER,
     ];
-    COMMON.into_iter().find(|common| *common == name)
+    COMMON.into_iter().find(|common| common.as_bytes() == name)
 }
 
 impl StoredResponse {
@@ -191,9 +191,16 @@ fn walk_headers(
     let mut headers = Vec::with_capacity(fields + 1);
     let mut at = 0;
     while at < bytes.len() {
-        let name = std::str::from_utf8(&bytes[part(bytes, &mut at)?]).ok()?;
+        let name = &bytes[part(bytes, &mut at)?];
         let value = value(part(bytes, &mut at)?);
-        headers.push(Header::named(name, value));
+        // A common name is known valid; any other is checked.
+        headers.push(match common_name(name) {
+            Some(name) => Header {
+                name: Cow::Borrowed(name),
+                value,
+            },
+            None => Header::new(std::str::from_utf8(name).ok()?.to_owned(), value),
+        });
     }
     Some(headers)
 }
