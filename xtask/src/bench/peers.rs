@@ -77,8 +77,8 @@ const PEERS: [Peer; 2] = [
 ];
 
 /// idem's rows, beside the peers'.
-const IDEM_MEMORY: &str = "idem 0.1 (idem-axum, MemoryStore)";
-const IDEM_POSTGRES: &str = "idem 0.1 (idem-axum, PgStore)";
+const IDEM_MEMORY: &str = "idem (idem-axum, MemoryStore)";
+const IDEM_POSTGRES: &str = "idem (idem-axum, PgStore)";
 
 /// A peer built and ready to start.
 struct Built<'a> {
@@ -215,22 +215,15 @@ fn memory(bench: &Bench, report: &mut Report, peers: &[&Built<'_>]) -> Result<()
             .iter()
             .map(|built| start(bench, built, "memory", 0, Some(SERVER_CPU)))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut sides = vec![Side {
-            label: IDEM_MEMORY,
-            server: &idem,
-        }];
-        sides.extend(peers.iter().zip(&servers).map(|(built, server)| Side {
-            label: built.peer.label,
-            server,
-        }));
-        let measures = compare(&sides, |workloads| {
+        let sides = sides(IDEM_MEMORY, &idem, peers, &servers);
+        let compared = compare(Some(&idem), &sides, |workloads| {
             bench.interleaved(workloads, c, Some(GENERATOR_CPU))
         })?;
-        add(report, "in memory", c, &measures);
+        add(report, "in memory", c, &compared);
     }
     // The duplicates check, on fresh servers.
     let idem = bench.serve(Framework::Axum, &["--store", "memory"], Some(SERVER_CPU))?;
-    duplicates_figure(report, &format!("{IDEM_MEMORY}, axum"), &idem);
+    duplicates_figure(report, IDEM_MEMORY, &idem);
     drop(idem);
     for built in peers {
         let server = start(bench, built, "memory", 0, Some(SERVER_CPU))?;
@@ -272,15 +265,8 @@ fn postgres_rows(
             .zip(&peer_urls)
             .map(|(built, url)| start(bench, built, url, c, None))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut sides = vec![Side {
-            label: IDEM_POSTGRES,
-            server: &idem,
-        }];
-        sides.extend(peers.iter().zip(&servers).map(|(built, server)| Side {
-            label: built.peer.label,
-            server,
-        }));
-        let measures = compare(&sides, |workloads| {
+        let sides = sides(IDEM_POSTGRES, &idem, peers, &servers);
+        let compared = compare(None, &sides, |workloads| {
             let mut pooled = vec![Measured::default(); workloads.len()];
             for _ in 0..bench.settings.rounds {
                 for (workload, total) in workloads.iter().zip(pooled.iter_mut()) {
@@ -290,7 +276,8 @@ fn postgres_rows(
             }
             Ok(pooled)
         })?;
-        add(report, "on PostgreSQL", c, &measures);
+        add(report, "on PostgreSQL", c, &compared);
+        let measures = &compared.sides;
         let idem_cost = measures[0].first.database_micros_per_request();
         let lowest = measures[1..]
             .iter()
@@ -341,7 +328,7 @@ fn postgres_rows(
         &["--store", &idem_url, "--pool", "16"],
         None,
     )?;
-    duplicates_figure(report, &format!("{IDEM_POSTGRES}, axum"), &idem);
+    duplicates_figure(report, IDEM_POSTGRES, &idem);
     drop(idem);
     for (built, url) in peers.iter().zip(&peer_urls) {
         let server = start(bench, built, url, 16, None)?;
@@ -350,44 +337,95 @@ fn postgres_rows(
     Ok(())
 }
 
-/// Runs every side's first executions and replays through `run` (which
-/// interleaves them) and answers them side by side.
+/// idem's side first, then each peer's.
+fn sides<'a>(
+    idem_label: &'a str,
+    idem: &'a Server,
+    peers: &[&'a Built<'a>],
+    servers: &'a [Server],
+) -> Vec<Side<'a>> {
+    let mut sides = vec![Side {
+        label: idem_label,
+        server: idem,
+    }];
+    sides.extend(peers.iter().zip(servers).map(|(built, server)| Side {
+        label: built.peer.label,
+        server,
+    }));
+    sides
+}
+
+/// What a comparison measured: the bare handler (in memory), then each side.
+struct Compared {
+    bare: Option<Measured>,
+    sides: Vec<Measures>,
+}
+
+/// Runs the bare handler on `bare` (if any), then every side's first
+/// executions and replays, through `run` (which interleaves them).
 fn compare(
+    bare: Option<&Server>,
     sides: &[Side<'_>],
     run: impl FnOnce(&[Workload<'_>]) -> Result<Vec<Measured>, String>,
-) -> Result<Vec<Measures>, String> {
-    let workloads: Vec<Workload<'_>> = sides.iter().flat_map(Side::workloads).collect();
+) -> Result<Compared, String> {
+    let bare_workload = bare.map(|server| Workload {
+        server,
+        path: "/bare",
+        keys: KeySource::Fresh,
+        expect: Expect::Executed,
+    });
+    let workloads: Vec<Workload<'_>> = bare_workload
+        .into_iter()
+        .chain(sides.iter().flat_map(Side::workloads))
+        .collect();
     let mut measured = run(&workloads)?.into_iter();
-    sides
+    let bare = match bare {
+        Some(_) => Some(measured.next().ok_or("a workload without a result")?),
+        None => None,
+    };
+    let sides = sides
         .iter()
         .map(|side| {
             let first = measured.next().ok_or("a workload without a result")?;
             let replay = measured.next().ok_or("a workload without a result")?;
-            Ok(Measures {
+            Ok::<_, String>(Measures {
                 label: side.label.to_owned(),
                 first,
                 replay,
             })
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    Ok(Compared { bare, sides })
 }
 
-/// The rows of one comparison (idem first), and idem's ratios to the fastest
-/// peer.
-fn add(report: &mut Report, store: &str, c: usize, measures: &[Measures]) {
-    for side in measures {
+/// The rows of one comparison (the bare handler, idem, the peers), and
+/// idem's ratios to the fastest peer.
+fn add(report: &mut Report, store: &str, c: usize, compared: &Compared) {
+    if let Some(bare) = &compared.bare {
+        report.rows.push(Row::from_load(
+            "peers",
+            "bare handler (bench-server, axum)",
+            c,
+            bare,
+        ));
+    }
+    for side in &compared.sides {
         for (what, measured) in [("first execution", &side.first), ("replay", &side.replay)] {
             report.rows.push(Row::from_load(
                 "peers",
-                format!("{} {store}, {what}", side.label),
+                format!("{}, {what}", side.label),
                 c,
                 measured,
             ));
         }
     }
-    let Some((idem, peers)) = measures.split_first() else {
+    let Some((idem, peers)) = compared.sides.split_first() else {
         return;
     };
+    let bare_cost = compared
+        .bare
+        .as_ref()
+        .and_then(Measured::server_micros_per_request);
     for (what, pick, target) in [
         (
             "first executions",
@@ -406,10 +444,10 @@ fn add(report: &mut Report, store: &str, c: usize, measures: &[Measures]) {
         else {
             continue;
         };
-        let cost = |m: &Measures| {
-            pick(m)
-                .server_micros_per_request()
-                .map_or("?".to_owned(), |us| format!("{us:.1} us"))
+        let cost = |m: &Measures| match (pick(m).server_micros_per_request(), bare_cost) {
+            (Some(us), Some(bare)) => format!("{us:.1} us (+{:.1} over bare)", us - bare),
+            (Some(us), None) => format!("{us:.1} us"),
+            (None, _) => "?".to_owned(),
         };
         report.ratios.push(
             Ratio::new(
@@ -436,7 +474,7 @@ fn duplicates_figure(report: &mut Report, label: &str, server: &Server) {
             section: "peers",
             what,
             value: Some(executions as f64),
-            unit: "executions",
+            unit: "execution(s)",
             note: format!(
                 "{}; answers: {answers}",
                 if executions == 1 {
@@ -450,7 +488,7 @@ fn duplicates_figure(report: &mut Report, label: &str, server: &Server) {
             section: "peers",
             what,
             value: None,
-            unit: "executions",
+            unit: "execution(s)",
             note: error,
         },
     };
