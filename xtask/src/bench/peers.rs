@@ -560,3 +560,40 @@ fn duplicates(server: &Server) -> Result<(u64, String), String> {
         Ok((after.saturating_sub(before), answers.join(", ")))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn every_peer_is_a_locked_project_of_its_own() {
+        for peer in &PEERS {
+            let dir = workspace_root().join("bench/peers").join(peer.name);
+            let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+            assert!(
+                manifest.contains(&format!("name = \"{}\"", peer.binary)),
+                "{}: the package must be named {}",
+                peer.name,
+                peer.binary
+            );
+            assert!(
+                manifest.lines().any(|line| line.trim() == "[workspace]"),
+                "{}: a [workspace] table of its own keeps it out of idem's",
+                peer.name
+            );
+            let lock = std::fs::read_to_string(dir.join("Cargo.lock")).unwrap();
+            assert!(
+                lock.contains(&format!("name = \"{}\"", peer.name)),
+                "{}: Cargo.lock pins the peer's crate",
+                peer.name
+            );
+        }
+        let members = std::fs::read_to_string(workspace_root().join("Cargo.toml")).unwrap();
+        assert!(
+            !members.contains("bench/peers"),
+            "no peer is a workspace member"
+        );
+    }
+}
