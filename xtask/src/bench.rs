@@ -22,11 +22,11 @@
 //! - **Peers** ([`peers`], full mode only): published middleware, each a small
 //!   server of its own under `bench/peers/` built into `target/bench/peers`,
 //!   with the same handler and load, interleaved with idem's layered route:
-//!   axum-idempotent 0.6 (ruts' in-memory session store) in memory at c = 16
-//!   and 64, cratestack-axum 0.8 (sqlx, PostgreSQL) against `PgStore` at c = 1
-//!   and 16; and whether each ran its handler once under 50 parallel
-//!   duplicates of one new key. `bench/peers/README.md` says how each is
-//!   configured.
+//!   axum-idempotent 0.6 on ruts' session stores (in memory at c = 16 and 64,
+//!   on PostgreSQL at c = 1 and 16), cratestack-axum 0.8 (sqlx, PostgreSQL)
+//!   against `PgStore` at c = 1 and 16; and whether each ran its handler once
+//!   under 50 parallel duplicates of one new key. `bench/peers/README.md` says
+//!   how each is configured.
 //!
 //! Absolute figures drift on a shared machine; the ratios are what to read. The
 //! workloads compared in a ratio run interleaved, in rounds, and each row pools

@@ -8,12 +8,13 @@
 //! handler behind its middleware), `POST /layered-slow` (the same after 100 ms)
 //! and `GET /executions`, as `bench-server serve` does.
 //!
-//! - In memory (server pinned with one worker, as in the overhead rows): idem's
-//!   in-memory store against axum-idempotent, first executions and replays,
-//!   interleaved in rounds.
+//! - In memory (server pinned with one worker, as in the overhead rows): the
+//!   bare handler, idem's in-memory store and axum-idempotent on ruts'
+//!   `MokaStore`, first executions and replays, interleaved in rounds.
 //! - On PostgreSQL (nothing pinned, as in the PostgreSQL rows, one throwaway
-//!   cluster, a database each): idem's `PgStore` against cratestack-axum, with
-//!   PostgreSQL's CPU time per request.
+//!   cluster, a database each): idem's `PgStore`, axum-idempotent on ruts'
+//!   `PostgresStore` and cratestack-axum, with PostgreSQL's CPU time per
+//!   request.
 //! - Duplicates: 50 parallel requests with one new key and one body to each
 //!   server's slow route, then the number of times its handler ran.
 //!
@@ -48,10 +49,10 @@ struct Peer {
     name: &'static str,
     /// Its binary (the package's name).
     binary: &'static str,
-    /// What runs, versions included: the rows' label.
-    label: &'static str,
-    /// Served from PostgreSQL (else from memory).
-    postgres: bool,
+    /// In memory: what runs, versions included (the rows' label).
+    memory: Option<&'static str>,
+    /// On PostgreSQL: what runs, versions included (the rows' label).
+    postgres: Option<&'static str>,
     /// Header lines every request carries; `{session}` as `bench-server load`
     /// reads it.
     headers: &'static [&'static str],
@@ -61,8 +62,8 @@ const PEERS: [Peer; 2] = [
     Peer {
         name: "axum-idempotent",
         binary: "peer-axum-idempotent",
-        label: "axum-idempotent 0.6.0 (ruts 0.13 MokaStore)",
-        postgres: false,
+        memory: Some("axum-idempotent 0.6.0 (ruts 0.13 MokaStore)"),
+        postgres: Some("axum-idempotent 0.6.0 (ruts 0.13 PostgresStore)"),
         // It keeps records in the caller's session and never starts one: each
         // key comes with a session of its own, as if from a user of its own.
         headers: &["Cookie: session={session}"],
@@ -70,8 +71,8 @@ const PEERS: [Peer; 2] = [
     Peer {
         name: "cratestack-axum",
         binary: "peer-cratestack-axum",
-        label: "cratestack-axum 0.8.15 (cratestack-sqlx, PostgreSQL)",
-        postgres: true,
+        memory: None,
+        postgres: Some("cratestack-axum 0.8.15 (cratestack-sqlx)"),
         headers: &[],
     },
 ];
@@ -80,10 +81,12 @@ const PEERS: [Peer; 2] = [
 const IDEM_MEMORY: &str = "idem (idem-axum, MemoryStore)";
 const IDEM_POSTGRES: &str = "idem (idem-axum, PgStore)";
 
-/// A peer built and ready to start.
+/// A peer built and ready to start on one kind of store.
 struct Built<'a> {
     peer: &'a Peer,
     binary: PathBuf,
+    /// What runs on that store.
+    label: &'static str,
 }
 
 /// Builds the peers, then runs the in-memory and PostgreSQL comparisons.
@@ -95,10 +98,19 @@ pub(super) fn peers(bench: &Bench, report: &mut Report) -> Result<(), String> {
         );
         return Ok(());
     }
-    let mut built = Vec::new();
+    let mut memory_peers = Vec::new();
+    let mut postgres_peers = Vec::new();
     for peer in &PEERS {
         match build(peer) {
-            Ok(binary) => built.push(Built { peer, binary }),
+            Ok(binary) => {
+                let built = |label| Built {
+                    peer,
+                    binary: binary.clone(),
+                    label,
+                };
+                memory_peers.extend(peer.memory.map(built));
+                postgres_peers.extend(peer.postgres.map(built));
+            }
             Err(error) => report
                 .failures
                 .push(format!("peers: {}: {error}", peer.name)),
@@ -109,8 +121,6 @@ pub(super) fn peers(bench: &Bench, report: &mut Report) -> Result<(), String> {
          bench/peers/README.md says how each peer is configured"
             .to_owned(),
     );
-    let memory_peers: Vec<&Built<'_>> = built.iter().filter(|b| !b.peer.postgres).collect();
-    let postgres_peers: Vec<&Built<'_>> = built.iter().filter(|b| b.peer.postgres).collect();
     let in_memory = memory(bench, report, &memory_peers);
     let on_postgres = postgres(bench, report, &postgres_peers);
     in_memory.and(on_postgres)
@@ -205,7 +215,7 @@ struct Measures {
 }
 
 /// idem's in-memory store against the in-memory peers.
-fn memory(bench: &Bench, report: &mut Report, peers: &[&Built<'_>]) -> Result<(), String> {
+fn memory(bench: &Bench, report: &mut Report, peers: &[Built<'_>]) -> Result<(), String> {
     if peers.is_empty() {
         return Ok(());
     }
@@ -227,13 +237,13 @@ fn memory(bench: &Bench, report: &mut Report, peers: &[&Built<'_>]) -> Result<()
     drop(idem);
     for built in peers {
         let server = start(bench, built, "memory", 0, Some(SERVER_CPU))?;
-        duplicates_figure(report, built.peer.label, &server);
+        duplicates_figure(report, built.label, &server);
     }
     Ok(())
 }
 
 /// idem's `PgStore` against the PostgreSQL peers, on one throwaway cluster.
-fn postgres(bench: &Bench, report: &mut Report, peers: &[&Built<'_>]) -> Result<(), String> {
+fn postgres(bench: &Bench, report: &mut Report, peers: &[Built<'_>]) -> Result<(), String> {
     if peers.is_empty() {
         return Ok(());
     }
@@ -247,7 +257,7 @@ fn postgres(bench: &Bench, report: &mut Report, peers: &[&Built<'_>]) -> Result<
 fn postgres_rows(
     bench: &Bench,
     report: &mut Report,
-    peers: &[&Built<'_>],
+    peers: &[Built<'_>],
     port: u16,
     databases: &[String],
 ) -> Result<(), String> {
@@ -332,7 +342,7 @@ fn postgres_rows(
     drop(idem);
     for (built, url) in peers.iter().zip(&peer_urls) {
         let server = start(bench, built, url, 16, None)?;
-        duplicates_figure(report, built.peer.label, &server);
+        duplicates_figure(report, built.label, &server);
     }
     Ok(())
 }
@@ -341,7 +351,7 @@ fn postgres_rows(
 fn sides<'a>(
     idem_label: &'a str,
     idem: &'a Server,
-    peers: &[&'a Built<'a>],
+    peers: &'a [Built<'a>],
     servers: &'a [Server],
 ) -> Vec<Side<'a>> {
     let mut sides = vec![Side {
@@ -349,7 +359,7 @@ fn sides<'a>(
         server: idem,
     }];
     sides.extend(peers.iter().zip(servers).map(|(built, server)| Side {
-        label: built.peer.label,
+        label: built.label,
         server,
     }));
     sides
