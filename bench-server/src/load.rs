@@ -31,7 +31,9 @@ pub(crate) struct Plan {
     /// The request path; `{w}` is replaced by the client's number.
     #[arg(long)]
     path: String,
-    /// Extra header lines (`Name: value`), repeatable.
+    /// Extra header lines (`Name: value`), repeatable. `{session}` in one is
+    /// replaced, request by request, by a session id derived from the request's
+    /// key (see [`session_id`]).
     #[arg(long = "header")]
     headers: Vec<String>,
     /// The request body.
@@ -387,13 +389,37 @@ fn write_request(out: &mut Vec<u8>, plan: &Plan, path: &str, key: Option<&str>) 
         plan.body.len(),
     );
     for header in &plan.headers {
-        let _ = write!(out, "{header}\r\n");
+        match (header.split_once("{session}"), key) {
+            (Some((before, after)), Some(key)) => {
+                let _ = write!(out, "{before}{}{after}\r\n", session_id(key));
+            }
+            _ => {
+                let _ = write!(out, "{header}\r\n");
+            }
+        }
     }
     if let Some(key) = key {
         let _ = write!(out, "Idempotency-Key: {key}\r\n");
     }
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(plan.body.as_bytes());
+}
+
+/// A session id for `key`: 22 base64url characters (the form of a ruts session
+/// id), the same for every request with that key. A peer that keeps records in
+/// the caller's session (axum-idempotent) so sees one session per key, as if
+/// every key came from a user of its own, and its duplicates share a session.
+fn session_id(key: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let hash = |salt: u8| {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        salt.hash(&mut hasher);
+        key.hash(&mut hasher);
+        hasher.finish()
+    };
+    // 21 hex digits and a final `A`: valid base64url, whose last character
+    // carries no bits past the 128 an id encodes.
+    format!("{:016x}{:05x}A", hash(0), hash(1) & 0xf_ffff)
 }
 
 /// An answer, as far as the generator reads it.
@@ -475,7 +501,10 @@ fn parse_head(head: &[u8]) -> Result<(u16, usize, bool), String> {
         let name = name.trim();
         if name.eq_ignore_ascii_case("content-length") {
             length = value.trim().parse().ok();
-        } else if name.eq_ignore_ascii_case("idempotent-replayed") {
+        } else if name.eq_ignore_ascii_case("idempotent-replayed")
+            || name.eq_ignore_ascii_case("idempotency-replayed")
+        {
+            // idem's marker, and the one the peers use (`cargo xtask bench`).
             replayed = value.trim() == "true";
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
             return Err("a chunked answer (the generator reads sized ones only)".to_owned());
@@ -500,6 +529,18 @@ mod tests {
         let head = b"HTTP/1.1 201 Created\r\ncontent-length: 12\r\nIdempotent-Replayed: true";
         assert_eq!(parse_head(head), Ok((201, 12, true)));
         assert!(parse_head(b"HTTP/1.1 200 OK\r\nx: y").is_err());
+        let peer = b"HTTP/1.1 201 Created\r\nidempotency-replayed: true\r\ncontent-length: 3";
+        assert_eq!(parse_head(peer), Ok((201, 3, true)));
+    }
+
+    #[test]
+    fn session_ids_are_ruts_shaped_and_follow_the_key() {
+        let id = session_id("k-1");
+        assert_eq!(id.len(), 22);
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'A'));
+        assert!(id.ends_with('A'));
+        assert_eq!(id, session_id("k-1"));
+        assert_ne!(id, session_id("k-2"));
     }
 
     #[test]

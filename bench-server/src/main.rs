@@ -3,7 +3,8 @@
 //! - `serve`: one HTTP server (axum or actix-web) with the same trivial POST
 //!   handler on two routes, `/bare` and `/layered` (behind idem's middleware over
 //!   the in-memory store, `PgStore` or `RedisStore`), so that both are measured against the same
-//!   process. The first line on stdout is `listening on http://HOST:PORT`.
+//!   process; with axum, also `/layered-slow` and `GET /executions` (the
+//!   duplicates check). The first line on stdout is `listening on http://HOST:PORT`.
 //! - `load`: the load generator, closed-loop HTTP/1.1 clients (see `load`).
 //! - `memory`: bytes per record of the in-memory store, from the growth of this
 //!   process's resident set.

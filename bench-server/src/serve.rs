@@ -1,4 +1,9 @@
 //! `serve`: the same trivial handler, bare and behind idem's middleware.
+//!
+//! Besides `/bare` and `/layered`, the axum server has `/layered-slow` (the
+//! handler after [`SLOW`](handler::SLOW), behind the same layer) and `GET
+//! /executions`, the number of times a handler ran: the bench's duplicates
+//! check sends parallel duplicates to the slow route and reads the count.
 
 use std::io::Write;
 use std::net::TcpListener;
@@ -127,10 +132,11 @@ fn announce(listener: &TcpListener) -> Result<(), BoxError> {
 async fn axum_server(listener: TcpListener, store: Arc<dyn Store>) -> Result<(), BoxError> {
     use axum::Router;
     use axum::http::{StatusCode, header};
-    use axum::routing::post;
+    use axum::routing::{get, post};
     use idem_axum::IdempotencyLayer;
 
     async fn charge(body: bytes::Bytes) -> impl axum::response::IntoResponse {
+        handler::executed();
         (
             StatusCode::CREATED,
             [(header::CONTENT_TYPE, CONTENT_TYPE)],
@@ -138,13 +144,21 @@ async fn axum_server(listener: TcpListener, store: Arc<dyn Store>) -> Result<(),
         )
     }
 
-    let app = Router::new().route("/bare", post(charge)).route(
-        "/layered",
-        post(charge).route_layer(
-            IdempotencyLayer::new(store, Policy::required())
-                .scope_with(|_| Some(Scope::new(SCOPE))),
-        ),
-    );
+    async fn slow_charge(body: bytes::Bytes) -> impl axum::response::IntoResponse {
+        tokio::time::sleep(handler::SLOW).await;
+        charge(body).await
+    }
+
+    let layer =
+        IdempotencyLayer::new(store, Policy::required()).scope_with(|_| Some(Scope::new(SCOPE)));
+    let app = Router::new()
+        .route("/bare", post(charge))
+        .route("/layered", post(charge).route_layer(layer.clone()))
+        .route("/layered-slow", post(slow_charge).route_layer(layer))
+        .route(
+            "/executions",
+            get(|| async { handler::executions().to_string() }),
+        );
     announce(&listener)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
     axum::serve(listener, app).await?;
@@ -160,6 +174,7 @@ async fn actix_server(
     use idem_actix::Idempotency;
 
     async fn charge(body: web::Bytes) -> HttpResponse {
+        handler::executed();
         HttpResponse::Created()
             .content_type(CONTENT_TYPE)
             .body(handler::answer(body.len()))

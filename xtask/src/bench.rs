@@ -19,6 +19,14 @@
 //!   it runs against without it.
 //! - **Scaling**: throughput and p99 from 1 to 64 clients, and from 10^4 to
 //!   10^6 stored records.
+//! - **Peers** ([`peers`], full mode only): published middleware, each a small
+//!   server of its own under `bench/peers/` built into `target/bench/peers`,
+//!   with the same handler and load, interleaved with idem's layered route:
+//!   axum-idempotent 0.6 on ruts' session stores (in memory at c = 16 and 64,
+//!   on PostgreSQL at c = 1 and 16), cratestack-axum 0.8 (sqlx, PostgreSQL)
+//!   against `PgStore` at c = 1 and 16; and whether each ran its handler once
+//!   under 50 parallel duplicates of one new key. `bench/peers/README.md` says
+//!   how each is configured.
 //!
 //! Absolute figures drift on a shared machine; the ratios are what to read. The
 //! workloads compared in a ratio run interleaved, in rounds, and each row pools
@@ -31,6 +39,7 @@
 mod load;
 mod memory;
 mod overhead;
+mod peers;
 mod pgbench;
 mod postgres;
 mod process;
@@ -170,13 +179,14 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 6] = [
+    let sections: [(&str, Section); 7] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
         ("storm", memory::storm),
         ("postgres", postgres::postgres),
         ("redis", redis::redis),
+        ("peers", peers::peers),
     ];
     if let Some(only) = &only
         && !sections.iter().any(|(name, _)| name == only)
@@ -258,10 +268,12 @@ struct Bench {
     pin: bool,
 }
 
-/// A running `bench-server serve`: `/bare` and `/layered`.
+/// A running `bench-server serve` (`/bare` and `/layered`), or a peer.
 struct Server {
     process: Process,
     addr: std::net::SocketAddr,
+    /// Header lines every load run sends it (a peer's session cookie).
+    headers: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -321,7 +333,11 @@ impl Bench {
             .announced
             .parse()
             .map_err(|e| format!("bench-server announced {:?}: {e}", process.announced))?;
-        Ok(Server { process, addr })
+        Ok(Server {
+            process,
+            addr,
+            headers: Vec::new(),
+        })
     }
 
     /// `binary`, under `taskset -c CPU` when pinned.
@@ -340,7 +356,7 @@ impl Bench {
         Plan {
             addr: server.addr,
             path: path.to_owned(),
-            headers: Vec::new(),
+            headers: server.headers.clone(),
             body: request_body(),
             keys,
             concurrency: c,

@@ -6,8 +6,8 @@ use super::report::{Ratio, Report, Row, Target, thousands};
 use super::{Bench, Framework, KeySource, Workload};
 
 /// Where the in-memory server runs; the load generator takes the other CPU.
-const SERVER_CPU: usize = 1;
-const GENERATOR_CPU: usize = 0;
+pub(super) const SERVER_CPU: usize = 1;
+pub(super) const GENERATOR_CPU: usize = 0;
 
 /// Bare against layered (in-memory store), both frameworks, every concurrency.
 pub(super) fn overhead(bench: &Bench, report: &mut Report) -> Result<(), String> {

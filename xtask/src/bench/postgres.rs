@@ -26,8 +26,19 @@ const UNPINNED: Option<usize> = None;
 pub(super) fn postgres(bench: &Bench, report: &mut Report) -> Result<(), String> {
     let pgbench = pgbench::binary()
         .ok_or("pgbench not found (apt-get install postgresql-contrib); PostgreSQL rows skipped")?;
+    let (cluster, port) = cluster(bench, "bench,scaling,cleanup")?;
+    let outcome = limit(bench, report, pgbench, port)
+        .and_then(|()| records(bench, report, &url(port, "scaling")))
+        .and_then(|()| cleanup(bench, report, &url(port, "cleanup")));
+    cluster.finish(Duration::from_secs(30));
+    outcome
+}
+
+/// Starts a throwaway cluster with `databases` (comma-separated); answers it
+/// and its port. [`Process::finish`] stops it.
+pub(super) fn cluster(bench: &Bench, databases: &str) -> Result<(Process, u16), String> {
     let mut command = bench.pinned(&bench.binaries.server, UNPINNED);
-    command.args(["cluster", "--databases", "bench,scaling,cleanup"]);
+    command.args(["cluster", "--databases", databases]);
     let cluster = Process::start(
         command,
         "cluster ",
@@ -40,15 +51,27 @@ pub(super) fn postgres(bench: &Bench, report: &mut Report) -> Result<(), String>
         .nth(1)
         .and_then(|port| port.parse().ok())
         .ok_or_else(|| format!("the cluster announced {:?}", cluster.announced))?;
-    let outcome = limit(bench, report, pgbench, port)
-        .and_then(|()| records(bench, report, &url(port, "scaling")))
-        .and_then(|()| cleanup(bench, report, &url(port, "cleanup")));
-    cluster.finish(Duration::from_secs(30));
-    outcome
+    Ok((cluster, port))
 }
 
-fn url(port: u16, database: &str) -> String {
+pub(super) fn url(port: u16, database: &str) -> String {
     format!("postgres://postgres@127.0.0.1:{port}/{database}")
+}
+
+/// Runs `workload` (unpinned) and measures the CPU time of the PostgreSQL
+/// server on `port` meanwhile.
+pub(super) fn with_database_cpu(
+    bench: &Bench,
+    workload: &Workload<'_>,
+    c: usize,
+    port: u16,
+) -> Result<Measured, String> {
+    let before = postgres_cpu_seconds(port);
+    let mut measured = bench.run_workload(workload, c, UNPINNED)?;
+    measured.database_cpu_seconds = before
+        .zip(postgres_cpu_seconds(port))
+        .map(|(before, after)| after - before);
+    Ok(measured)
 }
 
 /// The layered route on PgStore against pgbench, same statements, same
@@ -102,11 +125,7 @@ fn limit(
                 },
             };
             let statements_before = pgbench::statements_run(&pgbench.binary, port);
-            let before = postgres_cpu_seconds(port);
-            let mut measured = bench.run_workload(&workload, c, UNPINNED)?;
-            measured.database_cpu_seconds = before
-                .zip(postgres_cpu_seconds(port))
-                .map(|(before, after)| after - before);
+            let measured = with_database_cpu(bench, &workload, c, port)?;
             let counted = Counted {
                 statements: statements_before
                     .zip(pgbench::statements_run(&pgbench.binary, port))
