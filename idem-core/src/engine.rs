@@ -7,9 +7,9 @@
 
 use std::future::Future;
 use std::pin::pin;
-use std::task::Poll;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use tokio::time::Instant;
