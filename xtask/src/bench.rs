@@ -15,8 +15,9 @@
 //!   same throwaway `redis-server`: first executions and replays.
 //! - **Memory**: bytes per record of the in-memory store; peak RSS of
 //!   payments-axum (`--store memory`) under a storm of charges.
-//! - **Cleanup**: rows deleted per second, and the p99 of live requests while
-//!   it runs against without it.
+//! - **Cleanup**: rows deleted per second with the database otherwise idle,
+//!   and the p99 of live requests while it sweeps under load against without
+//!   it.
 //! - **Scaling**: throughput and p99 from 1 to 64 clients, and from 10^4 to
 //!   10^6 stored records.
 //! - **Peers** ([`peers`], full mode only): published middleware, each a small

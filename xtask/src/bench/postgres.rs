@@ -385,15 +385,51 @@ fn fill(bench: &Bench, url: &str, kind: &str, rows: u64) -> Result<(), String> {
 
 /// The cleanup job's settings measured: (batch, shortest pause in ms, duty
 /// cycle, label). The defaults; larger batches at the same duty cycle; a
-/// gentler duty cycle; the fixed 10 ms pause the job had before its pacer.
-const CLEANUP_SETTINGS: [(usize, u64, f64, &str); 4] = [
+/// gentler duty cycle.
+const CLEANUP_SETTINGS: [(usize, u64, f64, &str); 3] = [
     (1_000, 1, 0.5, "the defaults: batch 1,000, 50 % duty cycle"),
     (5_000, 1, 0.5, "batches of 5,000, 50 % duty cycle"),
     (5_000, 1, 0.25, "batches of 5,000, 25 % duty cycle"),
-    (1_000, 10, 1.0, "fixed 10 ms pauses, the former default"),
 ];
 
-/// Expired rows deleted per second, and live requests' p99 meanwhile.
+/// One sweep of `rows` expired rows at a setting: deleted per second, and what
+/// the job answered.
+struct Sweep {
+    rate: f64,
+    deleted: u64,
+    seconds: f64,
+    batches: serde_json::Value,
+}
+
+impl Sweep {
+    fn start(
+        bench: &Bench,
+        url: &str,
+        (batch, pause_ms, duty): (usize, u64, f64),
+    ) -> Result<Background, String> {
+        let mut command = bench.pinned(&bench.binaries.server, UNPINNED);
+        command
+            .args(["cleanup", "--url", url])
+            .args(["--batch", &batch.to_string()])
+            .args(["--pause-ms", &pause_ms.to_string()])
+            .args(["--duty", &duty.to_string()]);
+        Background::start(command, false)
+    }
+
+    fn from_answer(answer: &serde_json::Value) -> Self {
+        let deleted = answer["deleted"].as_f64().unwrap_or_default();
+        let seconds = answer["seconds"].as_f64().unwrap_or_default();
+        Self {
+            rate: if seconds > 0.0 { deleted / seconds } else { 0.0 },
+            deleted: deleted as u64,
+            seconds,
+            batches: answer["batches"].clone(),
+        }
+    }
+}
+
+/// Expired rows deleted per second with the database otherwise idle, and live
+/// requests' p99 while the job sweeps under load (where it gives way).
 fn cleanup(bench: &Bench, report: &mut Report, url: &str) -> Result<(), String> {
     let c = 4;
     let rows = bench.settings.cleanup_rows;
@@ -405,6 +441,37 @@ fn cleanup(bench: &Bench, report: &mut Report, url: &str) -> Result<(), String> 
         expect: Expect::Executed,
     };
     for (batch, pause_ms, duty, label) in CLEANUP_SETTINGS {
+        let setting = (batch, pause_ms, duty);
+        let note = |sweep: &Sweep| {
+            format!(
+                "batch {batch}, pauses of at least {pause_ms} ms, duty {duty}; {:.1} s, {} batches",
+                sweep.seconds, sweep.batches
+            )
+        };
+        // Idle: the job alone.
+        fill(bench, url, "--expired", rows)?;
+        let idle = Sweep::from_answer(
+            &Sweep::start(bench, url, setting)?.answer(Duration::from_secs(900))?,
+        );
+        report.figures.push(Figure {
+            section: "cleanup",
+            what: format!(
+                "expired rows deleted per second, database idle, {label} ({} rows)",
+                thousands(idle.deleted)
+            ),
+            value: Some(idle.rate),
+            unit: "rows/s",
+            note: note(&idle),
+        });
+        report.ratios.push(
+            Ratio::new(
+                format!("cleanup rows/s, database idle / 200,000 ({label})"),
+                idle.rate / 200_000.0,
+                Target::AtLeast(1.0),
+            )
+            .note(format!("{} rows/s", thousands(idle.rate as u64))),
+        );
+        // Under load: live first executions before, then during a sweep.
         fill(bench, url, "--expired", rows)?;
         let baseline = bench
             .interleaved(std::slice::from_ref(&live), c, UNPINNED)?
@@ -423,27 +490,14 @@ fn cleanup(bench: &Bench, report: &mut Report, url: &str) -> Result<(), String> 
         let cpu_before = server.process.cpu_seconds();
         let started = std::time::Instant::now();
         let during = load::start(&bench.binaries.server, &plan)?;
-        let mut command = bench.pinned(&bench.binaries.server, UNPINNED);
-        command
-            .args(["cleanup", "--url", url])
-            .args(["--batch", &batch.to_string()])
-            .args(["--pause-ms", &pause_ms.to_string()])
-            .args(["--duty", &duty.to_string()]);
-        let answer = Background::start(command, false)
+        let answer = Sweep::start(bench, url, setting)
             .and_then(|sweep| sweep.answer(Duration::from_secs(900)));
         let mut during = during.stop()?;
         during.run_seconds = started.elapsed().as_secs_f64();
         during.server_cpu_seconds = cpu_before
             .zip(server.process.cpu_seconds())
             .map(|(before, after)| after - before);
-        let answer = answer?;
-        let deleted = answer["deleted"].as_f64().unwrap_or_default();
-        let seconds = answer["seconds"].as_f64().unwrap_or_default();
-        let rate = if seconds > 0.0 {
-            deleted / seconds
-        } else {
-            0.0
-        };
+        let loaded = Sweep::from_answer(&answer?);
         report.rows.push(Row::from_load(
             "cleanup",
             format!("axum layered on PgStore, first execution, before cleanup ({label})"),
@@ -459,24 +513,13 @@ fn cleanup(bench: &Bench, report: &mut Report, url: &str) -> Result<(), String> 
         report.figures.push(Figure {
             section: "cleanup",
             what: format!(
-                "expired rows deleted per second, {label} ({} rows)",
-                thousands(deleted as u64)
+                "expired rows deleted per second, under live load, {label} ({} rows)",
+                thousands(loaded.deleted)
             ),
-            value: Some(rate),
+            value: Some(loaded.rate),
             unit: "rows/s",
-            note: format!(
-                "batch {batch}, pauses of at least {pause_ms} ms, duty {duty}; {seconds:.1} s, {} batches",
-                answer["batches"]
-            ),
+            note: note(&loaded),
         });
-        report.ratios.push(
-            Ratio::new(
-                format!("cleanup rows/s / 200,000 ({label})"),
-                rate / 200_000.0,
-                Target::AtLeast(1.0),
-            )
-            .note(format!("{} rows/s", thousands(rate as u64))),
-        );
         report.ratios.push(Ratio::new(
             format!("live p99 during cleanup / before, c={c} ({label})"),
             during.p99_ms / baseline.p99_ms.max(0.001),
