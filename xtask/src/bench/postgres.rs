@@ -420,7 +420,11 @@ impl Sweep {
         let deleted = answer["deleted"].as_f64().unwrap_or_default();
         let seconds = answer["seconds"].as_f64().unwrap_or_default();
         Self {
-            rate: if seconds > 0.0 { deleted / seconds } else { 0.0 },
+            rate: if seconds > 0.0 {
+                deleted / seconds
+            } else {
+                0.0
+            },
             deleted: deleted as u64,
             seconds,
             batches: answer["batches"].clone(),
