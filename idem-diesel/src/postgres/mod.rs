@@ -310,14 +310,14 @@ impl PgStore {
     }
 
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let mut connection = self.connection().await?;
+        let connection = self.connection().await?;
         let binds = statements::binds()
             .bind::<Text, _>(scope.as_str())
             .bind::<Text, _>(key.as_str());
         self.inner
             .statements
             .in_progress
-            .row::<_, InProgressRow>(&mut connection, binds)
+            .row::<_, InProgressRow>(&connection, binds)
             .await
             .map(|row| row.is_some_and(|row| row.in_progress))
             .map_err(StoreError::unavailable)
@@ -495,7 +495,7 @@ impl Store for PgStore {
 
     fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds = statements::binds()
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
@@ -505,7 +505,7 @@ impl Store for PgStore {
                 .inner
                 .statements
                 .renew
-                .run(&mut connection, binds)
+                .run(&connection, binds)
                 .await;
             fenced(rows)
         })
@@ -526,7 +526,7 @@ impl Store for PgStore {
 
     fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds = statements::binds()
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
@@ -535,7 +535,7 @@ impl Store for PgStore {
                 .inner
                 .statements
                 .release
-                .run(&mut connection, binds)
+                .run(&connection, binds)
                 .await;
             fenced(rows)
         })
@@ -547,7 +547,7 @@ impl Store for PgStore {
         key: &'a IdempotencyKey,
     ) -> StoreFuture<'a, Option<Record>> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds = statements::binds()
                 .bind::<Text, _>(scope.as_str())
                 .bind::<Text, _>(key.as_str());
@@ -555,7 +555,7 @@ impl Store for PgStore {
                 .inner
                 .statements
                 .load
-                .row::<_, RecordRow>(&mut connection, binds)
+                .row::<_, RecordRow>(&connection, binds)
                 .await
                 .map_err(StoreError::unavailable)?;
             row.map(|row| row.into_record(scope, key)).transpose()
@@ -564,14 +564,14 @@ impl Store for PgStore {
 
     fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds =
                 statements::binds().bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX));
             let deleted = self
                 .inner
                 .statements
                 .delete_expired
-                .run(&mut connection, binds)
+                .run(&connection, binds)
                 .await
                 .map_err(StoreError::unavailable)?;
             Ok(u64::try_from(deleted).unwrap_or(u64::MAX))

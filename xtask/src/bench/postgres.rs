@@ -9,6 +9,7 @@
 //! trip at a time per connection, mostly idle) lost half its transactions per
 //! second to them, which flattered the store's ratio.
 
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -101,19 +102,7 @@ fn limit(
                     Expect::Executed
                 },
             };
-            let statements_before = pgbench::statements_run(&pgbench.binary, port);
-            let before = postgres_cpu_seconds(port);
-            let mut measured = bench.run_workload(&workload, c, UNPINNED)?;
-            measured.database_cpu_seconds = before
-                .zip(postgres_cpu_seconds(port))
-                .map(|(before, after)| after - before);
-            let counted = Counted {
-                statements: statements_before
-                    .zip(pgbench::statements_run(&pgbench.binary, port))
-                    .map(|(before, after)| after.saturating_sub(before)),
-                answers: measured.answered,
-            };
-            Ok((measured, counted))
+            counted_run(bench, &workload, c, &pgbench.binary, port)
         };
         let mut first = Measured::default();
         let mut replay = Measured::default();
@@ -261,7 +250,105 @@ fn limit(
                 format!("not measured: {error}"),
             )),
         }
+        replay_cache(bench, report, &url, c, &pgbench.binary, port)?;
     }
+    Ok(())
+}
+
+/// Runs `workload` at `c` clients, with PostgreSQL's CPU time and the
+/// statements it ran meanwhile.
+fn counted_run(
+    bench: &Bench,
+    workload: &Workload<'_>,
+    c: usize,
+    pgbench: &Path,
+    port: u16,
+) -> Result<(Measured, Counted), String> {
+    let statements_before = pgbench::statements_run(pgbench, port);
+    let before = postgres_cpu_seconds(port);
+    let mut measured = bench.run_workload(workload, c, UNPINNED)?;
+    measured.database_cpu_seconds = before
+        .zip(postgres_cpu_seconds(port))
+        .map(|(before, after)| after - before);
+    let counted = Counted {
+        statements: statements_before
+            .zip(pgbench::statements_run(pgbench, port))
+            .map(|(before, after)| after.saturating_sub(before)),
+        answers: measured.answered,
+    };
+    Ok((measured, counted))
+}
+
+/// Completed records a `ReplayCache` holds in the bench (the replay pool fits).
+const REPLAY_CACHE_RECORDS: usize = 10 * REPLAY_POOL;
+
+/// PgStore replays with a `ReplayCache` in front against in-memory replays, in
+/// interleaved rounds. Both servers run as the other PostgreSQL rows do
+/// (unpinned, 2 workers), so that the ratio compares like with like; the
+/// in-memory rows of the overhead section are pinned to 1 worker.
+fn replay_cache(
+    bench: &Bench,
+    report: &mut Report,
+    url: &str,
+    c: usize,
+    pgbench: &Path,
+    port: u16,
+) -> Result<(), String> {
+    let pool = c.to_string();
+    let capacity = REPLAY_CACHE_RECORDS.to_string();
+    let cached = bench.serve(
+        Framework::Axum,
+        &["--store", url, "--pool", &pool, "--replay-cache", &capacity],
+        UNPINNED,
+    )?;
+    let memory = bench.serve(Framework::Axum, &["--store", "memory"], UNPINNED)?;
+    // Fresh replay keys: the cache learns only the records its server
+    // completes, so the priming must complete them through it.
+    let replay = |server| Workload {
+        server,
+        path: "/layered",
+        keys: KeySource::Replay(format!("cache-{}-", super::short_id())),
+        expect: Expect::Replayed,
+    };
+    let (cached_workload, memory_workload) = (replay(&cached), replay(&memory));
+    let mut cached_replay = Measured::default();
+    let mut memory_replay = Measured::default();
+    let mut counted = Counted::default();
+    for _ in 0..bench.settings.rounds {
+        let run = bench.run_workload(&memory_workload, c, UNPINNED)?;
+        memory_replay = memory_replay.pooled(run);
+        let (run, count) = counted_run(bench, &cached_workload, c, pgbench, port)?;
+        cached_replay = cached_replay.pooled(run);
+        counted = counted.add(count);
+    }
+    drop(cached);
+    drop(memory);
+    report.rows.push(Row::from_load(
+        "postgres",
+        "axum layered in memory (2 workers, unpinned), replay",
+        c,
+        &memory_replay,
+    ));
+    report.rows.push(Row::from_load(
+        "postgres",
+        "axum layered on PgStore + ReplayCache, replay",
+        c,
+        &cached_replay,
+    ));
+    report.ratios.push(Ratio::new(
+        format!("PgStore + ReplayCache replays / in-memory replays, req/s (c={c})"),
+        cached_replay.rps() / memory_replay.rps(),
+        Target::AtLeast(0.9),
+    ));
+    report.figures.push(Figure {
+        section: "postgres",
+        what: format!("statements per PgStore + ReplayCache replay (c={c})"),
+        value: counted.per_answer(),
+        unit: "statements",
+        note: "pg_stat_statements calls / answers (the priming's claims and completions \
+               included); goal 0"
+            .to_owned(),
+    });
     Ok(())
 }
 
