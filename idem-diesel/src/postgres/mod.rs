@@ -501,12 +501,7 @@ impl Store for PgStore {
                 .bind::<Text, _>(claim.key.as_str())
                 .bind::<SqlUuid, _>(claim.owner.as_uuid())
                 .bind::<BigInt, _>(duration_micros(lease));
-            let rows = self
-                .inner
-                .statements
-                .renew
-                .run(&connection, binds)
-                .await;
+            let rows = self.inner.statements.renew.run(&connection, binds).await;
             fenced(rows)
         })
     }
@@ -531,12 +526,7 @@ impl Store for PgStore {
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
                 .bind::<SqlUuid, _>(claim.owner.as_uuid());
-            let rows = self
-                .inner
-                .statements
-                .release
-                .run(&connection, binds)
-                .await;
+            let rows = self.inner.statements.release.run(&connection, binds).await;
             fenced(rows)
         })
     }
