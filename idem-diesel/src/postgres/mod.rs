@@ -462,27 +462,25 @@ impl PgStore {
         }
         Err(StoreError::unavailable(ClaimContended))
     }
+}
 
-    /// Runs the completion statement on `connection`.
-    async fn complete_on(
-        &self,
-        connection: &mut AsyncPgConnection,
-        claim: &Claim,
-        response: &StoredResponse,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        let binds = statements::binds()
-            .bind::<Text, _>(claim.scope.as_str())
-            .bind::<Text, _>(claim.key.as_str())
-            .bind::<SqlUuid, _>(claim.owner.as_uuid())
-            .bind::<Integer, _>(i32::from(response.status))
-            .bind::<Binary, _>(response.encode_headers())
-            .bind::<Binary, _>(&response.body[..])
-            .bind::<Bool, _>(response.replayable)
-            .bind::<BigInt, _>(duration_micros(retention));
-        let rows = self.inner.statements.complete.run(connection, binds).await;
-        fenced(rows)
-    }
+/// The binds of the completion statements (`complete`, and transactional
+/// mode's own): `$1` scope, `$2` key, `$3` owner, `$4` status, `$5` headers,
+/// `$6` body, `$7` replayable, `$8` retention µs.
+fn completion_binds<'a>(
+    claim: &'a Claim,
+    response: &'a StoredResponse,
+    retention: Duration,
+) -> impl diesel::query_builder::QueryFragment<diesel::pg::Pg> + Send + 'a {
+    statements::binds()
+        .bind::<Text, _>(claim.scope.as_str())
+        .bind::<Text, _>(claim.key.as_str())
+        .bind::<SqlUuid, _>(claim.owner.as_uuid())
+        .bind::<Integer, _>(i32::from(response.status))
+        .bind::<Binary, _>(response.encode_headers())
+        .bind::<Binary, _>(&response.body[..])
+        .bind::<Bool, _>(response.replayable)
+        .bind::<BigInt, _>(duration_micros(retention))
 }
 
 impl Store for PgStore {
@@ -513,9 +511,9 @@ impl Store for PgStore {
         retention: Duration,
     ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
-            self.complete_on(&mut connection, claim, response, retention)
-                .await
+            let connection = self.connection().await?;
+            let binds = completion_binds(claim, response, retention);
+            fenced(self.inner.statements.complete.run(&connection, binds).await)
         })
     }
 

@@ -21,7 +21,7 @@ use idem_core::store::{
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
-use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore, statements};
+use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore, completion_binds, statements};
 use crate::pool;
 use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, RecordRow, duration_micros};
@@ -400,15 +400,7 @@ impl TransactionalPgStore {
             )));
         }
         let statements = &self.store.inner.statements;
-        let binds = statements::binds()
-            .bind::<Text, _>(claim.scope.as_str())
-            .bind::<Text, _>(claim.key.as_str())
-            .bind::<SqlUuid, _>(claim.owner.as_uuid())
-            .bind::<Integer, _>(i32::from(response.status))
-            .bind::<Binary, _>(response.encode_headers())
-            .bind::<Binary, _>(&response.body[..])
-            .bind::<Bool, _>(response.replayable)
-            .bind::<BigInt, _>(duration_micros(retention));
+        let binds = completion_binds(claim, response, retention);
         // The completion, then `COMMIT`, in one round trip. Both wait their
         // turn for the connection's statement cache, which the completion
         // takes first (it is polled first) and gives back only once it has
