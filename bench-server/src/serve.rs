@@ -10,7 +10,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
+use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken, ReplayCache};
 use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Policy, Scope, Store};
 use idem_diesel::PgStore;
 
@@ -39,6 +39,11 @@ pub(crate) struct Options {
     /// Completed records put in the in-memory store before serving.
     #[arg(long, default_value_t = 0)]
     prefill: usize,
+    /// Puts a `ReplayCache` of this many completed records in front of the
+    /// store (0: none), so that replays of records this server completed are
+    /// answered without a round trip.
+    #[arg(long, default_value_t = 0)]
+    replay_cache: usize,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -69,8 +74,18 @@ pub(crate) fn run(options: Options) -> Result<(), BoxError> {
     }
 }
 
-/// The store the options name, migrated or prefilled.
+/// The store the options name, migrated or prefilled, behind a replay cache
+/// when asked.
 async fn open(options: &Options) -> Result<Arc<dyn Store>, BoxError> {
+    let store = open_store(options).await?;
+    if options.replay_cache == 0 {
+        return Ok(store);
+    }
+    Ok(Arc::new(ReplayCache::new(store, options.replay_cache)))
+}
+
+/// The store the options name, migrated or prefilled.
+async fn open_store(options: &Options) -> Result<Arc<dyn Store>, BoxError> {
     if options.store == "memory" {
         // Room for the prefill on top of the defaults, so that the measured
         // requests never evict.

@@ -310,14 +310,14 @@ impl PgStore {
     }
 
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let mut connection = self.connection().await?;
+        let connection = self.connection().await?;
         let binds = statements::binds()
             .bind::<Text, _>(scope.as_str())
             .bind::<Text, _>(key.as_str());
         self.inner
             .statements
             .in_progress
-            .row::<_, InProgressRow>(&mut connection, binds)
+            .row::<_, InProgressRow>(&connection, binds)
             .await
             .map(|row| row.is_some_and(|row| row.in_progress))
             .map_err(StoreError::unavailable)
@@ -462,27 +462,25 @@ impl PgStore {
         }
         Err(StoreError::unavailable(ClaimContended))
     }
+}
 
-    /// Runs the completion statement on `connection`.
-    async fn complete_on(
-        &self,
-        connection: &mut AsyncPgConnection,
-        claim: &Claim,
-        response: &StoredResponse,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        let binds = statements::binds()
-            .bind::<Text, _>(claim.scope.as_str())
-            .bind::<Text, _>(claim.key.as_str())
-            .bind::<SqlUuid, _>(claim.owner.as_uuid())
-            .bind::<Integer, _>(i32::from(response.status))
-            .bind::<Binary, _>(response.encode_headers())
-            .bind::<Binary, _>(&response.body[..])
-            .bind::<Bool, _>(response.replayable)
-            .bind::<BigInt, _>(duration_micros(retention));
-        let rows = self.inner.statements.complete.run(connection, binds).await;
-        fenced(rows)
-    }
+/// The binds of the completion statements (`complete`, and transactional
+/// mode's own): `$1` scope, `$2` key, `$3` owner, `$4` status, `$5` headers,
+/// `$6` body, `$7` replayable, `$8` retention µs.
+fn completion_binds<'a>(
+    claim: &'a Claim,
+    response: &'a StoredResponse,
+    retention: Duration,
+) -> impl diesel::query_builder::QueryFragment<diesel::pg::Pg> + Send + 'a {
+    statements::binds()
+        .bind::<Text, _>(claim.scope.as_str())
+        .bind::<Text, _>(claim.key.as_str())
+        .bind::<SqlUuid, _>(claim.owner.as_uuid())
+        .bind::<Integer, _>(i32::from(response.status))
+        .bind::<Binary, _>(response.encode_headers())
+        .bind::<Binary, _>(&response.body[..])
+        .bind::<Bool, _>(response.replayable)
+        .bind::<BigInt, _>(duration_micros(retention))
 }
 
 impl Store for PgStore {
@@ -495,18 +493,13 @@ impl Store for PgStore {
 
     fn renew<'a>(&'a self, claim: &'a Claim, lease: Duration) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds = statements::binds()
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
                 .bind::<SqlUuid, _>(claim.owner.as_uuid())
                 .bind::<BigInt, _>(duration_micros(lease));
-            let rows = self
-                .inner
-                .statements
-                .renew
-                .run(&mut connection, binds)
-                .await;
+            let rows = self.inner.statements.renew.run(&connection, binds).await;
             fenced(rows)
         })
     }
@@ -518,25 +511,20 @@ impl Store for PgStore {
         retention: Duration,
     ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
-            self.complete_on(&mut connection, claim, response, retention)
-                .await
+            let connection = self.connection().await?;
+            let binds = completion_binds(claim, response, retention);
+            fenced(self.inner.statements.complete.run(&connection, binds).await)
         })
     }
 
     fn release<'a>(&'a self, claim: &'a Claim) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds = statements::binds()
                 .bind::<Text, _>(claim.scope.as_str())
                 .bind::<Text, _>(claim.key.as_str())
                 .bind::<SqlUuid, _>(claim.owner.as_uuid());
-            let rows = self
-                .inner
-                .statements
-                .release
-                .run(&mut connection, binds)
-                .await;
+            let rows = self.inner.statements.release.run(&connection, binds).await;
             fenced(rows)
         })
     }
@@ -547,7 +535,7 @@ impl Store for PgStore {
         key: &'a IdempotencyKey,
     ) -> StoreFuture<'a, Option<Record>> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds = statements::binds()
                 .bind::<Text, _>(scope.as_str())
                 .bind::<Text, _>(key.as_str());
@@ -555,7 +543,7 @@ impl Store for PgStore {
                 .inner
                 .statements
                 .load
-                .row::<_, RecordRow>(&mut connection, binds)
+                .row::<_, RecordRow>(&connection, binds)
                 .await
                 .map_err(StoreError::unavailable)?;
             row.map(|row| row.into_record(scope, key)).transpose()
@@ -564,14 +552,14 @@ impl Store for PgStore {
 
     fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
-            let mut connection = self.connection().await?;
+            let connection = self.connection().await?;
             let binds =
                 statements::binds().bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX));
             let deleted = self
                 .inner
                 .statements
                 .delete_expired
-                .run(&mut connection, binds)
+                .run(&connection, binds)
                 .await
                 .map_err(StoreError::unavailable)?;
             Ok(u64::try_from(deleted).unwrap_or(u64::MAX))

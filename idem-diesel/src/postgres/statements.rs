@@ -50,6 +50,13 @@ pub(super) struct Statements {
     /// `$1` scope, `$2` key, `$3` owner, `$4` status, `$5` headers, `$6` body,
     /// `$7` replayable, `$8` retention µs → rows updated.
     pub(super) complete: Statement<Complete>,
+    /// The completion of transactional mode, as `complete`, but it fails
+    /// (aborting the execution's transaction) when it updates no row, so that
+    /// the `COMMIT` sent right behind it rolls back instead → one row.
+    pub(super) transactional_complete: Statement<TransactionalComplete>,
+    /// `COMMIT`, kept prepared: the end of a transactional execution,
+    /// pipelined behind its completion.
+    pub(super) commit: Statement<Commit>,
     /// `$1` scope, `$2` key, `$3` owner → rows deleted.
     pub(super) release: Statement<Release>,
     /// `$1` scope, `$2` key → zero or one `RecordRow`.
@@ -79,6 +86,12 @@ impl Statements {
         );
         let expired = format!(
             "r.expires_at <= now() AND (r.state = '{COMPLETED}' OR r.lease_until <= now())"
+        );
+        let completion = format!(
+            "state = '{COMPLETED}', owner = NULL, lease_until = NULL,
+                status = $4, headers = $5, body = $6, replayable = $7,
+                expires_at = now() + $8 * interval '1 microsecond'
+             WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
         );
         let upsert = format!(
             "ON CONFLICT (scope, key) DO UPDATE SET
@@ -163,13 +176,18 @@ impl Statements {
                 "UPDATE {t} AS r SET lease_until = now() + $4 * interval '1 microsecond'
                  WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
             )),
-            complete: Statement::new(keyed, format!(
-                "UPDATE {t} AS r SET
-                    state = '{COMPLETED}', owner = NULL, lease_until = NULL,
-                    status = $4, headers = $5, body = $6, replayable = $7,
-                    expires_at = now() + $8 * interval '1 microsecond'
-                 WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
+            complete: Statement::new(keyed, format!("UPDATE {t} AS r SET {completion}")),
+            // A missing record fails the statement at run time (the count is
+            // not a constant, so the planner cannot fold the cast): PostgreSQL
+            // has no RAISE outside PL/pgSQL.
+            transactional_complete: Statement::new(keyed, format!(
+                "WITH completed AS (UPDATE {t} AS r SET {completion} RETURNING 1)
+                 SELECT CASE count(*) WHEN 1 THEN 1
+                        ELSE ('idem: the in-progress record is missing, rows: ' || count(*))::integer
+                        END AS completed
+                 FROM completed"
             )),
+            commit: Statement::new(keyed, "COMMIT".to_owned()),
             release: Statement::new(keyed, format!(
                 "DELETE FROM {t} AS r
                  WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
@@ -247,6 +265,10 @@ statement_keys!(
     Renew,
     /// The key of [`Statements::complete`].
     Complete,
+    /// The key of [`Statements::transactional_complete`].
+    TransactionalComplete,
+    /// The key of [`Statements::commit`].
+    Commit,
     /// The key of [`Statements::release`].
     Release,
     /// The key of [`Statements::load`].
@@ -295,9 +317,13 @@ impl<K: StatementKey> Statement<K> {
     }
 
     /// Runs the statement with `binds` (see [`binds`]): its one row, if any.
+    ///
+    /// The connection is shared: statements run on one connection from
+    /// futures polled together are pipelined (sent without waiting for the
+    /// answers before them), in the order the futures are first polled.
     pub(super) async fn row<'a, B, R>(
         &'a self,
-        connection: &mut AsyncPgConnection,
+        connection: &AsyncPgConnection,
         binds: B,
     ) -> QueryResult<Option<R>>
     where
@@ -305,35 +331,38 @@ impl<K: StatementKey> Statement<K> {
         R: QueryableByName<Pg> + Send + 'static,
     {
         use diesel::OptionalExtension;
+        let mut connection = connection;
         if self.keyed && K::BY_TYPE {
             Execution::<K, B>::new(&self.sql, binds)
-                .get_result(connection)
+                .get_result(&mut connection)
                 .await
                 .optional()
         } else {
             Execution::<ByText, B>::new(&self.sql, binds)
-                .get_result(connection)
+                .get_result(&mut connection)
                 .await
                 .optional()
         }
     }
 
     /// Runs the statement with `binds` (see [`binds`]): the rows it changed.
+    /// Pipelined as [`row`](Self::row) is.
     pub(super) async fn run<'a, B>(
         &'a self,
-        connection: &mut AsyncPgConnection,
+        connection: &AsyncPgConnection,
         binds: B,
     ) -> QueryResult<usize>
     where
         B: QueryFragment<Pg> + Send + 'a,
     {
+        let mut connection = connection;
         if self.keyed && K::BY_TYPE {
             Execution::<K, B>::new(&self.sql, binds)
-                .execute(connection)
+                .execute(&mut connection)
                 .await
         } else {
             Execution::<ByText, B>::new(&self.sql, binds)
-                .execute(connection)
+                .execute(&mut connection)
                 .await
         }
     }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use diesel::QueryableByName;
+use diesel::connection::TransactionDepthChange;
 use diesel::sql_types::{BigInt, Binary, Bool, Integer, Text, Uuid as SqlUuid};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{
@@ -20,7 +21,7 @@ use idem_core::store::{
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
-use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore, statements};
+use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore, completion_binds, statements};
 use crate::pool;
 use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, RecordRow, duration_micros};
@@ -61,6 +62,9 @@ const EXECUTION_RUNNING: &str =
 /// (a released status, a failed or panicking handler, a dropped execution)
 /// `ROLLBACK`s. A crash of the process, or of the connection, rolls everything
 /// back by itself: a retry then finds the key new and runs the handler once.
+/// `BEGIN` and the claim are pipelined (sent together), and so are the
+/// completion and `COMMIT`: a first execution costs three round trips besides
+/// the handler's own statements, a replay one.
 ///
 /// A commit that fails is [`StoreError::Uncommitted`]: the engine's
 /// [`Execution::settle`](idem_core::Execution::settle) then answers
@@ -290,15 +294,12 @@ impl TransactionalPgStore {
         let live = inner
             .statements
             .live
-            .row::<_, RecordRow>(&mut connection, binds)
+            .row::<_, RecordRow>(&connection, binds)
             .await
             .map_err(StoreError::unavailable)?;
         if let Some(record) = live {
             return record.into_found();
         }
-        AnsiTransactionManager::begin_transaction(&mut *connection)
-            .await
-            .map_err(StoreError::unavailable)?;
         match self.claim_on(&mut connection, request).await {
             Ok(ClaimOutcome::Claimed(claim)) => {
                 let transaction = PgTransaction::new(connection);
@@ -317,8 +318,9 @@ impl TransactionalPgStore {
         }
     }
 
-    /// The claim statement on the open transaction, until it settles (see
-    /// `Statements::transactional_claim`). When another execution's transaction
+    /// `BEGIN`, and the claim statement in the transaction it opens, until the
+    /// claim settles (see `Statements::transactional_claim`). The first claim
+    /// goes out with the `BEGIN`, in one round trip. When another execution's transaction
     /// holds the key, its record is uncommitted, so neither its fingerprint nor
     /// its lease is visible: the answer is in progress with the request's own
     /// fingerprint (a duplicate, so 409) and the lease this claim would have had.
@@ -331,7 +333,8 @@ impl TransactionalPgStore {
         let idle = format!("{}ms", self.idle_timeout.max(request.lease).as_millis());
         let keepalive = Keepalive::for_lease(request.lease);
         let lock_key = self.lock_key(&request.scope, &request.key);
-        for _ in 0..CLAIM_ATTEMPTS {
+        mark_begun(connection).map_err(StoreError::unavailable)?;
+        for attempt in 0..CLAIM_ATTEMPTS {
             let binds = statements::binds()
                 .bind::<Text, _>(request.scope.as_str())
                 .bind::<Text, _>(request.key.as_str())
@@ -347,14 +350,26 @@ impl TransactionalPgStore {
                 .bind::<Text, _>(keepalive.interval_secs.to_string())
                 .bind::<Text, _>(KEEPALIVE_PROBES.to_string())
                 .bind::<Text, _>(keepalive.bound_millis().to_string());
-            let row = self
+            let claim = self
                 .store
                 .inner
                 .statements
                 .transactional_claim
-                .row::<_, ClaimRow>(connection, binds)
-                .await
-                .map_err(StoreError::unavailable)?;
+                .row::<_, ClaimRow>(connection, binds);
+            let row = if attempt == 0 {
+                // `BEGIN` is polled first, so it is sent first.
+                let (begun, row) = tokio::join!(biased; begin(connection), claim);
+                if let Err(error) = begun {
+                    // Whatever the server did, the pool must not reuse it.
+                    AnsiTransactionManager::transaction_manager_status_mut(connection)
+                        .set_in_error();
+                    return Err(StoreError::unavailable(error));
+                }
+                row
+            } else {
+                claim.await
+            }
+            .map_err(StoreError::unavailable)?;
             match row {
                 Some(row) if row.claimed => {
                     return Ok(ClaimOutcome::Claimed(request.to_claim()));
@@ -378,32 +393,42 @@ impl TransactionalPgStore {
             return Err(StoreError::StaleOwner);
         };
         let depth = transaction_depth(&mut connection);
-        let written = if depth != 1 {
-            Err(StoreError::uncommitted(CommitRefused::NestedOpen(
+        if depth != 1 {
+            roll_back(&mut connection).await;
+            return Err(StoreError::uncommitted(CommitRefused::NestedOpen(
                 depth.saturating_sub(1),
-            )))
-        } else {
-            match self
-                .store
-                .complete_on(&mut connection, claim, response, retention)
-                .await
-            {
-                Ok(()) => Ok(()),
-                Err(StoreError::StaleOwner) => {
-                    Err(StoreError::uncommitted(CommitRefused::RecordMissing))
-                }
-                Err(StoreError::Unavailable(error)) => Err(StoreError::Uncommitted(error)),
-                Err(error) => Err(StoreError::uncommitted(error)),
+            )));
+        }
+        let statements = &self.store.inner.statements;
+        let binds = completion_binds(claim, response, retention);
+        // The completion, then `COMMIT`, in one round trip. Both wait their
+        // turn for the connection's statement cache, which the completion
+        // takes first (it is polled first) and gives back only once it has
+        // sent its statement: the `COMMIT` cannot overtake it, even when the
+        // completion must be prepared first. A completion that fails (its
+        // record missing, or the handler's failed statement aborted the
+        // transaction) makes the `COMMIT` a rollback.
+        let (completed, committed) = tokio::join!(
+            biased;
+            statements
+                .transactional_complete
+                .run(&connection, binds),
+            statements
+                .commit
+                .run(&connection, statements::binds()),
+        );
+        // The transaction is over either way: a `COMMIT` that fails rolls back.
+        if let Ok(status) = AnsiTransactionManager::transaction_manager_status_mut(&mut *connection)
+            .transaction_state()
+        {
+            let _ = status.change_transaction_depth(TransactionDepthChange::DecreaseDepth);
+        }
+        match (completed, committed) {
+            (Ok(_), Ok(_)) => Ok(()),
+            (Err(error), _) if is_missing_record(&error) => {
+                Err(StoreError::uncommitted(CommitRefused::RecordMissing))
             }
-        };
-        match written {
-            Ok(()) => AnsiTransactionManager::commit_transaction(&mut *connection)
-                .await
-                .map_err(StoreError::uncommitted),
-            Err(error) => {
-                roll_back(&mut connection).await;
-                Err(error)
-            }
+            (Err(error), _) | (Ok(_), Err(error)) => Err(StoreError::uncommitted(error)),
         }
     }
 }
@@ -605,6 +630,36 @@ impl Keepalive {
         let probes = u64::from(KEEPALIVE_PROBES).saturating_mul(self.interval_secs);
         self.idle_secs.saturating_add(probes).saturating_mul(1000)
     }
+}
+
+/// Counts the execution's transaction as open before its `BEGIN` is sent: a
+/// claim dropped midway then leaves a connection the pool sees as still in a
+/// transaction, and closes instead of reusing.
+fn mark_begun(connection: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+    let status =
+        AnsiTransactionManager::transaction_manager_status_mut(connection).transaction_state()?;
+    if status.transaction_depth().is_some() {
+        return Err(diesel::result::Error::AlreadyInTransaction);
+    }
+    status.change_transaction_depth(TransactionDepthChange::IncreaseDepth)
+}
+
+/// Sends `BEGIN` (see [`mark_begun`]). A `BEGIN` cannot fail on a live session
+/// outside a transaction, which a pooled connection is: the claim pipelined
+/// behind it runs in its transaction.
+async fn begin(connection: &AsyncPgConnection) -> diesel::QueryResult<()> {
+    let mut connection = connection;
+    SimpleAsyncConnection::batch_execute(&mut connection, "BEGIN").await
+}
+
+/// Whether `error` is the transactional completion's own failure: no
+/// in-progress record to complete.
+fn is_missing_record(error: &diesel::result::Error) -> bool {
+    matches!(
+        error,
+        diesel::result::Error::DatabaseError(_, info)
+            if info.message().contains("idem: the in-progress record is missing")
+    )
 }
 
 /// How deep the connection's transactions are nested (1: the execution's own).

@@ -59,6 +59,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
             ))
         },
     ),
+    (
+        "transactional::a_completion_that_finds_no_record_commits_nothing",
+        |d| Box::pin(a_completion_that_finds_no_record_commits_nothing(d)),
+    ),
     ("transactional::nested_transactions_are_savepoints", |d| {
         Box::pin(nested_transactions_are_savepoints(d))
     }),
@@ -710,6 +714,54 @@ async fn a_handler_slower_than_the_lease_runs_once_and_delivers(databases: Arc<D
             other => panic!("{name}: a retry after the answer got {other:?}"),
         }
     }
+}
+
+/// The completion and `COMMIT` go out together: when the completion finds no
+/// record (here the handler deleted it), the `COMMIT` must roll back, even on a
+/// fresh connection where the completion is prepared first.
+async fn a_completion_that_finds_no_record_commits_nothing(databases: Arc<Databases>) {
+    let store = fresh_transactional(&databases).await;
+    let plain = store.plain().clone();
+    let engine = engine(&store, Policy::required());
+    let execution = execute_new(&engine, "erased").await;
+    let transaction = transaction_of(&execution);
+    execution
+        .run(async {
+            write_ledger(&transaction, "erased", 5).await.unwrap();
+            let mut connection = transaction.connection().await.unwrap();
+            let deleted = diesel::sql_query("DELETE FROM idem_records WHERE key = 'erased'")
+                .execute(&mut *connection)
+                .await
+                .unwrap();
+            assert_eq!(deleted, 1, "the in-progress record, in the transaction");
+        })
+        .await;
+    let Settlement::Retract(problem) = execution.settle(&created("charged")).await else {
+        panic!("a completion without its record must not deliver the handler's answer")
+    };
+    assert_eq!(
+        (problem.kind, problem.status),
+        (ProblemKind::StoreUnavailable, 503)
+    );
+    assert_eq!(ledger_rows(&plain, "erased").await, 0, "no write");
+    assert_eq!(record_state(&plain, "erased").await, None, "no record");
+    assert_eq!(store.open_transactions(), 0);
+
+    let retry = execute_new(&engine, "erased").await;
+    let transaction = transaction_of(&retry);
+    retry
+        .run(write_ledger(&transaction, "erased", 5))
+        .await
+        .unwrap();
+    assert!(matches!(
+        retry.settle(&created("charged")).await,
+        Settlement::Deliver
+    ));
+    assert_eq!(ledger_rows(&plain, "erased").await, 1, "exactly one effect");
+    assert!(matches!(
+        record_state(&plain, "erased").await,
+        Some(RecordState::Completed { .. })
+    ));
 }
 
 async fn nested_transactions_are_savepoints(databases: Arc<Databases>) {

@@ -9,6 +9,7 @@
 //! trip at a time per connection, mostly idle) lost half its transactions per
 //! second to them, which flattered the store's ratio.
 
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -124,15 +125,7 @@ fn limit(
                     Expect::Executed
                 },
             };
-            let statements_before = pgbench::statements_run(&pgbench.binary, port);
-            let measured = with_database_cpu(bench, &workload, c, port)?;
-            let counted = Counted {
-                statements: statements_before
-                    .zip(pgbench::statements_run(&pgbench.binary, port))
-                    .map(|(before, after)| after.saturating_sub(before)),
-                answers: measured.answered,
-            };
-            Ok((measured, counted))
+            counted_run(bench, &workload, c, &pgbench.binary, port)
         };
         let mut first = Measured::default();
         let mut replay = Measured::default();
@@ -143,6 +136,18 @@ fn limit(
         let mut bench_first = None::<pgbench::Outcome>;
         let mut bench_replay = None::<pgbench::Outcome>;
         let mut tx_error = transactional.as_ref().err().cloned();
+        // Completed once before any round, so that each replay run's own
+        // priming replays too, and its per-request figures are a replay's.
+        prime(
+            bench,
+            &Workload {
+                server: &plain,
+                path: "/layered",
+                keys: KeySource::Replay(String::new()),
+                expect: Expect::Replayed,
+            },
+            c,
+        )?;
         for _ in 0..bench.settings.rounds {
             let (run, count) = workload(&plain, false)?;
             first = first.pooled(run);
@@ -231,7 +236,12 @@ fn limit(
         let kinds = [
             ("first execution", "; goal 2"),
             ("replay", "; goal 1"),
-            ("transactional first execution", ""),
+            (
+                "transactional first execution",
+                " but for the pipelined ones; pg_stat_statements does not count the \
+                 prepared COMMIT: 5 statements (read, BEGIN, claim, completion, COMMIT) \
+                 in 3 round trips",
+            ),
             ("transactional replay", "; goal 1"),
         ];
         for (index, ((what, floor), count)) in kinds.iter().zip(counted).enumerate() {
@@ -244,8 +254,8 @@ fn limit(
                 value: count.per_answer(),
                 unit: "statements",
                 note: format!(
-                    "pg_stat_statements calls / answers (warm-up and replay priming \
-                     included), one round trip each{floor}"
+                    "pg_stat_statements calls / answers (warm-up included; the replay \
+                     pool is completed before the runs), one round trip each{floor}"
                 ),
             });
         }
@@ -280,7 +290,117 @@ fn limit(
                 format!("not measured: {error}"),
             )),
         }
+        replay_cache(bench, report, &url, c, &pgbench.binary, port)?;
     }
+    Ok(())
+}
+
+/// Runs `workload` at `c` clients, with PostgreSQL's CPU time and the
+/// statements it ran meanwhile.
+fn counted_run(
+    bench: &Bench,
+    workload: &Workload<'_>,
+    c: usize,
+    pgbench: &Path,
+    port: u16,
+) -> Result<(Measured, Counted), String> {
+    let statements_before = pgbench::statements_run(pgbench, port);
+    let measured = with_database_cpu(bench, workload, c, port)?;
+    let counted = Counted {
+        statements: statements_before
+            .zip(pgbench::statements_run(pgbench, port))
+            .map(|(before, after)| after.saturating_sub(before)),
+        answers: measured.answered,
+    };
+    Ok((measured, counted))
+}
+
+/// Completes the replay pool of `workload` (a short run whose priming does it),
+/// so that the priming of the measured runs only replays.
+fn prime(bench: &Bench, workload: &Workload<'_>, c: usize) -> Result<(), String> {
+    let KeySource::Replay(prefix) = &workload.keys else {
+        return Ok(());
+    };
+    let keys = Keys::Replay {
+        prefix: prefix.clone(),
+        pool: REPLAY_POOL,
+    };
+    let mut plan = bench.plan(workload.server, workload.path, keys, workload.expect, c);
+    plan.warmup = Duration::ZERO;
+    plan.duration = Duration::from_millis(50);
+    load::run(&bench.binaries.server, &plan).map(drop)
+}
+
+/// Completed records a `ReplayCache` holds in the bench (the replay pool fits).
+const REPLAY_CACHE_RECORDS: usize = 10 * REPLAY_POOL;
+
+/// PgStore replays with a `ReplayCache` in front against in-memory replays, in
+/// interleaved rounds. Both servers run as the other PostgreSQL rows do
+/// (unpinned, 2 workers), so that the ratio compares like with like; the
+/// in-memory rows of the overhead section are pinned to 1 worker.
+fn replay_cache(
+    bench: &Bench,
+    report: &mut Report,
+    url: &str,
+    c: usize,
+    pgbench: &Path,
+    port: u16,
+) -> Result<(), String> {
+    let pool = c.to_string();
+    let capacity = REPLAY_CACHE_RECORDS.to_string();
+    let cached = bench.serve(
+        Framework::Axum,
+        &["--store", url, "--pool", &pool, "--replay-cache", &capacity],
+        UNPINNED,
+    )?;
+    let memory = bench.serve(Framework::Axum, &["--store", "memory"], UNPINNED)?;
+    // Fresh replay keys: the cache learns only the records its server
+    // completes, so the priming must complete them through it.
+    let replay = |server| Workload {
+        server,
+        path: "/layered",
+        keys: KeySource::Replay(format!("cache-{}-", super::short_id())),
+        expect: Expect::Replayed,
+    };
+    let (cached_workload, memory_workload) = (replay(&cached), replay(&memory));
+    let mut cached_replay = Measured::default();
+    let mut memory_replay = Measured::default();
+    let mut counted = Counted::default();
+    prime(bench, &memory_workload, c)?;
+    prime(bench, &cached_workload, c)?;
+    for _ in 0..bench.settings.rounds {
+        let run = bench.run_workload(&memory_workload, c, UNPINNED)?;
+        memory_replay = memory_replay.pooled(run);
+        let (run, count) = counted_run(bench, &cached_workload, c, pgbench, port)?;
+        cached_replay = cached_replay.pooled(run);
+        counted = counted.add(count);
+    }
+    drop(cached);
+    drop(memory);
+    report.rows.push(Row::from_load(
+        "postgres",
+        "axum layered in memory (2 workers, unpinned), replay",
+        c,
+        &memory_replay,
+    ));
+    report.rows.push(Row::from_load(
+        "postgres",
+        "axum layered on PgStore + ReplayCache, replay",
+        c,
+        &cached_replay,
+    ));
+    report.ratios.push(Ratio::new(
+        format!("PgStore + ReplayCache replays / in-memory replays, req/s (c={c})"),
+        cached_replay.rps() / memory_replay.rps(),
+        Target::AtLeast(0.9),
+    ));
+    report.figures.push(Figure {
+        section: "postgres",
+        what: format!("statements per PgStore + ReplayCache replay (c={c})"),
+        value: counted.per_answer(),
+        unit: "statements",
+        note: "pg_stat_statements calls / answers; goal 0".to_owned(),
+    });
     Ok(())
 }
 
