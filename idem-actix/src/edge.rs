@@ -1,13 +1,17 @@
 //! The edge between actix-web's `http` 0.2 types and the core's own: the only
 //! place where one is turned into the other.
 
+use std::sync::LazyLock;
+
 use std::fmt;
 
 use actix_web::body::BoxBody;
 use actix_web::http::StatusCode;
-use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
 use actix_web::{HttpResponse, ResponseError};
-use idem_core::{Header, HeaderSource, KEY_HEADER, REPLAYED_HEADER, StoredResponse};
+use idem_core::{
+    Header, HeaderSource, KEYED_REQUEST_HEADERS, StoredResponse, keyed_request_header,
+};
 
 /// An answer sent as an actix-web error, where no request is left to answer it
 /// with (the handler panicked, or its task was lost).
@@ -74,18 +78,12 @@ pub(crate) fn into_http_response(stored: StoredResponse) -> HttpResponse<BoxBody
     response
 }
 
-/// The names idem looks up or answers with on every keyed request, made once
-/// rather than parsed (and, for the custom ones, allocated) per request.
+/// [`KEYED_REQUEST_HEADERS`] as header names, made once rather than parsed
+/// (and, for the custom ones, allocated) per request.
 fn known_name(name: &str) -> Option<HeaderName> {
-    const KEY: HeaderName = HeaderName::from_static(KEY_HEADER);
-    const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
-    match name {
-        KEY_HEADER => Some(KEY),
-        REPLAYED_HEADER => Some(REPLAYED),
-        "content-type" => Some(header::CONTENT_TYPE),
-        "content-encoding" => Some(header::CONTENT_ENCODING),
-        _ => None,
-    }
+    static KNOWN: LazyLock<[HeaderName; KEYED_REQUEST_HEADERS.len()]> =
+        LazyLock::new(|| KEYED_REQUEST_HEADERS.map(HeaderName::from_static));
+    keyed_request_header(name).and_then(|at| KNOWN.get(at).cloned())
 }
 
 fn status_code(status: u16) -> StatusCode {

@@ -1,8 +1,12 @@
 //! The edge between `http` 1 and idem's own response type.
 
+use std::sync::LazyLock;
+
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
-use idem_core::{Header, HeaderSource, KEY_HEADER, REPLAYED_HEADER, StoredResponse};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use idem_core::{
+    Header, HeaderSource, KEYED_REQUEST_HEADERS, StoredResponse, keyed_request_header,
+};
 
 use crate::ResponseBody;
 
@@ -56,18 +60,12 @@ pub(crate) fn to_http<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     response
 }
 
-/// The names idem looks up or answers with on every keyed request, made once
-/// rather than parsed (and, for the custom ones, allocated) per request.
+/// [`KEYED_REQUEST_HEADERS`] as header names, made once rather than parsed
+/// (and, for the custom ones, allocated) per request.
 fn known_name(name: &str) -> Option<HeaderName> {
-    const KEY: HeaderName = HeaderName::from_static(KEY_HEADER);
-    const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
-    match name {
-        KEY_HEADER => Some(KEY),
-        REPLAYED_HEADER => Some(REPLAYED),
-        "content-type" => Some(header::CONTENT_TYPE),
-        "content-encoding" => Some(header::CONTENT_ENCODING),
-        _ => None,
-    }
+    static KNOWN: LazyLock<[HeaderName; KEYED_REQUEST_HEADERS.len()]> =
+        LazyLock::new(|| KEYED_REQUEST_HEADERS.map(HeaderName::from_static));
+    keyed_request_header(name).and_then(|at| KNOWN.get(at).cloned())
 }
 
 #[cfg(test)]

@@ -30,6 +30,8 @@ pub use policy::{
     InProgress, KeyRequirement, OnStoreFailure, Policy, ProblemStatuses, StatusFilter,
 };
 pub use problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Problem, ProblemKind};
-pub use response::{Header, REPLAYED_HEADER, StoredResponse};
+pub use response::{
+    Header, KEYED_REQUEST_HEADERS, REPLAYED_HEADER, StoredResponse, keyed_request_header,
+};
 pub use scope::{ChosenScope, Scope, ScopeSource, Unscoped};
 pub use store::{MemoryStore, Store, StoreError};

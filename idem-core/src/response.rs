@@ -39,6 +39,23 @@ pub struct Header {
 /// The header that marks a replayed answer.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
+/// The header names every keyed request looks up (its key, and the content type
+/// and encoding its fingerprint covers) or may answer with (the replay marker):
+/// an adapter makes its framework's names of these once, not per request.
+pub const KEYED_REQUEST_HEADERS: [&str; 4] = [
+    crate::KEY_HEADER,
+    REPLAYED_HEADER,
+    "content-type",
+    "content-encoding",
+];
+
+/// The position of `name` in [`KEYED_REQUEST_HEADERS`], if it is one of them.
+pub fn keyed_request_header(name: &str) -> Option<usize> {
+    KEYED_REQUEST_HEADERS
+        .iter()
+        .position(|known| *known == name)
+}
+
 impl Header {
     /// A header field; the name is lower-cased (a name that already is, as a
     /// `&'static str` or a `String`, is kept as it is, without a copy).
@@ -228,6 +245,17 @@ mod tests {
             response.header_values("SET-COOKIE").collect::<Vec<_>>(),
             vec![b"a=1".as_ref(), b"b=2".as_ref()]
         );
+    }
+
+    #[test]
+    fn common_names_are_shared_and_keyed_request_headers_found() {
+        let named = Header::named("content-type", "text/plain");
+        assert!(matches!(named.name, Cow::Borrowed("content-type")));
+        assert!(matches!(Header::named("x-own", "1").name, Cow::Owned(_)));
+        assert_eq!(Header::new("X-Own", "1").name, "x-own");
+        assert_eq!(keyed_request_header(REPLAYED_HEADER), Some(1));
+        assert_eq!(keyed_request_header("idempotency-key"), Some(0));
+        assert_eq!(keyed_request_header("x-own"), None);
     }
 
     #[test]
