@@ -7,7 +7,6 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -24,19 +23,13 @@ use crate::{Store, StoreError};
 /// idem-diesel's `PgStore::cleanup` does), a sweep runs only in the instance
 /// that takes the lock; the others skip it.
 ///
-/// The pause between batches follows what the job observes. The job keeps the
-/// store busy for at most its [`duty_cycle`](Self::duty_cycle) (default 50 %)
-/// of the time, and less when the store is loaded: it remembers the fastest
-/// pace it has seen (per row deleted, smoothed over the last few batches), and
-/// a pace `s` ≥ 1.2 times as slow is read as a store that others keep busy, so
-/// the duty cycle that follows is divided by `s²` (less than that is noise).
-/// After a batch that took `t`, at duty cycle `d`, it pauses `t × (1 − d) / d`
-/// (at least [`pause`](Self::pause)). A database with spare capacity answers
-/// quickly and is swept at the full duty cycle; a loaded one answers slowly and
-/// is given room, as TCP Vegas reads queueing from round-trip times.
-/// `cargo xtask bench` measures both: rows per second with the database idle,
-/// and live requests' p99 while the job sweeps under load. An error ends the sweep, not the job: it is logged
-/// with its cause, reported, and the next interval sweeps again.
+/// The pause between batches follows what the job observes: after a batch that
+/// took `t`, it pauses `t × (1 − duty) / duty` (at least [`pause`](Self::pause)),
+/// so the job keeps the store busy for at most its [`duty_cycle`](Self::duty_cycle)
+/// (default 50 %) of the time. A database with spare capacity answers quickly
+/// and is swept quickly; a loaded one answers slowly and is given room. An error ends the sweep, not
+/// the job: it is logged with its cause, reported, and the next interval sweeps
+/// again.
 ///
 /// Every sweep is logged (`tracing`, target `idem::cleanup`) and handed to the
 /// [`on_report`](Self::on_report) callback, if any.
@@ -79,17 +72,6 @@ pub struct Cleanup<S> {
     duty: f64,
     interval: Duration,
     on_report: Option<Arc<OnReport>>,
-    /// What the job has seen of the store's pace.
-    pace: Mutex<Pace>,
-}
-
-/// The store's pace as the job has seen it, in nanoseconds per row deleted.
-#[derive(Clone, Copy, Debug, Default)]
-struct Pace {
-    /// The recent batches', smoothed.
-    recent: Option<f64>,
-    /// The lowest `recent` has been.
-    fastest: Option<f64>,
 }
 
 /// The callback of [`Cleanup::on_report`].
@@ -163,7 +145,6 @@ impl<S: ExpiredRows> Cleanup<S> {
             duty: 0.5,
             interval: Duration::from_secs(60),
             on_report: None,
-            pace: Mutex::new(Pace::default()),
         }
     }
 
@@ -192,11 +173,10 @@ impl<S: ExpiredRows> Cleanup<S> {
         self
     }
 
-    /// The most of the time the job keeps the store busy, between 0.01 and 1
+    /// The share of the time the job keeps the store busy, between 0.01 and 1
     /// (default 0.5): after a batch that took `t`, it pauses
-    /// `t × (1 − duty) / duty`, with `duty` divided by the square of how much
-    /// slower per row the batch was than the fastest seen (from 1.2 times). 1 deletes back to back (after the
-    /// [`pause`](Self::pause)) while the store answers at its fastest.
+    /// `t × (1 − duty) / duty`. 1 deletes back to back (after the
+    /// [`pause`](Self::pause)).
     pub fn duty_cycle(mut self, duty: f64) -> Self {
         self.duty = duty.clamp(0.01, 1.0);
         self
@@ -282,42 +262,14 @@ impl<S: ExpiredRows> Cleanup<S> {
             if deleted < batch {
                 return Ok(());
             }
-            let load = self.observe(took, deleted);
-            tokio::time::sleep(self.pause_after(took, load)).await;
+            tokio::time::sleep(self.pause_after(took)).await;
         }
     }
 
-    /// Records a full batch of `deleted` rows that took `took`, and answers how
-    /// much slower per row the recent batches were than the fastest such run
-    /// seen (1 or more). Times are smoothed over the last few batches (an
-    /// exponential average, 30 % weight to the newest), so that one slow batch
-    /// on an idle store does not read as load.
-    fn observe(&self, took: Duration, deleted: u64) -> f64 {
-        let per_row = took.as_nanos() as f64 / deleted.max(1) as f64;
-        let mut pace = self.pace.lock().unwrap_or_else(PoisonError::into_inner);
-        let recent = match pace.recent {
-            Some(recent) => 0.7 * recent + 0.3 * per_row,
-            None => per_row,
-        };
-        let fastest = pace.fastest.map_or(recent, |fastest| fastest.min(recent));
-        *pace = Pace {
-            recent: Some(recent),
-            fastest: Some(fastest),
-        };
-        if fastest > 0.0 {
-            (recent / fastest).max(1.0)
-        } else {
-            1.0
-        }
-    }
-
-    /// The pause after a batch that took `took`, `load` times slower per row than
-    /// the fastest: the duty cycle, divided by the square of the load from 1.2
-    /// on, at least the minimum pause.
-    fn pause_after(&self, took: Duration, load: f64) -> Duration {
-        let backoff = if load < 1.2 { 1.0 } else { load * load };
-        let duty = (self.duty / backoff).max(0.01);
-        took.mul_f64((1.0 - duty) / duty).max(self.pause)
+    /// The pause after a batch that took `took`: the duty cycle's, at least the
+    /// minimum.
+    fn pause_after(&self, took: Duration) -> Duration {
+        took.mul_f64((1.0 - self.duty) / self.duty).max(self.pause)
     }
 
     fn report(&self, report: &SweepReport) {
@@ -391,51 +343,21 @@ mod tests {
     fn the_pause_follows_the_duty_cycle() {
         let job = Cleanup::new(MemoryStore::new());
         assert_eq!(
-            job.pause_after(Duration::from_millis(8), 1.0),
+            job.pause_after(Duration::from_millis(8)),
             Duration::from_millis(8)
         );
-        assert_eq!(
-            job.pause_after(Duration::ZERO, 1.0),
-            Duration::from_millis(1)
-        );
+        assert_eq!(job.pause_after(Duration::ZERO), Duration::from_millis(1));
         let quarter = Cleanup::new(MemoryStore::new()).duty_cycle(0.25);
         assert_eq!(
-            quarter.pause_after(Duration::from_millis(8), 1.0),
+            quarter.pause_after(Duration::from_millis(8)),
             Duration::from_millis(24)
         );
         let flat_out = Cleanup::new(MemoryStore::new())
             .duty_cycle(1.0)
             .pause(Duration::ZERO);
         assert_eq!(
-            flat_out.pause_after(Duration::from_millis(8), 1.0),
+            flat_out.pause_after(Duration::from_millis(8)),
             Duration::ZERO
-        );
-    }
-
-    #[test]
-    fn slower_batches_per_row_give_the_store_more_room() {
-        let job = Cleanup::new(MemoryStore::new());
-        // 1 000 rows in 4 ms: the first batch sets the pace, so the load is 1.
-        assert_eq!(job.observe(Duration::from_millis(4), 1_000), 1.0);
-        // One batch twice as slow moves the smoothed pace by 30 %: 1.3.
-        let load = job.observe(Duration::from_millis(8), 1_000);
-        assert!((load - 1.3).abs() < 1e-9, "{load}");
-        // Slow batches in a row: the pace approaches twice the fastest.
-        let mut load = load;
-        for _ in 0..30 {
-            load = job.observe(Duration::from_millis(8), 1_000);
-        }
-        assert!((load - 2.0).abs() < 1e-3, "{load}");
-        // At twice as slow, the duty cycle is divided by four (50 % to 12.5 %:
-        // the pause is seven times the batch).
-        assert_eq!(
-            job.pause_after(Duration::from_millis(8), 2.0),
-            Duration::from_millis(56)
-        );
-        // A little slower is noise: the full duty cycle.
-        assert_eq!(
-            job.pause_after(Duration::from_millis(8), 1.15),
-            Duration::from_millis(8)
         );
     }
 }
