@@ -206,12 +206,12 @@ fn limit(
         report.ratios.push(Ratio::new(
             format!("PgStore first executions req/s / pgbench tps (c={c})"),
             first.rps() / bench_first.tps,
-            Target::AtLeast(0.85),
+            Target::AtLeast(0.9),
         ));
         report.ratios.push(Ratio::new(
             format!("PgStore replays req/s / pgbench tps (c={c})"),
             replay.rps() / bench_replay.tps,
-            Target::AtLeast(0.85),
+            Target::AtLeast(0.9),
         ));
         for (what, store, pgbench) in [
             ("first executions", &first, &bench_first),
@@ -276,12 +276,12 @@ fn limit(
                 report.ratios.push(Ratio::new(
                     format!("transactional / plain PgStore, first executions req/s (c={c})"),
                     tx_first.rps() / first.rps(),
-                    Target::None,
+                    Target::AtLeast(0.85),
                 ));
                 report.ratios.push(Ratio::new(
                     format!("transactional / plain PgStore, replays req/s (c={c})"),
                     tx_replay.rps() / replay.rps(),
-                    Target::None,
+                    Target::AtLeast(0.9),
                 ));
             }
             Some(error) => report.ratios.push(Ratio::missing(
