@@ -85,10 +85,9 @@ impl Header {
 
 /// `name` as one of the header names responses carry most, if it is one.
 fn common_name(name: &[u8]) -> Option<&'static str> {
-    const COMMON: [&str; 16] = [
-        "content-type",
+    // Beside the names every keyed request uses (one list, the adapters' too).
+    const MORE: [&str; 13] = [
         "content-length",
-        "content-encoding",
         "content-language",
         "content-location",
         "location",
@@ -101,9 +100,11 @@ fn common_name(name: &[u8]) -> Option<&'static str> {
         "link",
         "retry-after",
         "x-request-id",
-        REPLAYED_HEADER,
     ];
-    COMMON.into_iter().find(|common| common.as_bytes() == name)
+    KEYED_REQUEST_HEADERS
+        .into_iter()
+        .chain(MORE)
+        .find(|common| common.as_bytes() == name)
 }
 
 impl StoredResponse {
@@ -251,6 +252,8 @@ mod tests {
     fn common_names_are_shared_and_keyed_request_headers_found() {
         let named = Header::named("content-type", "text/plain");
         assert!(matches!(named.name, Cow::Borrowed("content-type")));
+        let location = Header::named("location", "/orders/7").name;
+        assert!(matches!(location, Cow::Borrowed("location")));
         assert!(matches!(Header::named("x-own", "1").name, Cow::Owned(_)));
         assert_eq!(Header::new("X-Own", "1").name, "x-own");
         assert_eq!(keyed_request_header(REPLAYED_HEADER), Some(1));
