@@ -8,7 +8,7 @@
 //! - `load`: the load generator, closed-loop HTTP/1.1 clients (see `load`).
 //! - `memory`: bytes per record of the in-memory store, from the growth of this
 //!   process's resident set.
-//! - `cluster`: a throwaway PostgreSQL cluster (`idem-diesel`'s `TestCluster`)
+//! - `cluster`: a throwaway PostgreSQL cluster (`idem-diesel`'s `TestPostgres`)
 //!   that lives until stdin closes or a signal arrives.
 //! - `pg-fill`, `pg-statements`, `cleanup`: PostgreSQL set-up, the store's own
 //!   SQL as the server prepared it (for pgbench), and one timed cleanup sweep.

@@ -9,7 +9,7 @@ use diesel::sql_types::Text;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
 use idem_core::{Fingerprint, IdempotencyKey, Scope, Store};
-use idem_diesel::testing::TestCluster;
+use idem_testkit::TestPostgres;
 use idem_diesel::{PgStore, SweepReport};
 
 use crate::BoxError;
@@ -70,11 +70,11 @@ const FILL_BODY: usize = 200;
 /// keeps the cluster until stdin closes or SIGTERM / SIGINT arrives; then stops
 /// and deletes it.
 pub(crate) fn cluster(options: &ClusterOptions) -> Result<(), BoxError> {
-    let cluster = TestCluster::start()?;
+    let cluster = TestPostgres::start()?;
     // `pg_stat_statements` counts the statements each request runs (the bench
     // prints them per request); it is loaded at server start.
     cluster.psql(
-        idem_diesel::testing::DEFAULT_DATABASE,
+        idem_testkit::postgres::DEFAULT_DATABASE,
         "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
     )?;
     cluster.stop()?;

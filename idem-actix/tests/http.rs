@@ -672,7 +672,7 @@ mod redis {
 
     use idem_core::Store;
     use idem_redis::RedisStore;
-    use idem_redis::testing::TestRedis;
+    use idem_testkit::TestRedis;
     use idem_scenarios::durable::one_key_over_instances_executes_once;
 
     use super::{axum_instance, start_scenario_app};
@@ -686,11 +686,11 @@ mod redis {
     }
 
     async fn redis_store() -> Arc<dyn Store> {
-        Arc::new(TestRedis::shared().fresh_store().await)
+        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared()).await)
     }
 
     async fn redis_cluster_store() -> Arc<dyn Store> {
-        Arc::new(TestRedis::shared_cluster().fresh_store().await)
+        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared_cluster()).await)
     }
 
     /// One instance of each adapter, each with its own `RedisStore` (its own

@@ -429,10 +429,11 @@ mod redis {
     use std::sync::Arc;
 
     use idem_core::Store;
-    use idem_redis::testing::{TestRedis, TestRedisError};
     use idem_scenarios::durable::{
         ServerFuture, StoreServer, store_outage_fails_closed_then_recovers,
     };
+
+    use idem_testkit::TestRedis;
 
     use super::start;
 
@@ -445,11 +446,11 @@ mod redis {
     }
 
     async fn redis_store() -> Arc<dyn Store> {
-        Arc::new(TestRedis::shared().fresh_store().await)
+        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared()).await)
     }
 
     async fn redis_cluster_store() -> Arc<dyn Store> {
-        Arc::new(TestRedis::shared_cluster().fresh_store().await)
+        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared_cluster()).await)
     }
 
     /// Redis stops under the running app, then starts again on its port.
@@ -463,7 +464,7 @@ mod redis {
                 .unwrap()
                 .unwrap_or_else(|error| panic!("cannot start redis-server: {error}")),
         );
-        let target = start(Arc::new(redis.fresh_store().await)).await;
+        let target = start(Arc::new(idem_scenarios::stores::redis_store(&redis).await)).await;
         store_outage_fails_closed_then_recovers(target, &StoppableRedis(Arc::clone(&redis))).await;
     }
 
@@ -482,7 +483,7 @@ mod redis {
         }
     }
 
-    async fn redis_step(step: impl FnOnce() -> Result<(), TestRedisError> + Send + 'static) {
+    async fn redis_step(step: impl FnOnce() -> Result<(), idem_testkit::Error> + Send + 'static) {
         tokio::task::spawn_blocking(step)
             .await
             .unwrap()

@@ -20,7 +20,7 @@ use diesel_async::RunQueryDsl;
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
 use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoredResponse};
 use idem_diesel::PgStore;
-use idem_diesel::testing::TestCluster;
+use idem_testkit::TestPostgres;
 
 #[derive(QueryableByName)]
 struct Calls {
@@ -91,7 +91,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mode = args.next().unwrap_or_else(|| "first".to_owned());
     let n: usize = args.next().map_or(1000, |n| n.parse().unwrap());
-    let cluster = TestCluster::start().unwrap();
+    let cluster = TestPostgres::start().unwrap();
     cluster
         .psql(
             "postgres",

@@ -33,13 +33,13 @@ use std::time::Duration;
 
 use idem_core::Store;
 use idem_core::store::ReplayCache;
-use idem_diesel::testing::TestCluster;
+use idem_testkit::TestPostgres;
 use idem_diesel::{PgStore, SqliteStore};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// What a test gets: a way to fresh storage.
 pub(crate) struct Databases {
-    cluster: OnceLock<Result<TestCluster, String>>,
+    cluster: OnceLock<Result<TestPostgres, String>>,
     scratch: PathBuf,
     next: AtomicUsize,
 }
@@ -247,10 +247,10 @@ impl Databases {
 
     /// The shared cluster, started on first use. Panics, saying how to get
     /// PostgreSQL, when it cannot start.
-    pub(crate) fn cluster(&self) -> &TestCluster {
+    pub(crate) fn cluster(&self) -> &TestPostgres {
         let started = self
             .cluster
-            .get_or_init(|| TestCluster::start().map_err(|error| error_chain(&error)));
+            .get_or_init(|| TestPostgres::start().map_err(|error| error_chain(&error)));
         match started {
             Ok(cluster) => cluster,
             Err(error) => panic!("could not start the PostgreSQL test cluster: {error}"),

@@ -8,15 +8,15 @@ use std::time::Duration;
 
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken, RecordState};
 use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoreError, StoredResponse};
-use idem_redis::testing::TestRedis;
 use idem_redis::{RedisStore, SetupError};
+use idem_testkit::TestRedis;
 
 /// The suite on one node.
 mod single {
     use super::*;
 
     async fn fresh_store() -> RedisStore {
-        TestRedis::shared().fresh_store().await
+        super::store_on(TestRedis::shared()).await
     }
 
     idem_core::conformance_tests!(fresh_store);
@@ -27,10 +27,19 @@ mod cluster {
     use super::*;
 
     async fn fresh_store() -> RedisStore {
-        TestRedis::shared_cluster().fresh_store().await
+        super::store_on(TestRedis::shared_cluster()).await
     }
 
     idem_core::conformance_tests!(fresh_store);
+}
+
+/// A store on `redis` under a key prefix no other test has.
+async fn store_on(redis: &TestRedis) -> RedisStore {
+    RedisStore::builder()
+        .prefix(redis.fresh_prefix())
+        .connect(&redis.url())
+        .await
+        .unwrap()
 }
 
 fn request(key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
@@ -55,7 +64,7 @@ fn number(printed: &[String]) -> i64 {
 #[tokio::test]
 async fn scripts_are_loaded_again_after_noscript() {
     for redis in [TestRedis::shared(), TestRedis::shared_cluster()] {
-        let store = redis.fresh_store().await;
+        let store = store_on(&redis).await;
         let first = request("flushed", Duration::from_secs(60), Duration::from_secs(60));
         assert!(matches!(
             store.claim(&first).await.unwrap(),
@@ -139,7 +148,7 @@ async fn redis_expires_records_but_never_a_live_lease() {
 #[tokio::test]
 async fn records_spread_over_the_cluster_primaries() {
     let redis = TestRedis::shared_cluster();
-    let store = redis.fresh_store().await;
+    let store = store_on(&redis).await;
     for n in 0..60 {
         let claim = request(
             &format!("spread-{n}"),
@@ -189,7 +198,7 @@ async fn a_stopped_node_is_unavailable_then_recovers() {
         .await
         .unwrap()
         .unwrap();
-    let store = redis.fresh_store().await;
+    let store = store_on(&redis).await;
     let first = request("outage", Duration::from_secs(60), Duration::from_secs(60));
     assert!(matches!(
         store.claim(&first).await.unwrap(),
@@ -236,11 +245,13 @@ async fn a_stopped_node_is_unavailable_then_recovers() {
 /// crate docs warn about, not what this test is about).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_failing_over_is_survived() {
-    let redis = tokio::task::spawn_blocking(|| TestRedis::start_replicated_cluster(3, 1))
-        .await
-        .unwrap()
-        .unwrap();
-    let store = redis.fresh_store().await;
+    let redis = std::sync::Arc::new(
+        tokio::task::spawn_blocking(|| TestRedis::start_replicated_cluster(3, 1))
+            .await
+            .unwrap()
+            .unwrap(),
+    );
+    let store = store_on(&redis).await;
     let scope = Scope::new("s");
     let first = request("failover", Duration::from_secs(60), Duration::from_secs(60));
     let ClaimOutcome::Claimed(claim) = store.claim(&first).await.unwrap() else {
@@ -253,7 +264,15 @@ async fn a_primary_failing_over_is_survived() {
         .unwrap();
     let record_key = String::from_utf8(store.record_key(&scope, &first.key)).unwrap();
     let primary = redis.primary_of(&record_key).unwrap();
-    assert_eq!(redis.cli_on(primary, &["WAIT", "1", "5000"]).unwrap(), "1");
+    // The replica reports its link up and its offset at the primary's (the
+    // readiness it reports, however slow the machine), and `WAIT` confirms
+    // that a replica acknowledged the write.
+    let syncing = std::sync::Arc::clone(&redis);
+    tokio::task::spawn_blocking(move || syncing.await_replicas())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(redis.cli_on(primary, &["WAIT", "1", "30000"]).unwrap(), "1");
     redis.crash_node(primary).unwrap();
 
     let retry = request("failover", Duration::from_secs(60), Duration::from_secs(60));

@@ -13,7 +13,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use idem_core::Store;
-use idem_diesel::testing::{ClusterError, DEFAULT_DATABASE, TestCluster};
+use idem_testkit::postgres::DEFAULT_DATABASE;
+use idem_testkit::{Error as ClusterError, TestPostgres};
 
 use crate::Target;
 use crate::cases::{assert_retry_after, joined, spawn_send, the_executed_one};
@@ -261,7 +262,7 @@ pub async fn instances_over_one_sqlite_file(starts: &[Start]) {
 /// When PostgreSQL cannot be started or the app misbehaves.
 pub async fn postgres_outage(start: Start) {
     let cluster = Arc::new(
-        tokio::task::spawn_blocking(TestCluster::start)
+        tokio::task::spawn_blocking(TestPostgres::start)
             .await
             .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
             .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}")),
@@ -275,7 +276,7 @@ pub async fn postgres_outage(start: Start) {
 }
 
 /// A test cluster as the outage case stops and resumes it.
-struct Stoppable(Arc<TestCluster>);
+struct Stoppable(Arc<TestPostgres>);
 
 impl StoreServer for Stoppable {
     fn stop(&self) -> ServerFuture<'_> {

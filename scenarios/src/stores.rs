@@ -1,14 +1,16 @@
 //! The durable stores the suite runs over, fresh for each case: a SQLite file
-//! in a temporary directory, and a database of its own on the test binary's
-//! shared PostgreSQL cluster ([`TestCluster::shared`]).
+//! in a temporary directory, a database of its own on the test binary's
+//! shared PostgreSQL cluster ([`TestPostgres::shared`]), and a key prefix of
+//! its own on a test Redis ([`redis_store`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use idem_core::Store;
 use idem_core::store::StoreLayer;
-use idem_diesel::testing::{ClusterError, TestCluster};
 use idem_diesel::{PgStore, SqliteStore};
+use idem_redis::RedisStore;
+use idem_testkit::{Error as ClusterError, TestPostgres, TestRedis};
 
 /// A fresh SQLite store in a temporary directory, deleted with the store.
 ///
@@ -40,13 +42,27 @@ pub async fn postgres_store() -> Arc<dyn Store> {
 /// database made.
 pub async fn fresh_postgres_url(prefix: &'static str) -> String {
     tokio::task::spawn_blocking(move || {
-        let cluster = TestCluster::shared()?;
+        let cluster = TestPostgres::shared()?;
         let database = cluster.fresh_database(prefix)?;
         Ok::<_, ClusterError>(cluster.url(&database))
     })
     .await
     .unwrap_or_else(|error| panic!("the cluster's task failed: {error}"))
     .unwrap_or_else(|error| panic!("cannot start a PostgreSQL cluster: {error}"))
+}
+
+/// A `RedisStore` on `redis` under a [fresh prefix](TestRedis::fresh_prefix),
+/// with the default settings otherwise.
+///
+/// # Panics
+///
+/// When it cannot connect.
+pub async fn redis_store(redis: &TestRedis) -> RedisStore {
+    RedisStore::builder()
+        .prefix(redis.fresh_prefix())
+        .connect(&redis.url())
+        .await
+        .unwrap_or_else(|error| panic!("cannot connect to the test Redis: {error}"))
 }
 
 /// A `PgStore` on `url`, its table migrated.

@@ -1,6 +1,6 @@
 //! `cargo xtask ci`: everything CI checks, in the order that fails fastest.
 
-use crate::shell::{self, cargo};
+use idem_testkit::shell::{self, cargo};
 
 /// idem-diesel's feature sets, each checked alone, with the database client that
 /// must stay out of the build under it (`None`: nothing to prove).
@@ -18,8 +18,15 @@ const STORE_FEATURE_SETS: &[(&[&str], Option<&str>)] = &[
 
 /// Runs formatting, clippy, each store feature set alone, docs, every test, the
 /// end-to-end run of both examples on every store, and the benchmarks' quick
-/// mode; stops at the first failure.
-pub(crate) fn run(_args: &[String]) -> Result<(), String> {
+/// mode; stops at the first failure. `--stress [RUNS]` runs the tests under
+/// load instead ([`crate::stress`]).
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    match args.first().map(String::as_str) {
+        None => {}
+        Some("--stress") => return crate::stress::run(args.get(1).map(String::as_str)),
+        Some(other) => return Err(format!("ci takes --stress [RUNS], not {other}")),
+    }
+    let started = std::time::Instant::now();
     shell::run(
         "cargo fmt --check",
         &mut cargo(&["fmt", "--all", "--", "--check"]),
@@ -42,17 +49,21 @@ pub(crate) fn run(_args: &[String]) -> Result<(), String> {
         cargo(&["doc", "--workspace", "--no-deps", "--all-features"])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
-    // `cargo test`, not nextest: the database tests start one PostgreSQL cluster per
-    // test binary, which nextest's process-per-test would multiply.
-    shell::run(
-        "cargo test",
-        &mut cargo(&["test", "--workspace", "--all-features"]),
-    )?;
-    eprintln!("\n==> cargo xtask e2e");
-    crate::e2e::run(&[])?;
-    eprintln!("\n==> cargo xtask bench --quick");
-    crate::bench::run(&["--quick".to_owned()])?;
+    shell::run("cargo test", &mut test())?;
+    crate::e2e("e2e", &["--dev".to_owned()])?;
+    crate::bench(&["--quick".to_owned(), "--dev".to_owned()])?;
+    eprintln!(
+        "\n==> cargo xtask ci: every step passed in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
+}
+
+/// Every test of the workspace. `cargo test`, not nextest: the database tests
+/// start one server per test binary, which nextest's process-per-test would
+/// multiply.
+pub(crate) fn test() -> std::process::Command {
+    cargo(&["test", "--workspace", "--all-features"])
 }
 
 /// Checks idem-diesel under each feature set alone (so a backend's code does not

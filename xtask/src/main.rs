@@ -1,15 +1,15 @@
 //! Project tasks: `cargo xtask ci | e2e | bench | demo`.
 //!
-//! One binary, a module per task, few dependencies (after rust-analyzer's xtask).
+//! A dispatcher, after rust-analyzer's xtask: `ci` runs the checks in the
+//! order that fails fastest; `e2e` and `demo` run the `idem-e2e` crate, `bench`
+//! the `idem-bench` crate, each compiled only when its task (or CI step) comes.
 
 use std::process::ExitCode;
 
-mod bench;
+use idem_testkit::shell::{self, cargo};
+
 mod ci;
-mod demo;
-mod e2e;
-mod example;
-mod shell;
+mod stress;
 
 const USAGE: &str = "\
 usage: cargo xtask <task>
@@ -17,17 +17,19 @@ usage: cargo xtask <task>
 tasks:
   bench   what idem costs per request, against the bare handler and pgbench (--quick: seconds)
   ci      fmt, clippy and docs (warnings denied), every test, e2e, bench --quick
+          (--stress [RUNS]: instead, every test RUNS times (3) with the CPUs loaded)
   demo    the experiment that motivates idem, against payments-axum
   e2e     both examples on every store as real processes, every scenario; a table
 ";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let rest = args.get(1..).unwrap_or_default();
     let result = match args.first().map(String::as_str) {
-        Some("bench") => bench::run(&args[1..]),
-        Some("ci") => ci::run(&args[1..]),
-        Some("demo") => demo::run(&args[1..]),
-        Some("e2e") => e2e::run(&args[1..]),
+        Some("bench") => bench(rest),
+        Some("ci") => ci::run(rest),
+        Some("demo") => e2e("demo", rest),
+        Some("e2e") => e2e("e2e", rest),
         Some("-h" | "--help" | "help") => {
             print!("{USAGE}");
             Ok(())
@@ -42,4 +44,18 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `cargo run -p idem-e2e -- TASK ARGS…`
+fn e2e(task: &str, args: &[String]) -> Result<(), String> {
+    let mut command = cargo(&["run", "-q", "-p", "idem-e2e", "--", task]);
+    command.args(args);
+    shell::run(&format!("cargo xtask {task} {}", args.join(" ")), &mut command)
+}
+
+/// `cargo run -p idem-bench -- ARGS…`
+fn bench(args: &[String]) -> Result<(), String> {
+    let mut command = cargo(&["run", "-q", "-p", "idem-bench", "--"]);
+    command.args(args);
+    shell::run(&format!("cargo xtask bench {}", args.join(" ")), &mut command)
 }

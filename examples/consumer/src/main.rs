@@ -73,7 +73,7 @@ fn run_and_report(url: &str) -> ExitCode {
 }
 
 #[cfg(feature = "demo-cluster")]
-type Cluster = idem_diesel::testing::TestCluster;
+type Cluster = idem_testkit::TestPostgres;
 /// Without the feature there is no cluster to keep.
 #[cfg(not(feature = "demo-cluster"))]
 struct Cluster;

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use consumer::{Report, Tally};
 use idem_core::retry::Backoff;
-use idem_diesel::testing::TestCluster;
+use idem_testkit::TestPostgres;
 
 #[test]
 fn the_inbox_makes_the_balance_exact_where_redeliveries_break_it() {
-    let cluster = TestCluster::start().expect("a PostgreSQL test cluster");
+    let cluster = TestPostgres::start().expect("a PostgreSQL test cluster");
     cluster.create_database("demo").unwrap();
     let url = cluster.url("demo");
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -6,13 +6,14 @@
 use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
 
-use idem_diesel::testing::TestCluster;
+use idem_testkit::TestPostgres;
 use libtest_mimic::{Arguments, Failed, Trial};
-use payments_consumer::testing::{Case, SCENARIOS, TestBroker};
+use idem_testkit::TestRabbitMq;
+use payments_consumer::testing::{Case, SCENARIOS};
 
 struct Servers {
-    broker: TestBroker,
-    cluster: TestCluster,
+    broker: TestRabbitMq,
+    cluster: TestPostgres,
     logs: std::path::PathBuf,
 }
 
@@ -77,8 +78,8 @@ fn main() -> ExitCode {
 }
 
 fn start() -> Result<Servers, String> {
-    let broker = TestBroker::start().map_err(|e| format!("RabbitMQ: {e}"))?;
-    let cluster = TestCluster::start().map_err(|e| format!("PostgreSQL: {e}"))?;
+    let broker = TestRabbitMq::start().map_err(|e| format!("RabbitMQ: {e}"))?;
+    let cluster = TestPostgres::start().map_err(|e| format!("PostgreSQL: {e}"))?;
     let logs = std::env::temp_dir().join(format!("payments-consumer-tests-{}", std::process::id()));
     Ok(Servers {
         broker,

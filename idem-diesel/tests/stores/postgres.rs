@@ -9,7 +9,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
 use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoreError, StoredResponse};
-use idem_diesel::testing::TestCluster;
+use idem_testkit::TestPostgres;
 use idem_diesel::{PgStore, SetupError};
 
 use crate::{Databases, TestFn, error_chain};
@@ -546,7 +546,7 @@ async fn changed_resolves_when_the_record_settles(databases: Arc<Databases>) {
 
 async fn outage_answers_unavailable_then_recovers(_: Arc<Databases>) {
     // A cluster of its own: stopping the shared one would fail other trials.
-    let cluster = tokio::task::spawn_blocking(TestCluster::start)
+    let cluster = tokio::task::spawn_blocking(TestPostgres::start)
         .await
         .unwrap()
         .unwrap_or_else(|error| panic!("{}", error_chain(&error)));

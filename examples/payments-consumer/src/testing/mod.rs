@@ -1,6 +1,7 @@
-//! Test support (feature `test-util`): a throwaway RabbitMQ node
-//! ([`TestBroker`]) and the scenarios ([`SCENARIOS`]) that the crate's tests
-//! and `cargo xtask e2e` run against the `payments-consumer` binary.
+//! Test support (feature `test-util`): the scenarios ([`SCENARIOS`]) that the
+//! crate's tests and `cargo xtask e2e` run against the `payments-consumer`
+//! binary, on a throwaway RabbitMQ node and PostgreSQL cluster
+//! (`idem_testkit`).
 //!
 //! A scenario gets a [`Case`]: the binary, the broker's URL, a fresh database
 //! and a queue name of its own, and a directory for the consumers' logs. It
@@ -10,12 +11,12 @@
 //! figure behind its verdict, or what went wrong.
 //!
 //! ```no_run
-//! use payments_consumer::testing::{Case, SCENARIOS, TestBroker};
-//! use idem_diesel::testing::TestCluster;
+//! use idem_testkit::{TestPostgres, TestRabbitMq};
+//! use payments_consumer::testing::{Case, SCENARIOS};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let broker = TestBroker::start()?;
-//! let cluster = TestCluster::start()?;
+//! let broker = TestRabbitMq::start()?;
+//! let cluster = TestPostgres::start()?;
 //! for scenario in SCENARIOS {
 //!     cluster.create_database(scenario.name)?;
 //!     let case = Case::new(
@@ -37,11 +38,9 @@
 // Test support: a failed expectation is an `Err` or a panic.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod broker;
 pub mod demo;
 mod process;
 mod scenarios;
 
-pub use broker::{BrokerError, TestBroker};
 pub use process::{Case, Client, ConsumerProcess};
 pub use scenarios::{SCENARIOS, Scenario};

@@ -152,15 +152,20 @@ fn parse_applied(applied: &str) -> Option<Applied> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use idem_core::{IdempotencyKey, Scope};
-    use idem_redis::testing::TestRedis;
+    use idem_testkit::TestRedis;
 
     use super::*;
     use crate::{Ledger, LedgerError, OperationKind};
 
     async fn ledger() -> Ledger {
         let redis = TestRedis::shared();
+        let store = idem_redis::RedisStore::builder()
+            .prefix(redis.fresh_prefix())
+            .connect(&redis.url())
+            .await
+            .unwrap();
         Ledger::redis(
-            redis.fresh_store().await.connection(),
+            store.connection(),
             Duration::from_secs(60),
         )
     }

@@ -11,7 +11,7 @@
 //!
 //! [`run`] is the test binary's harness (libtest-mimic, so the usual filters
 //! and `--list` work): it runs the trials, starting a throwaway PostgreSQL
-//! cluster (idem-diesel's `TestCluster`) when the first trial that needs one
+//! cluster (idem-diesel's `TestPostgres`) when the first trial that needs one
 //! asks for a database, giving each such trial a fresh database, and removes
 //! the cluster at the end. The `service::` trials use the memory and SQLite
 //! stores only: run alone (`cargo test -p payments-axum -- service::`), they
@@ -88,7 +88,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use idem_diesel::testing::TestCluster;
+use idem_testkit::TestPostgres;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Runs every trial against `binary` (a payments example), as the harness of a
@@ -170,7 +170,7 @@ const HANG: Duration = Duration::from_secs(600);
 /// What the trials share: the binary under test and the cluster.
 pub(crate) struct Suite {
     binary: PathBuf,
-    cluster: OnceLock<Result<TestCluster, String>>,
+    cluster: OnceLock<Result<TestPostgres, String>>,
     databases: AtomicUsize,
 }
 
@@ -182,10 +182,10 @@ impl Suite {
 
     /// The shared cluster, started on first use; panics, saying why, when it
     /// cannot start.
-    fn cluster(&self) -> &TestCluster {
+    fn cluster(&self) -> &TestPostgres {
         let started = self
             .cluster
-            .get_or_init(|| TestCluster::start().map_err(|error| error_chain(&error)));
+            .get_or_init(|| TestPostgres::start().map_err(|error| error_chain(&error)));
         match started {
             Ok(cluster) => cluster,
             Err(error) => panic!("could not start the PostgreSQL test cluster: {error}"),

@@ -1,6 +1,7 @@
 //! `cargo xtask e2e`: the whole system, as users run it.
 //!
-//! Builds payments-axum and payments-actix (release), starts a throwaway
+//! Builds payments-axum, payments-actix and payments-consumer (release, or
+//! with `--dev` the workspace's dev build, as CI runs it), starts a throwaway
 //! PostgreSQL cluster, and runs every scenario of [`scenarios::CATALOG`]
 //! against each example on each store (memory; SQLite in a temporary
 //! directory; PostgreSQL, a fresh database per scenario; Redis, a node of the
@@ -20,6 +21,8 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use tokio::sync::Semaphore;
 
+use idem_testkit::shell::Profile;
+
 use crate::example::Example;
 
 use self::api::Failure;
@@ -37,7 +40,10 @@ mod site;
 
 const USAGE: &str = "\
 usage: cargo xtask e2e [--example axum|actix|consumer]... [--store memory|sqlite|postgres|redis]...
-                       [--scenario NAME]... [--include-not-built]
+                       [--scenario NAME]... [--include-not-built] [--dev]
+
+--dev: the binaries of the workspace's dev build (as `cargo test --workspace
+--all-features` compiles their libraries; what CI runs), not release builds.
 
 Without options: every example, every store, every scenario that is built
 (the consumer's run on PostgreSQL and RabbitMQ).";
@@ -48,6 +54,8 @@ const SLOTS: u32 = 4;
 const SCENARIO_LIMIT: Duration = Duration::from_secs(150);
 
 struct Options {
+    /// How the examples are built: release, or (`--dev`) CI's dev build.
+    profile: Profile,
     examples: Vec<Example>,
     stores: Vec<StoreKind>,
     scenarios: Vec<String>,
@@ -110,24 +118,29 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         let dir = root.join("postgres");
         tokio::task::spawn_blocking(move || Cluster::start(&dir))
     });
-    // One build at a time, each off the async workers: an interrupted run
-    // starts no further build.
-    let mut builds: Vec<(Example, Result<PathBuf, String>)> = Vec::new();
-    for &example in options.examples.iter().filter(|e| **e != Example::Consumer) {
-        let build = tokio::task::spawn_blocking(move || example.build(true))
-            .await
-            .unwrap_or_else(|e| Err(format!("the build did not finish: {e}")));
-        builds.push((example, build));
+    // One cargo invocation for every binary (shared dependencies built once,
+    // with one set of features), off the async workers.
+    let mut examples: Vec<Example> = options
+        .examples
+        .iter()
+        .copied()
+        .filter(|e| *e != Example::Consumer)
+        .collect();
+    if options.runs_consumer() {
+        examples.push(Example::Consumer);
     }
-    let consumer = if options.runs_consumer() {
-        Some(
-            tokio::task::spawn_blocking(|| Example::Consumer.build(false))
-                .await
-                .unwrap_or_else(|e| Err(format!("the build did not finish: {e}"))),
-        )
-    } else {
-        None
-    };
+    let profile = options.profile;
+    let packages: Vec<&'static str> = examples.iter().map(|e| e.package()).collect();
+    let built = tokio::task::spawn_blocking(move || profile.build(&packages))
+        .await
+        .unwrap_or_else(|e| Err(format!("the build did not finish: {e}")));
+    let binary = |example: Example| built.as_ref().map(|dir| example.binary(dir)).map_err(Clone::clone);
+    let builds: Vec<(Example, Result<PathBuf, String>)> = examples
+        .iter()
+        .filter(|e| **e != Example::Consumer)
+        .map(|&example| (example, binary(example)))
+        .collect();
+    let consumer = options.runs_consumer().then(|| binary(Example::Consumer));
     let built = started.elapsed();
     let cluster: Result<Arc<Cluster>, String> = match starting {
         Some(starting) => match starting.await {
@@ -331,7 +344,10 @@ fn rows_of(
 
 impl Options {
     fn parse(args: &[String]) -> Result<Self, String> {
+        let mut args = args.to_vec();
+        let profile = Profile::take_from(&mut args, Profile::Release);
         let mut options = Self {
+            profile,
             examples: Vec::new(),
             stores: Vec::new(),
             scenarios: Vec::new(),

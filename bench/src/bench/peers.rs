@@ -31,7 +31,7 @@ use super::postgres::{cluster, url, with_database_cpu};
 use super::process::Process;
 use super::report::{Figure, Ratio, Report, Row, Target, thousands};
 use super::{Bench, Framework, KeySource, Server, Workload, request_body};
-use crate::shell::{self, cargo, workspace_root};
+use idem_testkit::shell::{self, cargo, target_dir, workspace_root};
 
 /// Client counts of the in-memory rows.
 const MEMORY_CONCURRENCIES: [usize; 2] = [16, 64];
@@ -130,7 +130,7 @@ pub(super) fn peers(bench: &Bench, report: &mut Report) -> Result<(), String> {
 fn build(peer: &Peer) -> Result<PathBuf, String> {
     let root = workspace_root();
     let manifest = root.join("bench/peers").join(peer.name).join("Cargo.toml");
-    let target = root.join("target/bench/peers");
+    let target = target_dir().join("bench/peers");
     let manifest = manifest.to_string_lossy();
     let target_dir = target.to_string_lossy();
     let args = [

@@ -55,7 +55,7 @@ use load::{Expect, Keys, Measured, Plan};
 use process::Process;
 use report::Report;
 
-use crate::shell::{self, cargo, workspace_root};
+use idem_testkit::shell::{Profile, target_dir};
 
 /// How long and how wide each part runs.
 struct Settings {
@@ -128,8 +128,10 @@ const REPLAY_POOL: usize = 1_000;
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let mut settings = Settings::full();
-    let mut out = workspace_root().join("target/bench/bench.json");
+    let mut out = target_dir().join("bench/bench.json");
     let mut only: Option<String> = None;
+    let mut args = args.to_vec();
+    let profile = Profile::take_from(&mut args, Profile::Release);
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -138,13 +140,16 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             "--only" => only = Some(args.next().ok_or("--only takes a section")?.clone()),
             other => {
                 return Err(format!(
-                    "bench takes --quick, --only SECTION and --out PATH, not {other}"
+                    "bench takes --quick, --dev, --only SECTION and --out PATH, not {other}"
                 ));
             }
         }
     }
-    let binaries = Binaries::build()?;
-    let logs = workspace_root().join("target/bench/logs");
+    if profile == Profile::Dev {
+        report_dev_build();
+    }
+    let binaries = Binaries::build(profile)?;
+    let logs = target_dir().join("bench/logs");
     std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
     let bench = Bench {
         settings,
@@ -234,30 +239,30 @@ fn short_id() -> String {
 /// One part of the bench: adds its rows, figures and ratios to the report.
 type Section = fn(&Bench, &mut Report) -> Result<(), String>;
 
-/// The release binaries the bench starts.
+/// The binaries the bench starts: release builds, or with `--dev` (CI's
+/// smoke run) the workspace's dev build.
 struct Binaries {
     server: PathBuf,
     payments: PathBuf,
 }
 
 impl Binaries {
-    fn build() -> Result<Self, String> {
-        let args = [
-            "build",
-            "-q",
-            "--release",
-            "-p",
-            "bench-server",
-            "-p",
-            "payments-axum",
-        ];
-        shell::run(&format!("cargo {}", args.join(" ")), &mut cargo(&args))?;
-        let release = workspace_root().join("target/release");
+    fn build(profile: Profile) -> Result<Self, String> {
+        let dir = profile.build(&["bench-server", "payments-axum"])?;
         Ok(Self {
-            server: release.join("bench-server"),
-            payments: release.join("payments-axum"),
+            server: dir.join("bench-server"),
+            payments: dir.join("payments-axum"),
         })
     }
+}
+
+/// Says, before anything runs, that the figures of a dev build measure
+/// nothing: `--dev` checks that every part of the bench runs (CI's smoke run).
+fn report_dev_build() {
+    eprintln!(
+        "bench --dev: unoptimized binaries; the figures below check that each part runs, \
+         they are not measurements"
+    );
 }
 
 /// What every section works with.

@@ -7,7 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::shell::{self, cargo, workspace_root};
+use idem_testkit::shell::{self, cargo, target_dir};
+
 
 /// A payments example binary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,18 +28,21 @@ impl Example {
         }
     }
 
-    /// Builds the binary and answers its path; `release` for measurements.
-    pub(crate) fn build(self, release: bool) -> Result<PathBuf, String> {
-        let mut args = vec!["build", "-q", "-p", self.package()];
-        if release {
-            args.push("--release");
+    /// Builds the binaries of `examples` for a plain `cargo run` (dev
+    /// profile, default features), in one cargo invocation, and answers the
+    /// directory they are in.
+    pub(crate) fn build_dev(examples: &[Self]) -> Result<PathBuf, String> {
+        let mut args = vec!["build", "-q"];
+        for example in examples {
+            args.extend(["-p", example.package()]);
         }
         shell::run(&format!("cargo {}", args.join(" ")), &mut cargo(&args))?;
-        let profile = if release { "release" } else { "debug" };
-        Ok(workspace_root()
-            .join("target")
-            .join(profile)
-            .join(self.package()))
+        Ok(target_dir().join("debug"))
+    }
+
+    /// The binary in the directory a build answered.
+    pub(crate) fn binary(self, dir: &Path) -> PathBuf {
+        dir.join(self.package())
     }
 }
 

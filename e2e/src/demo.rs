@@ -12,8 +12,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use idem_diesel::testing::TestCluster;
-use payments_consumer::testing::{Case, TestBroker, demo::delivered_three_times};
+use idem_testkit::{TestPostgres, TestRabbitMq};
+use payments_consumer::testing::{Case, demo::delivered_three_times};
 use serde_json::{Value, json};
 
 use crate::example::{Example, Server};
@@ -28,8 +28,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             ));
         }
     };
-    let binary = example.build(false)?;
-    let consumer = Example::Consumer.build(false)?;
+    let built = Example::build_dev(&[example, Example::Consumer])?;
+    let (binary, consumer) = (example.binary(&built), Example::Consumer.binary(&built));
     let dir = std::env::temp_dir().join(format!("idem-demo-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     // RabbitMQ and PostgreSQL start (seconds) while the HTTP part runs.
@@ -58,13 +58,13 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 
 /// A throwaway RabbitMQ node and PostgreSQL cluster, with the demo's database.
 struct Servers {
-    broker: TestBroker,
-    cluster: TestCluster,
+    broker: TestRabbitMq,
+    cluster: TestPostgres,
 }
 
 fn start_broker_and_database() -> Result<Servers, String> {
-    let broker = TestBroker::start().map_err(|e| format!("RabbitMQ: {e}"))?;
-    let cluster = TestCluster::start().map_err(|e| format!("PostgreSQL: {e}"))?;
+    let broker = TestRabbitMq::start().map_err(|e| format!("RabbitMQ: {e}"))?;
+    let cluster = TestPostgres::start().map_err(|e| format!("PostgreSQL: {e}"))?;
     cluster
         .create_database("demo")
         .map_err(|e| format!("PostgreSQL: {e}"))?;

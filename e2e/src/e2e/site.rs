@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idem_redis::testing::TestRedis;
+use idem_testkit::TestRedis;
 
 use crate::example::{Example, Server};
 

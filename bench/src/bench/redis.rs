@@ -7,7 +7,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use idem_redis::testing::TestRedis;
+use idem_testkit::TestRedis;
 
 use super::load::{Expect, Measured};
 use super::process::helper_json;

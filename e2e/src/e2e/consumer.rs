@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use payments_consumer::testing::{Case, SCENARIOS, Scenario, TestBroker};
+use payments_consumer::testing::{Case, SCENARIOS, Scenario, TestRabbitMq};
 
 use crate::example::Example;
 
@@ -46,7 +46,7 @@ pub(crate) async fn rows(
     if chosen.is_empty() {
         return Vec::new();
     }
-    let broker = tokio::task::spawn_blocking(TestBroker::start).await;
+    let broker = tokio::task::spawn_blocking(TestRabbitMq::start).await;
     let setup = match (binary, cluster, broker) {
         (Ok(binary), Ok(cluster), Ok(Ok(broker))) => Ok((binary, cluster, broker)),
         (Err(why), _, _) => Err(format!("payments-consumer did not build: {why}")),

@@ -1,0 +1,209 @@
+//! What every kind of server shares: commands, ports, readiness, watchdogs.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{Error, READY_LIMIT};
+
+/// Runs `command` to its end; an error carries what it printed.
+pub(crate) fn run(command: &mut Command) -> Result<Output, Error> {
+    let shown = format!("{command:?}");
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|source| Error::Io {
+            what: format!("run {shown}"),
+            source,
+        })?;
+    if output.status.success() {
+        Ok(output)
+    } else {
+        Err(Error::Failed {
+            what: format!("{shown} ({})", output.status),
+            output: printed(&output),
+        })
+    }
+}
+
+/// What a command printed, stdout then stderr.
+pub(crate) fn printed(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Whether this process runs as root (the servers then run as their own user).
+pub(crate) fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|output| output.stdout.trim_ascii() == b"0")
+}
+
+/// `program` run as `user` through `runuser` when there is one.
+pub(crate) fn as_user(user: Option<&str>, program: &Path) -> Command {
+    match user {
+        Some(user) => {
+            let mut command = Command::new("runuser");
+            command.args(["-u", user, "--"]).arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
+}
+
+/// Gives `dir` (and what is in it) to `user`.
+pub(crate) fn chown(user: &str, dir: &Path) -> Result<(), Error> {
+    run(Command::new("chown")
+        .arg("-R")
+        .arg(format!("{user}:{user}"))
+        .arg(dir))
+    .map(drop)
+}
+
+/// `N` distinct ports of 127.0.0.1 nobody listens on right now, each passing
+/// `also_free` (a cluster node's bus port, say).
+pub(crate) fn free_ports<const N: usize>(
+    also_free: impl Fn(u16) -> bool,
+) -> Result<[u16; N], Error> {
+    let io = |source| Error::Io {
+        what: "find a free port on 127.0.0.1".to_owned(),
+        source,
+    };
+    let mut held = Vec::with_capacity(N);
+    let mut ports = [0; N];
+    let mut found = 0;
+    while found < N {
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+        let port = listener.local_addr().map_err(io)?.port();
+        if also_free(port) {
+            ports[found] = port;
+            found += 1;
+        }
+        // Held until all are found, so the kernel hands out distinct ports.
+        held.push(listener);
+    }
+    Ok(ports)
+}
+
+/// Whether nothing listens on `port` of 127.0.0.1.
+pub(crate) fn port_is_free(port: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// Polls `probe` until it answers `Ok`; `Err(state)` means not yet, and the
+/// last state is what the error shows when [`READY_LIMIT`] passes (with
+/// `log()` appended: the server's own words). `gave_up` ends the wait at once
+/// (the server exited).
+pub(crate) fn await_ready<T>(
+    what: &str,
+    mut probe: impl FnMut() -> Result<T, String>,
+    mut gave_up: impl FnMut() -> Option<String>,
+    log: impl Fn() -> String,
+) -> Result<T, Error> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let last = match probe() {
+            Ok(ready) => return Ok(ready),
+            Err(state) => state,
+        };
+        let ended = gave_up();
+        if ended.is_some() || started.elapsed() > READY_LIMIT {
+            let mut last = last;
+            if let Some(why) = ended {
+                last = format!("{last}\n{why}");
+            }
+            let log = log();
+            if !log.is_empty() {
+                last = format!("{last}\n--- server log ---\n{log}");
+            }
+            return Err(Error::NotReady {
+                what: what.to_owned(),
+                waited: started.elapsed(),
+                last,
+            });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// The last `lines` lines of the file at `path` (empty when unreadable).
+pub(crate) fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let kept: Vec<&str> = text.lines().rev().take(lines).collect();
+    kept.into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
+/// The first of `names` found in `dirs`, else on `PATH`.
+pub(crate) fn find_in(
+    dirs: impl IntoIterator<Item = PathBuf>,
+    name: &str,
+) -> Option<PathBuf> {
+    dirs.into_iter()
+        .chain(std::env::split_paths(
+            &std::env::var_os("PATH").unwrap_or_default(),
+        ))
+        .map(|dir| dir.join(name))
+        .find(|path| path.is_file())
+}
+
+/// A `sh` that runs a script's stop part once its stdin closes: when the
+/// server is dropped, or when the process that started it ends, however it
+/// ends (the kernel closes the pipe). Ctrl-C's `SIGINT`, which reaches the
+/// whole process group, does not stop it before it has done its job.
+pub(crate) struct Watchdog {
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl Watchdog {
+    /// Starts `sh -c SCRIPT sh ARGS…`; the script waits for its stdin's end
+    /// with `read _ignored`, and stops what it guards after. `configure` sets
+    /// the environment the script reads.
+    pub(crate) fn spawn(
+        script: &str,
+        args: &[&std::ffi::OsStr],
+        configure: impl FnOnce(&mut Command),
+    ) -> Result<Self, Error> {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!("trap '' INT QUIT HUP\n{script}"))
+            .arg("sh")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        configure(&mut command);
+        let mut child = command.spawn().map_err(|source| Error::Io {
+            what: "start a watchdog (sh)".to_owned(),
+            source,
+        })?;
+        let stdin = child.stdin.take();
+        Ok(Self { child, stdin })
+    }
+
+    /// Whether the watchdog (and so, for the servers it runs itself, the
+    /// server) has ended.
+    pub(crate) fn has_ended(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Closes the pipe, and waits until the watchdog has stopped what it guards.
+    pub(crate) fn finish(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
