@@ -9,8 +9,8 @@ use diesel::sql_types::Text;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
 use idem_core::{Fingerprint, IdempotencyKey, Scope, Store};
-use idem_testkit::TestPostgres;
 use idem_diesel::{PgStore, SweepReport};
+use idem_testkit::TestPostgres;
 
 use crate::BoxError;
 use crate::handler;

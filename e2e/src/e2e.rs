@@ -134,7 +134,12 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     let built = tokio::task::spawn_blocking(move || profile.build(&packages))
         .await
         .unwrap_or_else(|e| Err(format!("the build did not finish: {e}")));
-    let binary = |example: Example| built.as_ref().map(|dir| example.binary(dir)).map_err(Clone::clone);
+    let binary = |example: Example| {
+        built
+            .as_ref()
+            .map(|dir| example.binary(dir))
+            .map_err(Clone::clone)
+    };
     let builds: Vec<(Example, Result<PathBuf, String>)> = examples
         .iter()
         .filter(|e| **e != Example::Consumer)

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use idem_testkit::shell::{self, cargo, target_dir};
 
-
 /// A payments example binary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Example {

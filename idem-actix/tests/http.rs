@@ -672,8 +672,8 @@ mod redis {
 
     use idem_core::Store;
     use idem_redis::RedisStore;
-    use idem_testkit::TestRedis;
     use idem_scenarios::durable::one_key_over_instances_executes_once;
+    use idem_testkit::TestRedis;
 
     use super::{axum_instance, start_scenario_app};
 

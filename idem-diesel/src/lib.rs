@@ -19,8 +19,6 @@ mod inbox;
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(feature = "test-util")]
-pub mod testing;
 
 /// The core this store implements, re-exported as the adapters re-export it, so
 /// that an application needs no `idem-core` line of its own.

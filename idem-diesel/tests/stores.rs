@@ -33,8 +33,8 @@ use std::time::Duration;
 
 use idem_core::Store;
 use idem_core::store::ReplayCache;
-use idem_testkit::TestPostgres;
 use idem_diesel::{PgStore, SqliteStore};
+use idem_testkit::TestPostgres;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// What a test gets: a way to fresh storage.

@@ -4,8 +4,6 @@ mod connection;
 mod error;
 mod key;
 mod store;
-#[cfg(feature = "test-util")]
-pub mod testing;
 
 pub use connection::RedisConnection;
 pub use error::SetupError;

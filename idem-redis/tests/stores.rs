@@ -64,7 +64,7 @@ fn number(printed: &[String]) -> i64 {
 #[tokio::test]
 async fn scripts_are_loaded_again_after_noscript() {
     for redis in [TestRedis::shared(), TestRedis::shared_cluster()] {
-        let store = store_on(&redis).await;
+        let store = store_on(redis).await;
         let first = request("flushed", Duration::from_secs(60), Duration::from_secs(60));
         assert!(matches!(
             store.claim(&first).await.unwrap(),
@@ -148,7 +148,7 @@ async fn redis_expires_records_but_never_a_live_lease() {
 #[tokio::test]
 async fn records_spread_over_the_cluster_primaries() {
     let redis = TestRedis::shared_cluster();
-    let store = store_on(&redis).await;
+    let store = store_on(redis).await;
     for n in 0..60 {
         let claim = request(
             &format!("spread-{n}"),

@@ -36,8 +36,8 @@
 // as it was printed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod process;
 pub mod postgres;
+mod process;
 pub mod rabbitmq;
 pub mod redis;
 pub mod shell;

@@ -141,10 +141,7 @@ pub(crate) fn tail(path: &Path, lines: usize) -> String {
 }
 
 /// The first of `names` found in `dirs`, else on `PATH`.
-pub(crate) fn find_in(
-    dirs: impl IntoIterator<Item = PathBuf>,
-    name: &str,
-) -> Option<PathBuf> {
+pub(crate) fn find_in(dirs: impl IntoIterator<Item = PathBuf>, name: &str) -> Option<PathBuf> {
     dirs.into_iter()
         .chain(std::env::split_paths(
             &std::env::var_os("PATH").unwrap_or_default(),

@@ -170,8 +170,15 @@ impl TestRabbitMq {
     /// Runs `rabbitmqctl -n NODE ARGS…` and answers what it printed (for
     /// tests: `list_queues`, `add_vhost`…).
     pub fn ctl(&self, args: &[&str]) -> Result<String, Error> {
-        let output = process::run(self.command("rabbitmqctl").arg("-n").arg(&self.node).args(args))?;
-        Ok(String::from_utf8_lossy(&output.stdout).trim_end().to_owned())
+        let output = process::run(
+            self.command("rabbitmqctl")
+                .arg("-n")
+                .arg(&self.node)
+                .args(args),
+        )?;
+        Ok(String::from_utf8_lossy(&output.stdout)
+            .trim_end()
+            .to_owned())
     }
 
     /// Waits until `rabbitmqctl await_startup` succeeds (it fails at once

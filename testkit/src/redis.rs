@@ -226,7 +226,11 @@ impl TestRedis {
             .iter()
             .map(|node| format!("127.0.0.1:{}", node.port))
             .collect();
-        let scheme = if self.cluster { "redis+cluster" } else { "redis" };
+        let scheme = if self.cluster {
+            "redis+cluster"
+        } else {
+            "redis"
+        };
         format!("{scheme}://{}", nodes.join(","))
     }
 
@@ -357,10 +361,8 @@ impl Node {
     fn launch(&self, cluster: bool) -> Result<(), Error> {
         let server = binary("redis-server")?;
         let port = self.port.to_string();
-        let mut args: Vec<&OsStr> = ["--bind", "127.0.0.1", "--port", &port, "--dir"]
-            .iter()
-            .map(OsStr::new)
-            .collect();
+        let leading = ["--bind", "127.0.0.1", "--port", &port, "--dir"];
+        let mut args: Vec<&OsStr> = leading.iter().map(OsStr::new).collect();
         args.push(self.dir.as_os_str());
         args.extend(
             [
@@ -392,7 +394,10 @@ impl Node {
                 .map(OsStr::new),
             );
         }
-        let mut watchdogs = self.watchdogs.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut watchdogs = self
+            .watchdogs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         // Only the first server of a node deletes its directory at the end: a
         // resumed server's data outlives the stopped one.
         let remove = if watchdogs.is_empty() { "yes" } else { "no" };
@@ -410,7 +415,10 @@ impl Node {
                 Err(error) => Err(error.to_string()),
             },
             || {
-                let mut watchdogs = self.watchdogs.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut watchdogs = self
+                    .watchdogs
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
                 let ended = watchdogs.last_mut().is_some_and(Watchdog::has_ended);
                 ended.then(|| "its watchdog ended".to_owned())
             },
@@ -460,7 +468,10 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let watchdogs = self.watchdogs.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let watchdogs = self
+            .watchdogs
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
         // Each closed pipe stops its server; the first watchdog deletes the
         // directory once every later server is gone.
         for watchdog in watchdogs.iter_mut().rev() {

@@ -50,12 +50,18 @@ fn main() -> ExitCode {
 fn e2e(task: &str, args: &[String]) -> Result<(), String> {
     let mut command = cargo(&["run", "-q", "-p", "idem-e2e", "--", task]);
     command.args(args);
-    shell::run(&format!("cargo xtask {task} {}", args.join(" ")), &mut command)
+    shell::run(
+        &format!("cargo xtask {task} {}", args.join(" ")),
+        &mut command,
+    )
 }
 
 /// `cargo run -p idem-bench -- ARGS…`
 fn bench(args: &[String]) -> Result<(), String> {
     let mut command = cargo(&["run", "-q", "-p", "idem-bench", "--"]);
     command.args(args);
-    shell::run(&format!("cargo xtask bench {}", args.join(" ")), &mut command)
+    shell::run(
+        &format!("cargo xtask bench {}", args.join(" ")),
+        &mut command,
+    )
 }

@@ -39,8 +39,13 @@ pub(crate) fn run(runs: Option<&str>) -> Result<(), String> {
     for run in 1..=runs {
         let log = logs.join(format!("run-{run}.log"));
         let file = File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-        let err = file.try_clone().map_err(|e| format!("{}: {e}", log.display()))?;
-        eprintln!("\n==> stress run {run}/{runs}: cargo test, {cpus} CPUs loaded ({})", log.display());
+        let err = file
+            .try_clone()
+            .map_err(|e| format!("{}: {e}", log.display()))?;
+        eprintln!(
+            "\n==> stress run {run}/{runs}: cargo test, {cpus} CPUs loaded ({})",
+            log.display()
+        );
         let started = Instant::now();
         let status = test()
             .stdout(Stdio::from(file))
@@ -64,7 +69,10 @@ pub(crate) fn run(runs: Option<&str>) -> Result<(), String> {
     if failed == 0 {
         Ok(())
     } else {
-        Err(format!("{failed} of {runs} stress runs failed; logs in {}", logs.display()))
+        Err(format!(
+            "{failed} of {runs} stress runs failed; logs in {}",
+            logs.display()
+        ))
     }
 }
 

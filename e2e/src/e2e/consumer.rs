@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use payments_consumer::testing::{Case, SCENARIOS, Scenario, TestRabbitMq};
+use idem_testkit::TestRabbitMq;
+use payments_consumer::testing::{Case, SCENARIOS, Scenario};
 
 use crate::example::Example;
 

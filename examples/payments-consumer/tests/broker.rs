@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
 
 use idem_testkit::TestPostgres;
-use libtest_mimic::{Arguments, Failed, Trial};
 use idem_testkit::TestRabbitMq;
+use libtest_mimic::{Arguments, Failed, Trial};
 use payments_consumer::testing::{Case, SCENARIOS};
 
 struct Servers {

@@ -9,8 +9,8 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken};
 use idem_core::{Fingerprint, IdempotencyKey, Scope, Store, StoreError, StoredResponse};
-use idem_testkit::TestPostgres;
 use idem_diesel::{PgStore, SetupError};
+use idem_testkit::TestPostgres;
 
 use crate::{Databases, TestFn, error_chain};
 

@@ -164,10 +164,7 @@ mod tests {
             .connect(&redis.url())
             .await
             .unwrap();
-        Ledger::redis(
-            store.connection(),
-            Duration::from_secs(60),
-        )
+        Ledger::redis(store.connection(), Duration::from_secs(60))
     }
 
     #[tokio::test]
