@@ -152,8 +152,10 @@ pub(crate) fn find_in(dirs: impl IntoIterator<Item = PathBuf>, name: &str) -> Op
 
 /// A `sh` that runs a script's stop part once its stdin closes: when the
 /// server is dropped, or when the process that started it ends, however it
-/// ends (the kernel closes the pipe). Ctrl-C's `SIGINT`, which reaches the
-/// whole process group, does not stop it before it has done its job.
+/// ends (the kernel closes the pipe). It ignores the signals that reach a
+/// whole process group (Ctrl-C's `SIGINT`, `timeout`'s or a runner's
+/// `SIGTERM`, `SIGHUP`), so it is not stopped before it has done its job;
+/// the servers it starts install handlers of their own.
 pub(crate) struct Watchdog {
     child: Child,
     stdin: Option<ChildStdin>,
@@ -171,7 +173,7 @@ impl Watchdog {
         let mut command = Command::new("sh");
         command
             .arg("-c")
-            .arg(format!("trap '' INT QUIT HUP\n{script}"))
+            .arg(format!("trap '' INT QUIT HUP TERM\n{script}"))
             .arg("sh")
             .args(args)
             .stdin(Stdio::piped())

@@ -53,10 +53,11 @@ pub fn run(step: &str, command: &mut Command) -> Result<(), String> {
 /// How the runners build the binaries they start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Profile {
-    /// `cargo build --workspace --all-features --bins`: every binary, with the
-    /// features `cargo test --workspace --all-features` compiles the
-    /// libraries with, so after that step (CI's order) it compiles nothing but
-    /// the binaries' own crates. What `cargo run -p …` runs, unoptimized.
+    /// `cargo build --workspace --all-features --bins --tests`: every binary,
+    /// with the features `cargo test --workspace --all-features` compiles the
+    /// libraries with (the tests' dev-dependencies take part in choosing
+    /// them), so after that step (CI's order) it compiles nothing but the
+    /// binaries' own crates. Unoptimized, as `cargo run -p …` runs them.
     Dev,
     /// `cargo build --release -p …`: optimized, for measurements and for a run
     /// as a deployment would build it.
@@ -79,7 +80,7 @@ impl Profile {
     pub fn build(self, packages: &[&str]) -> Result<PathBuf, String> {
         let mut args = vec!["build", "-q"];
         match self {
-            Self::Dev => args.extend(["--workspace", "--all-features", "--bins"]),
+            Self::Dev => args.extend(["--workspace", "--all-features", "--bins", "--tests"]),
             Self::Release => {
                 args.push("--release");
                 for package in packages {
