@@ -167,6 +167,20 @@ impl Engine {
         )
     }
 
+    /// The answer to a request body that did not arrive within the deadline.
+    pub(crate) fn body_timeout(&self) -> Problem {
+        let timeout = self.policy().request_body_timeout_duration();
+        tracing::debug!(target: "idem", outcome = "rejected", reason = "body-timeout", timeout_ms = timeout.as_millis() as u64);
+        metrics::outcome(metrics::Outcome::Refused);
+        self.problem(
+            ProblemKind::BodyTimeout,
+            format!(
+                "the request body did not arrive within {} ms; nothing was executed",
+                timeout.as_millis()
+            ),
+        )
+    }
+
     /// The answer when the application could not name the request's scope:
     /// logged at error level with what the source expected, since it is a
     /// misconfiguration (most often the authentication that sets the scope runs

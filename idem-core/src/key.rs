@@ -149,8 +149,10 @@ impl IdempotencyKey {
         &self.0
     }
 
-    /// A form of the key that is safe to log: its first four characters, an
-    /// ellipsis, and its length (`8e03…(36)`). The whole key never reaches a log.
+    /// A form of the key that is safe to log: a prefix of at most four
+    /// characters and at most half the key (none for keys of four characters
+    /// or fewer), an ellipsis, and its length: `8e03…(36)`, `ab…(5)`, `…(3)`.
+    /// The whole key never reaches a log, however short.
     pub fn redacted(&self) -> Redacted<'_> {
         Redacted(self)
     }
@@ -197,10 +199,22 @@ fn bare_item_kind(item: &sfv::BareItem) -> &'static str {
 #[derive(Clone, Copy)]
 pub struct Redacted<'a>(&'a IdempotencyKey);
 
+impl Redacted<'_> {
+    /// Keys up to this length show no prefix at all.
+    const HIDDEN_UP_TO: usize = 4;
+    /// The longest prefix shown.
+    const SHOWN: usize = 4;
+}
+
 impl fmt::Display for Redacted<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let key = self.0.as_str();
-        let shown = key.get(..4.min(key.len())).unwrap_or("");
+        // Keys are ASCII: a byte is a character.
+        let shown = if key.len() <= Redacted::HIDDEN_UP_TO {
+            ""
+        } else {
+            key.get(..Redacted::SHOWN.min(key.len() / 2)).unwrap_or("")
+        };
         write!(f, "{shown}…({})", key.len())
     }
 }
@@ -400,10 +414,27 @@ mod tests {
         let key = IdempotencyKey::new("8e03978e-40d5").unwrap();
         assert_eq!(key.redacted().to_string(), "8e03…(13)");
         assert_eq!(format!("{key:?}"), "IdempotencyKey(8e03…(13))");
-        assert_eq!(
-            IdempotencyKey::new("ab").unwrap().redacted().to_string(),
-            "ab…(2)"
-        );
+        let redacted = |key: &str| IdempotencyKey::new(key).unwrap().redacted().to_string();
+        assert_eq!(redacted("?"), "…(1)");
+        assert_eq!(redacted("?1"), "…(2)");
+        assert_eq!(redacted("abc"), "…(3)");
+        assert_eq!(redacted("abcd"), "…(4)");
+        assert_eq!(redacted("abcde"), "ab…(5)");
+        assert_eq!(redacted("abcdefg"), "abc…(7)");
+        assert_eq!(redacted("abcdefgh"), "abcd…(8)");
+    }
+
+    proptest! {
+        /// The shown prefix is never more than half the key, nor four
+        /// characters, and never the whole key.
+        #[test]
+        fn redacted_form_never_shows_half_the_key(key in bare_key(1..=64)) {
+            let shown = IdempotencyKey::new(&key).unwrap().redacted().to_string();
+            let (prefix, rest) = shown.split_once('…').unwrap();
+            prop_assert!(prefix.len() <= 4 && prefix.len() <= key.len() / 2);
+            prop_assert!(key.starts_with(prefix));
+            prop_assert_eq!(rest, format!("({})", key.len()));
+        }
     }
 
     /// Printable ASCII without a comma, not starting or ending with a space, and not

@@ -6,6 +6,7 @@ mod engine;
 mod execution;
 mod fingerprint;
 mod key;
+pub mod log;
 mod metrics;
 mod policy;
 mod problem;

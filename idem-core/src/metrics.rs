@@ -9,6 +9,7 @@
 //! | `idem_handler_seconds` | histogram | | time the handler ran (its body read included) |
 //! | `idem_store_call_seconds` | histogram | `op` | time of each store call: `claim`, `complete`, `renew`, `release` |
 //! | `idem_lease_lost_total` | counter | | executions whose lease was lost while the handler ran |
+//! | `idem_store_full_total` | counter | `limit` | claims the in-memory store refused for want of room (it evicts nothing): `records`, `bytes`, `scope_records`, `scope_bytes` |
 
 /// How a keyed request ended, as counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +56,15 @@ pub(crate) fn outcome(outcome: Outcome) {
 pub(crate) fn lease_lost() {
     #[cfg(feature = "metrics")]
     metrics::counter!("idem_lease_lost_total").increment(1);
+}
+
+/// Counts a claim the in-memory store refused for want of room under `limit`.
+#[inline]
+pub(crate) fn store_full(limit: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idem_store_full_total", "limit" => limit).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = limit;
 }
 
 /// A started measurement; free without the feature.

@@ -28,6 +28,7 @@ pub struct Policy {
     pub(crate) methods: Vec<String>,
     pub(crate) stored: StatusFilter,
     pub(crate) request_body_limit: usize,
+    pub(crate) request_body_timeout: Duration,
     pub(crate) stored_body_limit: usize,
     pub(crate) lease: Duration,
     pub(crate) retention: Duration,
@@ -96,6 +97,8 @@ pub struct ProblemStatuses {
     pub payload_too_large: u16,
     /// `body-unreadable`, default 400.
     pub body_unreadable: u16,
+    /// `body-timeout`, default 408.
+    pub body_timeout: u16,
     /// `store-unavailable`, default 503.
     pub store_unavailable: u16,
     /// `response-not-stored`, default 410.
@@ -115,6 +118,7 @@ impl Default for ProblemStatuses {
             request_in_progress: 409,
             payload_too_large: 413,
             body_unreadable: 400,
+            body_timeout: 408,
             store_unavailable: 503,
             response_not_stored: 410,
             handler_failed: 500,
@@ -137,6 +141,7 @@ impl ProblemStatuses {
             ProblemKind::HandlerFailed => self.handler_failed,
             ProblemKind::ScopeUnavailable => self.scope_unavailable,
             ProblemKind::BodyUnreadable => self.body_unreadable,
+            ProblemKind::BodyTimeout => self.body_timeout,
         }
     }
 }
@@ -186,6 +191,7 @@ impl Policy {
             methods: vec!["POST".into(), "PATCH".into()],
             stored: StatusFilter::contract(),
             request_body_limit: MIB,
+            request_body_timeout: Duration::from_secs(30),
             stored_body_limit: MIB,
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 60 * 60),
@@ -230,6 +236,16 @@ impl Policy {
         self
     }
 
+    /// How long a keyed request's body may take to arrive once it is awaited
+    /// (default 30 s); past it, `408 body-timeout`, nothing claimed. A body
+    /// that stalls (a client that stops sending) cannot hold its connection
+    /// open for longer. The clock starts when the body is first not ready, so
+    /// a body that has already arrived costs no timer.
+    pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
+        self.request_body_timeout = timeout;
+        self
+    }
+
     /// The largest response body kept for replay (default 1 MiB).
     pub fn stored_body_limit(mut self, bytes: usize) -> Self {
         self.stored_body_limit = bytes;
@@ -237,7 +253,7 @@ impl Policy {
     }
 
     /// How long a claim holds without renewal (default 30 s). The lease is renewed
-    /// every third of it while the handler runs.
+    /// every quarter of it while the handler runs.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -293,6 +309,11 @@ impl Policy {
     /// The request body limit.
     pub fn request_body_limit_bytes(&self) -> usize {
         self.request_body_limit
+    }
+
+    /// The request body's read deadline.
+    pub fn request_body_timeout_duration(&self) -> Duration {
+        self.request_body_timeout
     }
 
     /// The stored-body limit.

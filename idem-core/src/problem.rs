@@ -27,6 +27,9 @@ pub enum ProblemKind {
     /// The request body did not arrive whole (the client went away mid-body, a
     /// malformed chunked encoding). `400 body-unreadable`.
     BodyUnreadable,
+    /// The request body stalled: it did not arrive whole within the policy's
+    /// read deadline. `408 body-timeout`; nothing was claimed or stored.
+    BodyTimeout,
     /// The store failed; the handler did not run. `503 store-unavailable`.
     StoreUnavailable,
     /// The request ran, but its response was too large to keep, so it cannot be
@@ -54,13 +57,14 @@ pub struct Problem {
 
 impl ProblemKind {
     /// Every kind, for tests and documentation.
-    pub const ALL: [ProblemKind; 10] = [
+    pub const ALL: [ProblemKind; 11] = [
         Self::MissingKey,
         Self::InvalidKey,
         Self::KeyReused,
         Self::RequestInProgress,
         Self::PayloadTooLarge,
         Self::BodyUnreadable,
+        Self::BodyTimeout,
         Self::StoreUnavailable,
         Self::ResponseNotStored,
         Self::HandlerFailed,
@@ -80,6 +84,7 @@ impl ProblemKind {
             Self::HandlerFailed => "handler-failed",
             Self::ScopeUnavailable => "scope-unavailable",
             Self::BodyUnreadable => "body-unreadable",
+            Self::BodyTimeout => "body-timeout",
         }
     }
 
@@ -96,6 +101,7 @@ impl ProblemKind {
             Self::HandlerFailed => "The request failed",
             Self::ScopeUnavailable => "Idempotency scope unavailable",
             Self::BodyUnreadable => "Request body unreadable",
+            Self::BodyTimeout => "Request body timed out",
         }
     }
 

@@ -272,8 +272,8 @@ impl Engine {
             "idempotent_request",
             key = %key.redacted(),
             %scope,
-            method = head.method,
-            path = head.path,
+            method = %crate::log::bounded(head.method),
+            path = %crate::log::bounded(head.path),
         );
         let hasher = self.policy().fingerprint_spec().start(head);
         Start::Keyed(Intake {
@@ -296,7 +296,11 @@ impl Intake {
     /// `413 payload-too-large`, so a client still sending reads the answer
     /// rather than a reset connection. A body that fails to arrive whole (the
     /// client went away, a malformed chunked body) is answered
-    /// `400 body-unreadable`.
+    /// `400 body-unreadable`; one that stalls past the policy's
+    /// [`request_body_timeout`](crate::Policy::request_body_timeout) (30 s by
+    /// default, counted from the first time the body is not ready) is answered
+    /// `408 body-timeout`, so a client that stops sending cannot hold the
+    /// connection. Nothing is claimed in either case.
     ///
     /// Nothing is logged while the body streams in, so the span is entered only
     /// around the lines a refused body logs, not at every poll.
@@ -324,7 +328,29 @@ impl Intake {
             return Err(engine.payload_too_large().to_response());
         }
         let mut chunks = Joined::default();
-        while let Some(chunk) = body.next().await {
+        // Started the first time the body is not ready: a body that has
+        // arrived costs no clock reading and no timer.
+        let mut deadline = pin!(None::<tokio::time::Sleep>);
+        let timeout = engine.policy().request_body_timeout_duration();
+        loop {
+            let next = std::future::poll_fn(|cx| {
+                if let Poll::Ready(next) = body.as_mut().poll_next(cx) {
+                    return Poll::Ready(Some(next));
+                }
+                if deadline.is_none() {
+                    deadline.set(Some(tokio::time::sleep(timeout)));
+                }
+                match deadline.as_mut().as_pin_mut().map(|sleep| sleep.poll(cx)) {
+                    Some(Poll::Ready(())) => Poll::Ready(None),
+                    _ => Poll::Pending,
+                }
+            })
+            .await;
+            let Some(next) = next else {
+                let _in_span = span.enter();
+                return Err(engine.body_timeout().to_response());
+            };
+            let Some(chunk) = next else { break };
             let chunk = match chunk {
                 Ok(chunk) => chunk,
                 Err(error) => {

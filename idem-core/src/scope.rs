@@ -31,13 +31,15 @@ impl Scope {
 
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        fmt::Debug::fmt(&crate::log::bounded(&self.0), f)
     }
 }
 
+/// Bounded, as logs show it ([`crate::log::bounded`]): an application may
+/// derive a scope from what a request sends.
 impl fmt::Display for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        fmt::Display::fmt(&crate::log::bounded(&self.0), f)
     }
 }
 

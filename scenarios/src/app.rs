@@ -72,6 +72,10 @@ pub fn routes() -> Vec<ScenarioRoute> {
             policy: Policy::required().lease(Duration::from_secs(1)),
         },
         ScenarioRoute {
+            path: "/quick-body",
+            policy: Policy::required().request_body_timeout(Duration::from_millis(500)),
+        },
+        ScenarioRoute {
             path: "/long-lease",
             policy: Policy::required().lease(Duration::from_secs(3600)),
         },

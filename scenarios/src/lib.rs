@@ -138,6 +138,7 @@ macro_rules! scenario_tests {
             scopes_are_isolated: UnderTest,
             oversized_body_is_answered_413_not_reset: UnderTest,
             broken_request_body_is_400_body_unreadable: UnderTest,
+            stalled_request_body_is_408_body_timeout: UnderTest,
             failing_store_fails_closed: Failing,
             unguarded_panicking_handler_is_a_500_problem: Failing,
         }

@@ -27,10 +27,13 @@ pub struct Principal(String);
 impl Principal {
     /// The principal of an `Authorization: Bearer TOKEN` header's value.
     pub fn from_authorization(value: Option<&[u8]>) -> Option<Self> {
-        let token = std::str::from_utf8(value?)
-            .ok()?
-            .strip_prefix("Bearer ")?
-            .trim();
+        let value = std::str::from_utf8(value?).ok()?;
+        // The scheme is case-insensitive (RFC 9110 §11.1).
+        let (scheme, token) = value.split_at_checked(7)?;
+        if !scheme.eq_ignore_ascii_case("Bearer ") {
+            return None;
+        }
+        let token = token.trim();
         if token.is_empty() {
             return None;
         }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use idem_core::log::bounded;
 use idem_core::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Scope};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -163,7 +164,7 @@ impl Payments {
         let request = OperationRequest::parse(body)?;
         if let Err(error) = self.provider.charge(account_id, &request, attempt).await {
             tracing::warn!(
-                account_id,
+                account_id = %bounded(account_id),
                 error = %error_chain(&error),
                 "the payment provider did not accept the charge; nothing was applied"
             );
@@ -209,7 +210,7 @@ impl Payments {
             }
         };
         tracing::info!(
-            account_id,
+            account_id = %bounded(account_id),
             ?kind,
             amount = operation.amount,
             balance = applied.balance,
@@ -230,7 +231,7 @@ impl Payments {
 /// The log keeps what the client is not told: the cause, with its sources.
 fn log_failure(error: &LedgerError, account_id: &str) {
     if let LedgerError::Unavailable(_) = error {
-        tracing::error!(account_id, error = %error_chain(error), "the ledger failed; nothing was applied");
+        tracing::error!(account_id = %bounded(account_id), error = %error_chain(error), "the ledger failed; nothing was applied");
     }
 }
 
@@ -253,6 +254,9 @@ impl Principal {
     ///
     /// let alice = Principal::from_authorization(Some(b"Bearer alice"))?;
     /// assert_eq!(alice, Principal::from_token("alice"));
+    /// // The scheme is case-insensitive (RFC 9110 §11.1).
+    /// assert_eq!(Principal::from_authorization(Some(b"bearer alice"))?, alice);
+    /// assert_eq!(Principal::from_authorization(Some(b"BEARER alice"))?, alice);
     /// assert!(matches!(Principal::from_authorization(None), Err(PaymentError::Unauthorized)));
     /// assert!(matches!(
     ///     Principal::from_authorization(Some(b"Basic YTpi")),
@@ -262,7 +266,7 @@ impl Principal {
     /// ```
     pub fn from_authorization(value: Option<&[u8]>) -> Result<Self, PaymentError> {
         let token = value
-            .and_then(|value| value.strip_prefix(b"Bearer "))
+            .and_then(bearer_token)
             .and_then(|token| std::str::from_utf8(token).ok())
             .map(str::trim)
             .filter(|token| !token.is_empty())
@@ -438,6 +442,14 @@ impl From<Result<AccountView, PaymentError>> for Answer {
             Err(error) => error.answer(),
         }
     }
+}
+
+/// The token of an `Authorization` value whose scheme is `Bearer`, in any
+/// case (RFC 9110 §11.1: the scheme is case-insensitive), before the token
+/// is trimmed.
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(7)?;
+    scheme.eq_ignore_ascii_case(b"Bearer ").then_some(token)
 }
 
 #[cfg(test)]

@@ -34,26 +34,28 @@ use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 /// and [`max_bytes`](MemoryStoreBuilder::max_bytes) bytes, counted as the key, the
 /// scope, every header name and value (and 8 bytes of their lengths) and the body
 /// of each record, plus
-/// [`RECORD_OVERHEAD`](Self::RECORD_OVERHEAD) bytes per record. It never evicts a
-/// record in progress.
+/// [`RECORD_OVERHEAD`](Self::RECORD_OVERHEAD) bytes per record.
 ///
-/// Eviction is fair between scopes. A scope's *fair share* is `max_records / n`
-/// records and `max_bytes / n` bytes, where `n` is the number of scopes holding
-/// records (the requesting scope included). When a claim or a completion needs
-/// room, the store first drops expired records, then evicts one completed record
-/// at a time, oldest completion first within the scope it takes it from:
+/// **It never evicts a record for room**, in progress or completed: a completed
+/// record within its retention is what turns a retry into a replay, and
+/// evicting it would let the retry run the handler a second time. When a claim
+/// needs room, the store removes expired records; when there are none, the
+/// claim answers [`StoreError::Full`], which the engine answers `503
+/// store-unavailable` with `Retry-After` (fail closed, as for an outage;
+/// `docs/contract.md` §6). Room comes back as records expire. A response that
+/// does not fit is kept without its body (`replayable: false`), so its retry
+/// gets a problem answer, never a second execution.
 ///
-/// 1. from the requesting scope, if that scope (counting the room it asks for) is
-///    over its fair share in records or in bytes;
-/// 2. else from another scope that is over its fair share;
-/// 3. else from the requesting scope.
-///
-/// So no scope can cause another scope's completed record to be evicted while that
-/// other scope is within its fair share: a client sending large responses, or
-/// many, evicts its own records first. When nothing may be evicted, a claim
-/// answers [`StoreError::Full`], and a response that does not fit is kept without
-/// its body (`replayable: false`), so a retry gets a problem answer rather than a
-/// second execution.
+/// However many scopes a client opens, none can make another scope's retries
+/// run twice: nothing is evicted. What a full store costs is new claims, for
+/// everyone; a per-scope quota ([`max_scope_records`](MemoryStoreBuilder::max_scope_records),
+/// [`max_scope_bytes`](MemoryStoreBuilder::max_scope_bytes), none by default)
+/// keeps one scope from filling the store for the others: a scope at its quota
+/// has its own new claims refused the same way, and its responses kept without
+/// their bodies. [`len`](MemoryStore::len) and [`used_bytes`](MemoryStore::used_bytes)
+/// show the store filling, and with the `metrics` feature every refusal counts
+/// in `idem_store_full_total{limit}` (`records`, `bytes`, `scope_records`,
+/// `scope_bytes`).
 ///
 /// # Time
 ///
@@ -122,6 +124,8 @@ pub struct MemoryStore {
 pub struct MemoryStoreBuilder {
     max_records: usize,
     max_bytes: usize,
+    max_scope_records: usize,
+    max_scope_bytes: usize,
     shards: usize,
 }
 
@@ -131,7 +135,7 @@ impl MemoryStore {
     /// (32 B) and table entry (8 B and a control byte, the table 7/16 to 7/8
     /// full), the fixed head of its buffer (24 B and the 32-byte fingerprint),
     /// the allocator's header and rounding, and its entries in the expiry queue
-    /// (8 B) and in its scope's eviction queue (16 B), with their spare capacity.
+    /// (8 B), with their spare capacity.
     ///
     /// Measured, not guessed: `cargo xtask bench` prints the resident bytes per
     /// record beside the counted ones. With 200-byte bodies, UUID keys, one
@@ -140,7 +144,7 @@ impl MemoryStore {
     /// `max_bytes` bounds the memory really used within a few percent. A record
     /// in progress holds a claim of about 120 B in place of its buffer; it
     /// counts the same overhead.
-    pub const RECORD_OVERHEAD: usize = 146;
+    pub const RECORD_OVERHEAD: usize = 130;
 
     /// A store with the default bounds: 1,000,000 records, 512 MiB, 16 shards.
     pub fn new() -> Self {
@@ -152,6 +156,8 @@ impl MemoryStore {
         MemoryStoreBuilder {
             max_records: 1_000_000,
             max_bytes: 512 * 1024 * 1024,
+            max_scope_records: usize::MAX,
+            max_scope_bytes: usize::MAX,
             shards: 16,
         }
     }
@@ -187,6 +193,23 @@ impl MemoryStoreBuilder {
         self
     }
 
+    /// The most records one scope holds (default: no bound but
+    /// [`max_records`](Self::max_records)). A scope at its quota has its new
+    /// claims refused ([`StoreError::Full`]), so it cannot fill the store for the
+    /// other scopes.
+    pub fn max_scope_records(mut self, max_scope_records: usize) -> Self {
+        self.max_scope_records = max_scope_records;
+        self
+    }
+
+    /// The most bytes one scope's records count (default: no bound but
+    /// [`max_bytes`](Self::max_bytes)). A scope at its quota has its new claims
+    /// refused, and a response that would take it over is kept without its body.
+    pub fn max_scope_bytes(mut self, max_scope_bytes: usize) -> Self {
+        self.max_scope_bytes = max_scope_bytes;
+        self
+    }
+
     /// How many independently locked shards hold the records (default 16; at
     /// least 1). More shards mean less contention between concurrent requests.
     pub fn shards(mut self, shards: usize) -> Self {
@@ -198,10 +221,7 @@ impl MemoryStoreBuilder {
     pub fn build(self) -> MemoryStore {
         let hasher = RandomState::default();
         let shards = (0..self.shards.max(1))
-            .map(|index| {
-                // At most `usize` shards, and far fewer in practice.
-                Mutex::new(Shard::new(index as u32, hasher.clone()))
-            })
+            .map(|_| Mutex::new(Shard::new(hasher.clone())))
             .collect();
         MemoryStore {
             inner: Arc::new(Inner {
@@ -209,6 +229,8 @@ impl MemoryStoreBuilder {
                 hasher,
                 max_records: self.max_records,
                 max_bytes: self.max_bytes,
+                max_scope_records: self.max_scope_records,
+                max_scope_bytes: self.max_scope_bytes,
                 records: AtomicUsize::new(0),
                 bytes: AtomicUsize::new(0),
                 scopes: ScopeTable::new(self.shards.max(1)),
@@ -232,6 +254,8 @@ impl fmt::Debug for MemoryStore {
             .field("bytes", &self.used_bytes())
             .field("max_records", &self.inner.max_records)
             .field("max_bytes", &self.inner.max_bytes)
+            .field("max_scope_records", &self.inner.max_scope_records)
+            .field("max_scope_bytes", &self.inner.max_scope_bytes)
             .field("shards", &self.inner.shards.len())
             .finish()
     }
@@ -315,9 +339,11 @@ struct Inner {
     hasher: RandomState,
     max_records: usize,
     max_bytes: usize,
+    max_scope_records: usize,
+    max_scope_bytes: usize,
     records: AtomicUsize,
     bytes: AtomicUsize,
-    /// What each scope holds, for fair eviction.
+    /// What each scope holds, for the per-scope quotas.
     scopes: ScopeTable,
     /// Numbers each version of a record, so that an index entry left behind by an
     /// older version is recognised (wrapping: an entry lives far shorter than 2^32
@@ -349,7 +375,6 @@ struct Name<'a> {
 /// milliseconds at a million records, a cache miss per record) and let a
 /// lookup skip a record whose bits differ.
 struct Shard {
-    index: u32,
     hasher: RandomState,
     table: HashTable<(u32, u32)>,
     slots: Vec<Slot>,
@@ -577,6 +602,23 @@ impl<'a> Name<'a> {
     }
 }
 
+/// The refusal of a claim the store has no room for (`limit`: which bound).
+fn full(limit: &'static str) -> StoreError {
+    crate::metrics::store_full(limit);
+    StoreError::Full
+}
+
+/// Logs a response kept without its body for want of room (`bound`: whose).
+fn squeezed(claim: &Claim, response: &StoredResponse, bound: &str) {
+    tracing::warn!(
+        target: "idem",
+        scope = %claim.scope,
+        key = %claim.key.redacted(),
+        bytes = response.body.len(),
+        "the in-memory store has no room under {bound}; the response is kept without its body, and a retry is answered with a problem",
+    );
+}
+
 /// What a claim counts against `max_bytes`.
 fn claim_size(scope: &Scope, key: &IdempotencyKey) -> usize {
     MemoryStore::RECORD_OVERHEAD + scope.as_str().len() + key.as_str().len()
@@ -616,6 +658,11 @@ impl Inner {
                 };
                 records_needed = usize::from(replaced.is_none());
                 bytes_needed = size.saturating_sub(replaced.unwrap_or(0));
+                if let Some(limit) =
+                    self.over_scope_quota(&request.scope, records_needed, bytes_needed)
+                {
+                    return Err(full(limit));
+                }
                 if self.reserve(records_needed, bytes_needed) {
                     let generation = self.next_generation();
                     let pending = Slot::InProgress(Box::new(Pending {
@@ -634,7 +681,6 @@ impl Inner {
                             let old = std::mem::replace(&mut shard.slots[slot as usize], pending);
                             self.scopes.update(name.scope, |usage| {
                                 usage.bytes = usage.bytes + size - old_size;
-                                usage.completed -= usize::from(matches!(old, Slot::Completed(_)));
                             });
                             old.settle();
                             slot
@@ -648,8 +694,16 @@ impl Inner {
                     return Ok(ClaimOutcome::Claimed(request.to_claim()));
                 }
             }
-            if !self.evict_one(now, &request.scope, records_needed, bytes_needed) {
-                return Err(StoreError::Full);
+            if !self.remove_one_expired(now) {
+                return Err(full(
+                    if records_needed > 0
+                        && self.records.load(Ordering::Acquire) + records_needed > self.max_records
+                    {
+                        "records"
+                    } else {
+                        "bytes"
+                    },
+                ));
             }
         }
     }
@@ -707,6 +761,12 @@ impl Inner {
                 };
                 let old_size = shard.slots[slot as usize].size();
                 needed = size.saturating_sub(old_size);
+                if keep_body && self.over_scope_quota(&claim.scope, 0, needed).is_some() {
+                    drop(shard);
+                    squeezed(claim, response, "its scope's byte quota");
+                    keep_body = false;
+                    continue;
+                }
                 // Squeezed, the response is kept even over the bound: dropping it
                 // would run the handler again on a retry.
                 if !keep_body {
@@ -717,30 +777,16 @@ impl Inner {
                     let old =
                         std::mem::replace(&mut shard.slots[slot as usize], Slot::Completed(blob));
                     shard.push_completed(retention, Ref { slot, generation });
-                    let completion = Completion {
-                        shard: shard.index,
-                        slot,
-                        generation,
-                        expires_at: seconds_after(expires_at),
-                    };
                     self.scopes.update(name.scope, |usage| {
                         usage.bytes = usage.bytes + size - old_size;
-                        usage.push_completion(completion, seconds_before(now));
                     });
                     drop(shard);
                     old.settle();
                     return Ok(());
                 }
             }
-            // The record being completed is in progress, so it is never evicted here.
-            if !self.evict_one(now, &claim.scope, 0, needed) {
-                tracing::warn!(
-                    target: "idem",
-                    scope = %claim.scope,
-                    key = %claim.key.redacted(),
-                    bytes = response.body.len(),
-                    "the in-memory store is full; the response is kept without its body",
-                );
+            if !self.remove_one_expired(now) {
+                squeezed(claim, response, "the store's byte bound");
                 keep_body = false;
             }
         }
@@ -839,11 +885,9 @@ impl Inner {
         }
     }
 
-    /// Frees room for one record: removes an expired record if any, else evicts a
-    /// completed record as [`MemoryStore`] describes, on behalf of `requester`, who
-    /// needs room for `records` more records and `bytes` more bytes. `false` when
-    /// there is nothing it may remove.
-    fn evict_one(&self, now: Nanos, requester: &Scope, records: usize, bytes: usize) -> bool {
+    /// Frees room: removes one expired record, if any. `false` when there is
+    /// none (nothing else is ever removed for room).
+    fn remove_one_expired(&self, now: Nanos) -> bool {
         for index in 0..self.shards.len() {
             let (records, bytes) = self.lock(index).remove_expired(&self.scopes, now, 1);
             if records > 0 {
@@ -851,48 +895,28 @@ impl Inner {
                 return true;
             }
         }
-        // Each candidate is taken off its scope's queue, so this ends; a candidate
-        // no longer there (expired and removed meanwhile) is passed over.
-        while let Some(completion) = self.victim(requester, records, bytes) {
-            let mut shard = self.lock(completion.shard as usize);
-            let current = shard
-                .slots
-                .get(completion.slot as usize)
-                .is_some_and(|record| {
-                    matches!(record, Slot::Completed(_))
-                        && record.generation() == Some(completion.generation)
-                });
-            if current {
-                let size = shard.remove(&self.scopes, completion.slot);
-                drop(shard);
-                self.unreserve(1, size);
-                return true;
-            }
-        }
         false
     }
 
-    /// The completed record to evict for `requester`, who needs room for `records`
-    /// more records and `bytes` more bytes, taken off its scope's queue.
-    fn victim(&self, requester: &Scope, records: usize, bytes: usize) -> Option<Completion> {
-        let own = self.scopes.usage(requester);
-        let scopes = self.scopes.count.load(Ordering::Acquire) + usize::from(own.is_none());
-        let over_share = |records: usize, bytes: usize| {
-            records.saturating_mul(scopes) > self.max_records
-                || bytes.saturating_mul(scopes) > self.max_bytes
-        };
-        let (own_records, own_bytes) = own.unwrap_or((0, 0));
-        if over_share(
-            own_records.saturating_add(records),
-            own_bytes.saturating_add(bytes),
-        ) && let Some(completion) = self.scopes.oldest_completion(requester)
-        {
-            return Some(completion);
+    /// Which quota of `scope` taking `records` more records and `bytes` more
+    /// bytes would pass, if one would.
+    fn over_scope_quota(
+        &self,
+        scope: &Scope,
+        records: usize,
+        bytes: usize,
+    ) -> Option<&'static str> {
+        if self.max_scope_records == usize::MAX && self.max_scope_bytes == usize::MAX {
+            return None;
         }
-        if let Some(completion) = self.scopes.over_share(requester, over_share) {
-            return Some(completion);
+        let (held_records, held_bytes) = self.scopes.usage(scope).unwrap_or((0, 0));
+        if held_records.saturating_add(records) > self.max_scope_records {
+            Some("scope_records")
+        } else if held_bytes.saturating_add(bytes) > self.max_scope_bytes {
+            Some("scope_bytes")
+        } else {
+            None
         }
-        self.scopes.oldest_completion(requester)
     }
 
     /// Takes room for `records` more records and `bytes` more bytes, if both fit.
@@ -969,9 +993,8 @@ fn spread(bits: u32) -> u64 {
 }
 
 impl Shard {
-    fn new(index: u32, hasher: RandomState) -> Self {
+    fn new(hasher: RandomState) -> Self {
         Self {
-            index,
             hasher,
             table: HashTable::new(),
             slots: Vec::new(),
@@ -1022,8 +1045,7 @@ impl Shard {
         let record = std::mem::replace(&mut self.slots[slot as usize], Slot::FREE);
         self.free.push(slot);
         let size = record.size();
-        let completed = matches!(record, Slot::Completed(_));
-        scopes.remove(record.name().scope, size, completed);
+        scopes.remove(record.name().scope, size);
         record.settle();
         size
     }
@@ -1142,50 +1164,13 @@ impl Shard {
 struct ScopeTable {
     shards: Box<[Mutex<HashTable<ScopeUsage>>]>,
     hasher: RandomState,
-    /// How many scopes hold records: `n` in the fair share.
-    count: AtomicUsize,
-    /// The scope last evicted from on another scope's behalf: likely still over
-    /// its share, so it is looked at first.
-    hint: Mutex<Option<Scope>>,
 }
 
-/// A scope's records and bytes, and its completed records in the order they
-/// completed (eviction takes the front). Present only while the scope holds a
-/// record.
+/// A scope's records and bytes. Present only while the scope holds a record.
 struct ScopeUsage {
     scope: Scope,
     records: usize,
     bytes: usize,
-    /// How many of its records are completed.
-    completed: usize,
-    completions: VecDeque<Completion>,
-    /// When `completions` grows to this length, the entries of expired records
-    /// are dropped.
-    completions_limit: usize,
-}
-
-/// A completed record in its scope's queue: where it is, which version, and the
-/// second (on the store's clock, rounded up) after which it has expired.
-#[derive(Clone, Copy)]
-struct Completion {
-    shard: u32,
-    slot: u32,
-    generation: u32,
-    expires_at: u32,
-}
-
-impl ScopeUsage {
-    /// Queues a completion; at `now_seconds`, entries expiring by then are dead.
-    fn push_completion(&mut self, completion: Completion, now_seconds: u32) {
-        self.completed += 1;
-        if self.completions.len() >= self.completions_limit {
-            // A completed record leaves before its turn only by expiring.
-            self.completions
-                .retain(|entry| entry.expires_at > now_seconds);
-            self.completions_limit = 2 * self.completions.len().max(self.completed) + 32;
-        }
-        self.completions.push_back(completion);
-    }
 }
 
 impl ScopeTable {
@@ -1193,8 +1178,6 @@ impl ScopeTable {
         Self {
             shards: (0..shards).map(|_| Mutex::default()).collect(),
             hasher: RandomState::default(),
-            count: AtomicUsize::new(0),
-            hint: Mutex::new(None),
         }
     }
 
@@ -1209,16 +1192,10 @@ impl ScopeTable {
                 |usage| usage.scope.as_str().as_bytes() == name,
                 |usage| self.hasher.hash_one(usage.scope.as_str().as_bytes()),
             )
-            .or_insert_with(|| {
-                self.count.fetch_add(1, Ordering::AcqRel);
-                ScopeUsage {
-                    scope: scope.clone(),
-                    records: 0,
-                    bytes: 0,
-                    completed: 0,
-                    completions: VecDeque::new(),
-                    completions_limit: 32,
-                }
+            .or_insert_with(|| ScopeUsage {
+                scope: scope.clone(),
+                records: 0,
+                bytes: 0,
             })
             .into_mut();
         usage.records += 1;
@@ -1236,7 +1213,7 @@ impl ScopeTable {
     }
 
     /// Counts a record of `size` bytes gone.
-    fn remove(&self, scope: &[u8], size: usize, completed: bool) {
+    fn remove(&self, scope: &[u8], size: usize) {
         let hash = self.hasher.hash_one(scope);
         let mut shard = self.lock(self.shard_of(hash));
         let Ok(mut entry) =
@@ -1247,10 +1224,8 @@ impl ScopeTable {
         let usage = entry.get_mut();
         usage.records = usage.records.saturating_sub(1);
         usage.bytes = usage.bytes.saturating_sub(size);
-        usage.completed = usage.completed.saturating_sub(usize::from(completed));
         if usage.records == 0 {
             entry.remove();
-            self.count.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
@@ -1262,57 +1237,6 @@ impl ScopeTable {
         shard
             .find(hash, |usage| usage.scope.as_str().as_bytes() == name)
             .map(|usage| (usage.records, usage.bytes))
-    }
-
-    fn oldest_completion(&self, scope: &Scope) -> Option<Completion> {
-        let name = scope.as_str().as_bytes();
-        let hash = self.hasher.hash_one(name);
-        let mut shard = self.lock(self.shard_of(hash));
-        shard
-            .find_mut(hash, |usage| usage.scope.as_str().as_bytes() == name)?
-            .completions
-            .pop_front()
-    }
-
-    /// The oldest completion of a scope other than `requester` that is over its
-    /// share (`over_share(records, bytes)`): the hinted scope first, then the others.
-    fn over_share(
-        &self,
-        requester: &Scope,
-        over_share: impl Fn(usize, usize) -> bool,
-    ) -> Option<Completion> {
-        let candidate = |usage: &mut ScopeUsage| {
-            if over_share(usage.records, usage.bytes) {
-                usage.completions.pop_front()
-            } else {
-                None
-            }
-        };
-        let hint = self
-            .hint
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        if let Some(hint) = hint.filter(|hint| hint != requester) {
-            let name = hint.as_str().as_bytes();
-            let hash = self.hasher.hash_one(name);
-            let mut shard = self.lock(self.shard_of(hash));
-            if let Some(completion) = shard
-                .find_mut(hash, |usage| usage.scope.as_str().as_bytes() == name)
-                .and_then(candidate)
-            {
-                return Some(completion);
-            }
-        }
-        let (scope, completion) = (0..self.shards.len()).find_map(|index| {
-            let mut shard = self.lock(index);
-            shard
-                .iter_mut()
-                .filter(|usage| usage.scope != *requester)
-                .find_map(|usage| candidate(usage).map(|found| (usage.scope.clone(), found)))
-        })?;
-        *self.hint.lock().unwrap_or_else(PoisonError::into_inner) = Some(scope);
-        Some(completion)
     }
 
     fn shard_of(&self, hash: u64) -> usize {
@@ -1360,16 +1284,6 @@ fn nanos(duration: Duration) -> Nanos {
 /// `now + duration`, `duration` clamped to a century.
 fn later(now: Nanos, duration: Duration) -> Nanos {
     now.saturating_add(nanos(duration.min(FOREVER)))
-}
-
-/// The whole seconds of `at`, rounded up.
-fn seconds_after(at: Nanos) -> u32 {
-    u32::try_from(at.div_ceil(1_000_000_000)).unwrap_or(u32::MAX)
-}
-
-/// The whole seconds of `at`, rounded down.
-fn seconds_before(at: Nanos) -> u32 {
-    u32::try_from(at / 1_000_000_000).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]
@@ -1429,29 +1343,50 @@ mod tests {
         // bits of the completed record's `Bytes`.
         assert_eq!(size_of::<Slot>(), size_of::<Bytes>());
         assert_eq!(size_of::<Ref>(), 8);
-        assert_eq!(size_of::<Completion>(), 16);
     }
 
     #[tokio::test]
-    async fn eviction_takes_the_oldest_completion_first() {
+    async fn a_full_store_refuses_claims_and_keeps_every_completed_record() {
         let store = MemoryStore::builder().max_records(3).shards(4).build();
-        let (a, b, c) = (
-            claim(&store, "a").await,
-            claim(&store, "b").await,
-            claim(&store, "c").await,
-        );
-        // Completed in the order c, a, b: the claims' order does not count.
-        for claim in [&c, &a, &b] {
-            store.complete(claim, &body(1), RETENTION).await.unwrap();
+        for key in ["a", "b", "c"] {
+            let claim = claim(&store, key).await;
+            store.complete(&claim, &body(1), RETENTION).await.unwrap();
         }
-        claim(&store, "d").await;
-        assert_eq!(state(&store, "c").await, None, "c completed first");
-        claim(&store, "e").await;
-        assert_eq!(state(&store, "a").await, None, "a completed second");
-        assert!(is_completed(&store, "b").await);
-        assert!(is_in_progress(&store, "d").await);
-        assert!(is_in_progress(&store, "e").await);
+        assert!(matches!(
+            store.claim(&request("d")).await,
+            Err(StoreError::Full)
+        ));
+        for key in ["a", "b", "c"] {
+            assert!(is_completed(&store, key).await, "{key} is never evicted");
+        }
         assert_eq!(store.len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn room_comes_back_as_records_expire() {
+        let store = MemoryStore::builder().max_records(2).build();
+        let a = claim(&store, "a").await;
+        store
+            .complete(&a, &body(1), Duration::from_secs(10))
+            .await
+            .unwrap();
+        claim(&store, "b").await;
+        assert!(matches!(
+            store.claim(&request("c")).await,
+            Err(StoreError::Full)
+        ));
+        tokio::time::advance(Duration::from_secs(11)).await;
+        claim(&store, "c").await;
+        assert_eq!(
+            state(&store, "a").await,
+            None,
+            "the expired record made room"
+        );
+        assert!(
+            is_in_progress(&store, "b").await,
+            "claims are never evicted"
+        );
+        assert_eq!(store.len(), 2);
     }
 
     #[tokio::test]
@@ -1463,28 +1398,17 @@ mod tests {
             store.claim(&request("c")).await,
             Err(StoreError::Full)
         ));
-        assert!(
-            is_in_progress(&store, "a").await,
-            "claims are never evicted"
-        );
-        assert!(
-            is_in_progress(&store, "b").await,
-            "claims are never evicted"
-        );
-
         store.complete(&a, &body(1), RETENTION).await.unwrap();
-        claim(&store, "c").await;
-        assert_eq!(
-            state(&store, "a").await,
-            None,
-            "the completed record made room"
+        assert!(
+            matches!(store.claim(&request("c")).await, Err(StoreError::Full)),
+            "a completed record within its retention is not room"
         );
+        assert!(is_completed(&store, "a").await);
         assert!(is_in_progress(&store, "b").await);
-        assert_eq!(store.len(), 2);
     }
 
     #[tokio::test]
-    async fn bytes_bound_evicts_completed_records() {
+    async fn a_response_over_the_byte_bound_is_kept_without_its_body() {
         let completed = CLAIMED + 1000;
         // Room for two completed records and one claim.
         let store = MemoryStore::builder()
@@ -1503,16 +1427,16 @@ mod tests {
             2 * completed + CLAIMED,
             "a claim fits exactly"
         );
-
         store.complete(&c, &body(1000), RETENTION).await.unwrap();
+        assert!(is_completed(&store, "a").await, "never evicted");
+        assert!(is_completed(&store, "b").await, "never evicted");
         assert_eq!(
-            state(&store, "a").await,
-            None,
-            "the oldest completion made room"
+            state(&store, "c").await,
+            Some(RecordState::Completed {
+                response: StoredResponse::without_body(200, vec![])
+            }),
+            "a retry of c is told its answer was not kept"
         );
-        assert!(is_completed(&store, "b").await);
-        assert!(is_completed(&store, "c").await);
-        assert_eq!(store.used_bytes(), 2 * completed);
     }
 
     #[tokio::test]
@@ -1750,55 +1674,78 @@ mod tests {
         )
     }
 
+    /// The attack: a victim completes its charges, then many other scopes
+    /// send large answers until the store is full. However many scopes there
+    /// are, every one of the victim's records stays (its retries replay), and
+    /// the others' claims are refused rather than making room.
     #[tokio::test]
-    async fn large_responses_of_one_scope_do_not_evict_another_scope_within_its_share() {
-        // Room for four completed records: each scope's share is two.
+    async fn many_scopes_filling_the_store_never_evict_another_scope() {
         let completed = CLAIMED + 1000;
-        let store = MemoryStore::builder().max_bytes(4 * completed).build();
-        complete_in(&store, "q", "a", 1000).await;
-        for key in 'a'..='t' {
-            complete_in(&store, "h", &key.to_string(), 1000).await;
+        let store = MemoryStore::builder().max_bytes(40 * completed).build();
+        for key in 0..10 {
+            complete_in(&store, "victim", &key.to_string(), 1000).await;
         }
-        assert!(
-            is_completed_in(&store, "q", "a").await,
-            "the oldest completion, but its scope is within its share"
-        );
-        for key in ["r", "s", "t"] {
-            assert!(is_completed_in(&store, "h", key).await, "{key}");
+        let mut refused = 0;
+        for attacker in 0..100 {
+            let scope = format!("attacker-{attacker}");
+            for key in 0..3 {
+                let request = ClaimRequest {
+                    scope: Scope::new(scope.as_str()),
+                    ..request(&key.to_string())
+                };
+                match store.claim(&request).await {
+                    Ok(ClaimOutcome::Claimed(claim)) => store
+                        .complete(&claim, &body(1000), RETENTION)
+                        .await
+                        .unwrap(),
+                    Err(StoreError::Full) => refused += 1,
+                    other => panic!("{other:?}"),
+                }
+            }
         }
-        assert!(
-            !is_completed_in(&store, "h", "q").await,
-            "h evicted its own"
-        );
-        assert_eq!(store.used_bytes(), 4 * completed);
+        assert!(refused > 250, "the full store refused claims: {refused}");
+        for key in 0..10 {
+            assert!(
+                is_completed_in(&store, "victim", &key.to_string()).await,
+                "the victim's record {key} is kept"
+            );
+        }
     }
 
     #[tokio::test]
-    async fn many_records_of_one_scope_do_not_evict_another_scope_within_its_share() {
-        let store = MemoryStore::builder().max_records(4).build();
-        complete_in(&store, "q", "a", 1).await;
-        complete_in(&store, "q", "b", 1).await;
-        for key in 0..10 {
-            complete_in(&store, "h", &key.to_string(), 1).await;
-        }
-        assert!(is_completed_in(&store, "q", "a").await);
-        assert!(is_completed_in(&store, "q", "b").await);
-        assert!(is_completed_in(&store, "h", "8").await);
-        assert!(is_completed_in(&store, "h", "9").await);
-        assert_eq!(store.len(), 4);
-
-        // A scope within its share evicts from the one over it.
-        let store = MemoryStore::builder().max_records(4).build();
-        for key in 0..4 {
-            complete_in(&store, "h", &key.to_string(), 1).await;
-        }
-        complete_in(&store, "q", "a", 1).await;
-        complete_in(&store, "q", "b", 1).await;
-        assert!(!is_completed_in(&store, "h", "0").await);
-        assert!(!is_completed_in(&store, "h", "1").await);
-        assert!(is_completed_in(&store, "h", "2").await);
-        assert!(is_completed_in(&store, "q", "a").await);
-        assert!(is_completed_in(&store, "q", "b").await);
+    async fn a_scope_at_its_quota_is_refused_while_others_claim() {
+        let store = MemoryStore::builder()
+            .max_scope_records(2)
+            .max_scope_bytes(CLAIMED + 1000 + CLAIMED)
+            .build();
+        complete_in(&store, "h", "a", 1000).await;
+        let in_h = |key: &str| ClaimRequest {
+            scope: Scope::new("h"),
+            ..request(key)
+        };
+        let b = match store.claim(&in_h("b")).await.unwrap() {
+            ClaimOutcome::Claimed(claim) => claim,
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            matches!(store.claim(&in_h("c")).await, Err(StoreError::Full)),
+            "h holds its quota of records"
+        );
+        complete_in(&store, "q", "a", 1000).await;
+        assert!(
+            is_completed_in(&store, "q", "a").await,
+            "q is not held back by h"
+        );
+        store.complete(&b, &body(1000), RETENTION).await.unwrap();
+        let kept = store.load(&Scope::new("h"), &b.key).await.unwrap();
+        assert!(
+            matches!(
+                kept.map(|record| record.state),
+                Some(RecordState::Completed { response }) if !response.replayable
+            ),
+            "over h's byte quota, the answer is kept without its body"
+        );
+        assert!(is_completed_in(&store, "h", "a").await);
     }
 
     #[tokio::test]

@@ -125,8 +125,11 @@ pub enum StoreError {
     /// claimed the record, or the record was released or completed.
     #[error("the claim is no longer held by this owner")]
     StaleOwner,
-    /// The store is at capacity with in-progress records and cannot take a claim.
-    #[error("the store is full of in-progress records")]
+    /// The store has no room for a new record within its bounds (or the
+    /// scope's quota), and evicts nothing to make some: a completed record
+    /// within its retention is what makes a retry a replay. Answered like an
+    /// outage: `503 store-unavailable` with `Retry-After`.
+    #[error("the store is full: no room for a new record until records expire")]
     Full,
     /// A stored record could not be read back.
     #[error("a stored record is corrupt: {0}")]

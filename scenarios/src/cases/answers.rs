@@ -249,39 +249,14 @@ pub(crate) async fn oversized_body_is_answered_413_not_reset(target: Target) {
 /// A chunked body that breaks off mid-way (a malformed chunk) is answered
 /// `400 body-unreadable`; nothing is claimed or run.
 pub(crate) async fn broken_request_body_is_400_body_unreadable(target: Target) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    let base = target.base().trim_start_matches("http://").to_owned();
-    let mut stream = tokio::net::TcpStream::connect(&base)
-        .await
-        .unwrap_or_else(|error| panic!("cannot connect to {base}: {error}"));
-    let request = format!(
-        "POST /required HTTP/1.1\r\nHost: {base}\r\nIdempotency-Key: broken-1\r\n\
-         Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n\
-         5\r\n{{\"a\":\r\nzz\r\n"
-    );
-    stream
-        .write_all(request.as_bytes())
-        .await
-        .unwrap_or_else(|error| panic!("cannot send the request: {error}"));
-    let mut answer = Vec::new();
-    let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
-        let mut buffer = [0u8; 4096];
-        loop {
-            match stream.read(&mut buffer).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    answer.extend_from_slice(&buffer[..n]);
-                    if String::from_utf8_lossy(&answer).contains("body-unreadable") {
-                        break;
-                    }
-                }
-            }
-        }
-    })
+    let answer = raw_answer(
+        &target,
+        "/required",
+        "broken-1",
+        "5\r\n{\"a\":\r\nzz\r\n",
+        "body-unreadable",
+    )
     .await;
-    assert!(read.is_ok(), "no answer within 10 s");
-    let answer = String::from_utf8_lossy(&answer);
     assert!(
         answer.starts_with("HTTP/1.1 400"),
         "a broken body must be answered 400, got: {answer}"
@@ -296,6 +271,71 @@ pub(crate) async fn broken_request_body_is_400_body_unreadable(target: Target) {
         .send(&Call::post("/required", "broken-1", "{\"a\":1}"))
         .await;
     assert_executed(&whole, 201);
+}
+
+/// A chunked body that sends its first chunk and then nothing (a client that
+/// stopped, a slowloris) is answered `408 body-timeout` once the route's read
+/// deadline passes (500 ms on `/quick-body`): nothing ran, nothing was claimed.
+pub(crate) async fn stalled_request_body_is_408_body_timeout(target: Target) {
+    let answer = raw_answer(
+        &target,
+        "/quick-body",
+        "stalled-1",
+        "5\r\n{\"a\":\r\n",
+        "body-timeout",
+    )
+    .await;
+    assert!(
+        answer.starts_with("HTTP/1.1 408"),
+        "a stalled body must be answered 408, got: {answer}"
+    );
+    assert!(
+        answer.contains("https://idem.rs/problems/body-timeout"),
+        "the problem names the timeout: {answer}"
+    );
+    assert_eq!(client_executions(&target).await, 0);
+    let whole = Client::new(&target)
+        .send(&Call::post("/quick-body", "stalled-1", "{\"a\":1}"))
+        .await;
+    assert_executed(&whole, 201);
+}
+
+/// Sends a keyed chunked POST to `path` whose body is `chunks` as written
+/// (then nothing more), and answers what the server sent back, read until it
+/// holds `until`, the connection ends, or 10 s pass (a failure).
+async fn raw_answer(target: &Target, path: &str, key: &str, chunks: &str, until: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let base = target.base().trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&base)
+        .await
+        .unwrap_or_else(|error| panic!("cannot connect to {base}: {error}"));
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {base}\r\nIdempotency-Key: {key}\r\n\
+         Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{chunks}"
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .unwrap_or_else(|error| panic!("cannot send the request: {error}"));
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        let mut buffer = [0u8; 4096];
+        loop {
+            match stream.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buffer[..n]);
+                    if String::from_utf8_lossy(&answer).contains(until) {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no answer within 10 s");
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 async fn client_executions(target: &Target) -> u64 {

@@ -26,7 +26,11 @@ pub(crate) async fn no_token_key_or_body_in_the_log_at_trace(suite: Arc<Suite>) 
         )
         .await;
         let statuses = secrets.send_every_kind(&server).await;
-        assert_eq!(statuses, [201, 201, 422, 400, 201, 201, 401], "{store}");
+        assert_eq!(
+            statuses,
+            [201, 201, 422, 400, 201, 201, 401, 201, 201, 201, 201, 201],
+            "{store}"
+        );
         let log = server.kill_and_read_log().await;
         let scope = Principal::from_token(&secrets.token);
         assert!(
@@ -45,7 +49,39 @@ pub(crate) async fn no_token_key_or_body_in_the_log_at_trace(suite: Arc<Suite>) 
                 panic!("{store}: the log holds {secret:?}:\n{line}");
             }
         }
+        // Keys of 1 to 4 characters show no prefix at all (`key=…(3)`): the
+        // 1-character key is looked for as a field, the others anywhere.
+        for key in SHORT_KEYS {
+            let shown = format!("key={key}");
+            if let Some(line) = log
+                .lines()
+                .find(|line| line.contains(&shown) || (key.len() > 1 && line.contains(key)))
+            {
+                panic!("{store}: the log holds the short key {key:?}:\n{line}");
+            }
+        }
+        // A request-controlled field shows at most 128 bytes: the 2000-byte
+        // account id (in the path, and in the line that says it was applied)
+        // leaves no line longer than the bounds allow.
+        if let Some(line) = log.lines().find(|line| line.len() > 2048) {
+            panic!("{store}: a log line of {} bytes:\n{line}", line.len());
+        }
+        for shown in ["…(2018 bytes)", "…(2000 bytes)"] {
+            assert!(
+                log.contains(shown),
+                "{store}: the long path and account id are shown bounded ({shown})"
+            );
+        }
     }
+}
+
+/// Keys of 1 to 4 characters, of characters no log line holds otherwise.
+const SHORT_KEYS: [&str; 4] = ["~", "~^", "~^]", "~^]|"];
+
+/// An account id of 2000 bytes (under PostgreSQL's index row limit): a field a
+/// request controls, logged bounded.
+fn long_account() -> String {
+    "a".repeat(2000)
 }
 
 /// A token, keys and bodies that appear nowhere else.
@@ -80,7 +116,8 @@ impl Secrets {
         let endpoint = server.endpoint();
         let charges = "/accounts/acct-logs/charges";
         let deposits = "/accounts/acct-logs/deposits";
-        let requests: [(&str, Option<&str>, &str, &str); 7] = [
+        let long = format!("/accounts/{}/charges", long_account());
+        let requests: [(&str, Option<&str>, &str, &str); 12] = [
             (charges, Some(&self.keys[0]), &self.bodies[0], &self.token),
             (charges, Some(&self.keys[0]), &self.bodies[0], &self.token),
             (charges, Some(&self.keys[0]), &self.bodies[1], &self.token),
@@ -93,6 +130,11 @@ impl Secrets {
             (deposits, Some(&self.keys[2]), &self.bodies[1], &self.token),
             (deposits, None, &self.bodies[2], &self.token),
             (charges, Some(&self.keys[1]), &self.bodies[2], ""),
+            (charges, Some(SHORT_KEYS[0]), &self.bodies[0], &self.token),
+            (charges, Some(SHORT_KEYS[1]), &self.bodies[0], &self.token),
+            (charges, Some(SHORT_KEYS[2]), &self.bodies[0], &self.token),
+            (charges, Some(SHORT_KEYS[3]), &self.bodies[0], &self.token),
+            (&long, Some("long-account-1"), &self.bodies[0], &self.token),
         ];
         let mut statuses = Vec::new();
         for (path, key, body, principal) in requests {

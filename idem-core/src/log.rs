@@ -1,0 +1,73 @@
+//! What a request controls, bounded before it reaches a log line.
+//!
+//! A path, an account id, a scope an application derives from its input: any
+//! of them can be kilobytes long, and a log that copies them whole lets one
+//! client write megabytes of log per request. [`bounded`] shows at most
+//! [`FIELD_LIMIT`] bytes of such a field, then its length: every field idem
+//! logs that a request controls goes through it (the span's `path` and
+//! `scope`; a [`Scope`](crate::Scope) displays bounded), and the examples log
+//! their request-controlled fields the same way. Keys have a stricter form of
+//! their own ([`IdempotencyKey::redacted`](crate::IdempotencyKey::redacted)).
+//!
+//! ```
+//! use idem_core::log::bounded;
+//!
+//! assert_eq!(bounded("acct-1").to_string(), "acct-1");
+//! let long = "x".repeat(59_000);
+//! assert_eq!(bounded(&long).to_string(), format!("{}…(59000 bytes)", "x".repeat(128)));
+//! ```
+
+use std::fmt;
+
+/// The most bytes of a request-controlled field a log line shows.
+pub const FIELD_LIMIT: usize = 128;
+
+/// `text` as a log line may show it: whole up to [`FIELD_LIMIT`] bytes, else
+/// its first bytes up to the limit (cut at a character boundary), an ellipsis
+/// and its length in bytes.
+pub fn bounded(text: &str) -> Bounded<'_> {
+    Bounded(text)
+}
+
+/// A field bounded for logs; see [`bounded`].
+#[derive(Clone, Copy)]
+pub struct Bounded<'a>(&'a str);
+
+impl fmt::Display for Bounded<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = self.0;
+        if text.len() <= FIELD_LIMIT {
+            return f.write_str(text);
+        }
+        let mut end = FIELD_LIMIT;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        write!(f, "{}…({} bytes)", &text[..end], text.len())
+    }
+}
+
+impl fmt::Debug for Bounded<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"{self}\"")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_fields_are_whole_and_long_ones_cut_at_a_character() {
+        assert_eq!(bounded("").to_string(), "");
+        let exact = "a".repeat(FIELD_LIMIT);
+        assert_eq!(bounded(&exact).to_string(), exact);
+        // 127 ASCII bytes, then a 2-byte character across the limit.
+        let across = format!("{}é{}", "a".repeat(FIELD_LIMIT - 1), "b".repeat(10));
+        assert_eq!(
+            bounded(&across).to_string(),
+            format!("{}…(139 bytes)", "a".repeat(FIELD_LIMIT - 1))
+        );
+        assert_eq!(format!("{:?}", bounded("x")), "\"x\"");
+    }
+}
