@@ -1,10 +1,8 @@
 //! The payments examples as real processes on 127.0.0.1.
 
 use std::fs::OpenOptions;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use idem_testkit::shell::{self, cargo, target_dir};
@@ -96,15 +94,7 @@ impl Server {
             .spawn()
             .map_err(|e| format!("could not start {}: {e}", binary.display()))?;
         let stdout = child.stdout.take().ok_or_else(|| "no stdout".to_owned())?;
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(first)) = lines.next() {
-                let _ = tx.send(first);
-            }
-            // Keep draining so the server never blocks on a full pipe.
-            for _ in lines {}
-        });
+        let rx = idem_testkit::shell::first_line(stdout);
         let mut server = Self {
             child,
             base: String::new(),

@@ -44,7 +44,13 @@ pub enum CaseStore {
     UnderTest,
     /// A [`FailingStore`]: every step fails.
     Failing,
+    /// A [`MemoryStore`] with room for [`FULL_STORE_RECORDS`] records: full
+    /// once they are taken.
+    Full,
 }
+
+/// How many records the [`CaseStore::Full`] store holds.
+pub const FULL_STORE_RECORDS: usize = 2;
 
 impl std::fmt::Debug for Case {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -91,6 +97,11 @@ where
     let store = match case.store {
         CaseStore::UnderTest => store().await,
         CaseStore::Failing => Arc::new(FailingStore),
+        CaseStore::Full => Arc::new(
+            MemoryStore::builder()
+                .max_records(FULL_STORE_RECORDS)
+                .build(),
+        ),
     };
     let target = start(store).await;
     (case.run)(target).await;
@@ -141,6 +152,7 @@ macro_rules! scenario_tests {
             stalled_request_body_is_408_body_timeout: UnderTest,
             failing_store_fails_closed: Failing,
             unguarded_panicking_handler_is_a_500_problem: Failing,
+            full_memory_store_fails_closed_and_keeps_its_replays: Full,
         }
     };
     (@emit [list] $($case:ident: $store:ident,)*) => {

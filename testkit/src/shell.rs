@@ -95,3 +95,19 @@ impl Profile {
         }))
     }
 }
+
+/// The first line a child prints on `stdout` (its readiness line: `listening
+/// on …`), sent once it is printed; the rest is read and dropped, so the child
+/// never blocks on a full pipe.
+pub fn first_line(stdout: std::process::ChildStdout) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        if let Some(Ok(first)) = lines.next() {
+            let _ = tx.send(first);
+        }
+        for _ in lines {}
+    });
+    rx
+}

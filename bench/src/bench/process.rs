@@ -1,9 +1,8 @@
 //! The processes a bench run starts, and what `/proc` says about them.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -41,15 +40,7 @@ impl Process {
             .map_err(|e| format!("could not start {shown}: {e}"))?;
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().ok_or("no stdout")?;
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(first)) = lines.next() {
-                let _ = tx.send(first);
-            }
-            // Keep draining so that the child never blocks on a full pipe.
-            for _ in lines {}
-        });
+        let rx = idem_testkit::shell::first_line(stdout);
         let mut process = Self {
             child,
             stdin,

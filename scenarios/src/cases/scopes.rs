@@ -4,7 +4,7 @@
 use serde_json::json;
 
 use crate::client::{Call, Client, assert_executed, assert_problem, assert_replay_of};
-use crate::{FAILING_STORE_SECRET, Target};
+use crate::{FAILING_STORE_SECRET, FULL_STORE_RECORDS, Target};
 
 pub(crate) async fn scopes_are_isolated(target: Target) {
     let client = Client::new(&target);
@@ -65,4 +65,39 @@ pub(crate) async fn failing_store_fails_closed(target: Target) {
         assert_eq!(answer.execution(), execution);
     }
     assert_eq!(client.executions().await.started, 3);
+}
+
+/// A full in-memory store (`docs/contract.md` §6): once its records are
+/// taken, a new key is answered `503 store-unavailable` with `Retry-After`
+/// and its handler does not run, while every completed record stays, so each
+/// retry of an earlier key replays rather than running a second time.
+pub(crate) async fn full_memory_store_fails_closed_and_keeps_its_replays(target: Target) {
+    let client = Client::new(&target);
+    let mut firsts = Vec::new();
+    for n in 0..FULL_STORE_RECORDS {
+        let call = Call::post("/required", &format!("full-{n}"), "{}").principal(&format!("p{n}"));
+        let first = client.send(&call).await;
+        assert_executed(&first, 201);
+        firsts.push((call, first));
+    }
+    for principal in ["p0", "someone-else"] {
+        let refused = client
+            .send(&Call::post("/required", "full-new", "{}").principal(principal))
+            .await;
+        assert_problem(&refused, 503, "store-unavailable");
+        let retry_after = refused.header("retry-after");
+        assert!(
+            retry_after.parse::<u64>().is_ok_and(|s| s >= 1),
+            "Retry-After: {retry_after:?}"
+        );
+    }
+    for (call, first) in &firsts {
+        let retry = client.send(call).await;
+        assert_replay_of(&retry, first);
+    }
+    assert_eq!(
+        client.executions().await.started,
+        FULL_STORE_RECORDS as u64,
+        "no handler ran for a refused claim, and none ran again"
+    );
 }
