@@ -154,7 +154,7 @@ impl IdempotencyKey {
     /// or fewer), an ellipsis, and its length: `8e03…(36)`, `ab…(5)`, `…(3)`.
     /// The whole key never reaches a log, however short.
     pub fn redacted(&self) -> Redacted<'_> {
-        Redacted(self)
+        Redacted(self.as_str())
     }
 }
 
@@ -197,9 +197,16 @@ fn bare_item_kind(item: &sfv::BareItem) -> &'static str {
 
 /// A key as it may appear in logs. See [`IdempotencyKey::redacted`].
 #[derive(Clone, Copy)]
-pub struct Redacted<'a>(&'a IdempotencyKey);
+pub struct Redacted<'a>(&'a str);
 
-impl Redacted<'_> {
+impl<'a> Redacted<'a> {
+    /// Any identifier a client or producer chose (a message id, say), redacted
+    /// as a key is. It need not be ASCII: the prefix is cut at a character
+    /// boundary, and the length is in bytes.
+    pub fn of(id: &'a str) -> Self {
+        Self(id)
+    }
+
     /// Keys up to this length show no prefix at all.
     const HIDDEN_UP_TO: usize = 4;
     /// The longest prefix shown.
@@ -208,12 +215,17 @@ impl Redacted<'_> {
 
 impl fmt::Display for Redacted<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let key = self.0.as_str();
-        // Keys are ASCII: a byte is a character.
+        let key = self.0;
         let shown = if key.len() <= Redacted::HIDDEN_UP_TO {
             ""
         } else {
-            key.get(..Redacted::SHOWN.min(key.len() / 2)).unwrap_or("")
+            // Keys are ASCII (a byte is a character); another id is cut at
+            // the character boundary at or below the bound.
+            let mut end = Redacted::SHOWN.min(key.len() / 2);
+            while !key.is_char_boundary(end) {
+                end -= 1;
+            }
+            key.get(..end).unwrap_or("")
         };
         write!(f, "{shown}…({})", key.len())
     }

@@ -2,6 +2,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cleanup;
+pub mod consume;
 mod engine;
 mod execution;
 mod fingerprint;

@@ -71,7 +71,7 @@ pub(crate) fn store_full(limit: &'static str) {
 #[derive(Clone, Copy)]
 pub(crate) struct Timer {
     #[cfg(feature = "metrics")]
-    started: std::time::Instant,
+    pub(crate) started: std::time::Instant,
 }
 
 impl Timer {

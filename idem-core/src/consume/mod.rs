@@ -1,0 +1,713 @@
+//! The consumer protocol: what an at-least-once consumer does with each
+//! delivery, decided in one place for every broker.
+//!
+//! Every broker redelivers what was not acknowledged (a crash between the
+//! effect and the ack, a lost ack, a rebalance), and producers that retry
+//! publish twice. A consumer that applies an effect must therefore apply each
+//! message **once per message id**, whatever number of times it arrives. This
+//! module plays for consumers the role [`protocol`](crate::protocol) plays for
+//! HTTP: broker crates (idem-rabbitmq) translate a delivery into a
+//! [`Message`], ask [`Protocol::decide`] what to do, and carry out the
+//! [`Decision`] on their broker.
+//!
+//! # What is decided
+//!
+//! | the inbox says | the decision |
+//! |---|---|
+//! | applied now (the handler's writes and the inbox row committed together) | [`Decision::Ack`] |
+//! | applied before, same body | [`Decision::Ack`] (a duplicate: nothing ran) |
+//! | applied before, another body under the id | [`Decision::DeadLetter`], reason `message-id-reused`, at once |
+//! | the handler failed, a retry can help, attempts left | [`Decision::Retry`] after [`Backoff::delay`](crate::retry::Backoff::delay) (full jitter) |
+//! | the handler failed on the last attempt, or can never succeed | [`Decision::DeadLetter`] with the reason and every attempt's time |
+//! | a dead letter, not yet in the dead-letter queue (a crash came between) | [`Decision::DeadLetter`] |
+//! | a dead letter already in the dead-letter queue (a producer resent it) | [`Decision::Ack`]: it is not published twice |
+//! | the inbox is unavailable | [`Decision::Requeue`]: back to the broker after a pause, not counted |
+//!
+//! A message without an id is dead-lettered at once (reason `no-message-id`)
+//! unless the policy keys it by its body ([`MissingId`]). An id over
+//! [`MAX_MESSAGE_ID_LEN`] bytes is keyed by its SHA-256.
+//!
+//! # One dead-letter truth
+//!
+//! The **inbox** is the record of which messages are dead and why: the
+//! attempts, their times, the reason, whether the letter reached the broker's
+//! dead-letter queue. It is updated in the same step that counts the last
+//! failure, so the count the alert reads is exact (concurrent buries see
+//! different counts, so each crossing alerts once) and the "published" mark
+//! makes a dead letter reach the queue once, whether a crash came between the
+//! steps or a producer resent the message. Messages refused before any
+//! handler ran (no id, an id reused) are recorded there too, so the inbox's
+//! count and the queue's depth agree. The broker's **dead-letter queue**
+//! carries the bodies (an inbox never stores a body): listing shows them from
+//! there, and re-driving goes through the library, which forgets the inbox's
+//! record ([`Protocol::redrive`]) before it moves the body back.
+//!
+//! # Observability
+//!
+//! One `idem.message` span per delivery, with the consumer and the message id
+//! redacted as keys are (never the body). With the feature `metrics`:
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `idem_messages_total` | counter | `outcome` | deliveries by outcome: `processed`, `duplicate`, `retried`, `dead_lettered`, `dead_letter_skipped`, `requeued` |
+//! | `idem_message_handler_seconds` | histogram | | time the handler ran |
+//! | `idem_dead_letters` | gauge | `consumer` | the consumer's dead letters |
+//! | `idem_dead_letter_alerts_total` | counter | `consumer` | crossings of the alert threshold |
+
+mod handler;
+mod inbox;
+mod memory;
+mod message;
+mod metrics;
+mod policy;
+
+#[cfg(feature = "test-util")]
+pub mod conformance;
+
+pub use handler::{ErrorKind, Handler, HandlerError, HandlerFuture, handler};
+pub use inbox::{
+    Buried, Counted, DeadLetter, Entered, Entry, Failure, Inbox, InboxError, InboxFuture,
+};
+pub use memory::MemoryInbox;
+pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message};
+pub use policy::{ConsumerPolicy, DeadLetterAlert, MissingId};
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tracing::Instrument;
+
+use crate::Redacted;
+use crate::log::bounded;
+use handler::Guarded;
+use metrics::Outcome;
+
+/// The reason of a message dead-lettered because it has no id.
+pub const NO_MESSAGE_ID: &str = "no-message-id";
+/// The reason of a message dead-lettered because its id was applied before to
+/// another message.
+pub const MESSAGE_ID_REUSED: &str = "message-id-reused";
+
+/// The consumer protocol over an inbox, for one consumer: cheap to clone.
+pub struct Protocol<I: Inbox> {
+    inner: Arc<Inner<I>>,
+}
+
+struct Inner<I> {
+    consumer: String,
+    inbox: I,
+    policy: ConsumerPolicy,
+}
+
+/// What a broker crate does with a delivery.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Decision {
+    /// Acknowledge it: it was applied, now or before.
+    Ack(Acked),
+    /// Acknowledge it after putting a copy back on the queue for
+    /// `retry.delay` (a delay that blocks no other message).
+    Retry(Retry),
+    /// Publish it to the dead-letter queue (with the letter's reason and
+    /// attempt times), wait for the broker's confirmation, call
+    /// [`Protocol::published`], then acknowledge it.
+    DeadLetter(Letter),
+    /// Hand it back to the broker (not acknowledged) after `after`: the
+    /// inbox is unavailable, nothing ran or was counted.
+    Requeue {
+        /// The pause before handing it back.
+        after: Duration,
+    },
+}
+
+/// Why a delivery is acknowledged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acked {
+    /// Applied now, on this attempt.
+    Processed {
+        /// The attempt that succeeded (1 for the first).
+        attempt: u32,
+    },
+    /// Applied before: nothing ran.
+    Duplicate,
+    /// A dead letter already in the dead-letter queue: nothing ran.
+    DeadLetter,
+}
+
+/// A retry, as decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retry {
+    /// The inbox's key of the message.
+    pub message_id: String,
+    /// How many attempts failed so far.
+    pub attempts: u32,
+    /// The delay before the next attempt (full jitter).
+    pub delay: Duration,
+    /// Why the last attempt failed.
+    pub reason: String,
+}
+
+/// A dead letter to publish, as decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Letter {
+    /// The inbox's key of the message.
+    pub message_id: String,
+    /// Why it is dead: the last error, or [`NO_MESSAGE_ID`],
+    /// [`MESSAGE_ID_REUSED`].
+    pub reason: String,
+    /// When each failed attempt started, in order.
+    pub attempted_at: Vec<SystemTime>,
+}
+
+impl<I: Inbox> Protocol<I> {
+    /// The protocol of `consumer` (its name in the inbox: each consumer of a
+    /// message applies it once) over `inbox`, applying `policy`.
+    pub fn new(consumer: impl Into<String>, inbox: I, policy: ConsumerPolicy) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                consumer: consumer.into(),
+                inbox,
+                policy,
+            }),
+        }
+    }
+
+    /// The consumer's name.
+    pub fn consumer(&self) -> &str {
+        &self.inner.consumer
+    }
+
+    /// The inbox.
+    pub fn inbox(&self) -> &I {
+        &self.inner.inbox
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &ConsumerPolicy {
+        &self.inner.policy
+    }
+
+    /// Decides what to do with `message`: runs `handler` on the inbox's
+    /// transaction if the message is new, records what happened, and answers
+    /// what the broker crate must do (see the module's table).
+    pub async fn decide(&self, message: &Message, handler: &(dyn Handler<I::Tx> + '_)) -> Decision {
+        let consumer = self.consumer();
+        let key = Self::key_of(message);
+        let span = tracing::info_span!(
+            target: "idem",
+            "idem.message",
+            consumer = %bounded(consumer),
+            message_id = %Redacted::of(&key),
+        );
+        let entry = Entry {
+            consumer,
+            message_id: &key,
+            fingerprint: message.fingerprint(),
+            at: SystemTime::now(),
+        };
+        async {
+            if message.message_id().is_none() && self.policy().missing_id == MissingId::Refuse {
+                tracing::warn!(target: "idem", reason = NO_MESSAGE_ID, "a message without an id cannot be applied exactly once: dead-lettered");
+                return self.bury(&entry, NO_MESSAGE_ID, 1).await;
+            }
+            self.process(&entry, message, handler).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn process(
+        &self,
+        entry: &Entry<'_>,
+        message: &Message,
+        handler: &(dyn Handler<I::Tx> + '_),
+    ) -> Decision {
+        let entered = self
+            .inbox()
+            .process(entry, message, &Guarded(handler))
+            .await;
+        match entered {
+            Ok(Entered::Processed { attempt }) => {
+                tracing::debug!(target: "idem", outcome = "processed", attempt);
+                metrics::outcome(Outcome::Processed);
+                Decision::Ack(Acked::Processed { attempt })
+            }
+            Ok(Entered::Duplicate) => {
+                tracing::debug!(target: "idem", outcome = "duplicate");
+                metrics::outcome(Outcome::Duplicate);
+                Decision::Ack(Acked::Duplicate)
+            }
+            Ok(Entered::Reused) => {
+                tracing::warn!(target: "idem", reason = MESSAGE_ID_REUSED, "a different message under an id already applied: dead-lettered, not applied");
+                self.bury(entry, MESSAGE_ID_REUSED, 1).await
+            }
+            Ok(Entered::Dead { published: true }) => {
+                tracing::info!(target: "idem", outcome = "dead_letter_skipped", "a dead letter arrived again; it is in the dead-letter queue already");
+                metrics::outcome(Outcome::DeadLetterSkipped);
+                Decision::Ack(Acked::DeadLetter)
+            }
+            Ok(Entered::Dead { published: false }) => self.republish(entry).await,
+            Ok(Entered::Failed { attempt, error }) => {
+                let permanent = self.is_permanent(&error);
+                let reason = error.reason();
+                let bury_at = if permanent {
+                    1
+                } else {
+                    self.policy().max_attempts
+                };
+                tracing::info!(target: "idem", attempt, permanent, error = %bounded(&reason), "the handler failed; its writes were rolled back");
+                self.failed(entry, &reason, bury_at).await
+            }
+            Err(error) => self.unavailable(Some(error)),
+        }
+    }
+
+    /// Whether a failed attempt can never succeed.
+    fn is_permanent(&self, error: &HandlerError) -> bool {
+        match error.kind() {
+            ErrorKind::Permanent => true,
+            ErrorKind::Transient | ErrorKind::Panicked => false,
+            ErrorKind::Unclassified => {
+                let source: &(dyn std::error::Error + 'static) = error.source_error();
+                self.policy().classifies_permanent(source) || self.inbox().is_permanent(source)
+            }
+        }
+    }
+
+    /// Buries the message at once with `reason`.
+    async fn bury(&self, entry: &Entry<'_>, reason: &str, bury_at: u32) -> Decision {
+        self.failed(entry, reason, bury_at).await
+    }
+
+    /// Counts a failure and decides: retry, or dead-letter.
+    async fn failed(&self, entry: &Entry<'_>, reason: &str, bury_at: u32) -> Decision {
+        let failure = Failure { reason, bury_at };
+        let counted = match self.inbox().fail(entry, &failure).await {
+            Ok(counted) => counted,
+            Err(error) => return self.unavailable(Some(error)),
+        };
+        match counted.buried {
+            None => {
+                let delay = self.policy().backoff.delay(counted.attempts);
+                tracing::info!(target: "idem", outcome = "retried", attempts = counted.attempts, max_attempts = self.policy().max_attempts, delay_ms = delay.as_millis() as u64, "retried after a full-jitter delay");
+                metrics::outcome(Outcome::Retried);
+                Decision::Retry(Retry {
+                    message_id: entry.message_id.to_owned(),
+                    attempts: counted.attempts,
+                    delay,
+                    reason: reason.to_owned(),
+                })
+            }
+            Some(Buried::Already { published: true }) => {
+                metrics::outcome(Outcome::DeadLetterSkipped);
+                Decision::Ack(Acked::DeadLetter)
+            }
+            Some(Buried::Already { published: false }) => self.republish(entry).await,
+            Some(Buried::New { dead_letters }) => {
+                tracing::warn!(target: "idem", outcome = "dead_lettered", attempts = counted.attempts, dead_letters, reason = %bounded(reason), "the message is a dead letter");
+                metrics::outcome(Outcome::DeadLettered);
+                metrics::dead_letters(self.consumer(), dead_letters);
+                self.alert_if_crossing(dead_letters);
+                Decision::DeadLetter(Letter {
+                    message_id: entry.message_id.to_owned(),
+                    reason: reason.to_owned(),
+                    attempted_at: counted.attempted_at,
+                })
+            }
+        }
+    }
+
+    /// A dead letter that did not reach the dead-letter queue (a crash came
+    /// between): it goes there now, as recorded.
+    async fn republish(&self, entry: &Entry<'_>) -> Decision {
+        match self
+            .inbox()
+            .dead_letter(entry.consumer, entry.message_id)
+            .await
+        {
+            Ok(Some(letter)) => {
+                tracing::info!(target: "idem", outcome = "dead_lettered", "a dead letter not yet in the dead-letter queue goes there");
+                metrics::outcome(Outcome::DeadLettered);
+                Decision::DeadLetter(Letter {
+                    message_id: letter.message_id,
+                    reason: letter.reason,
+                    attempted_at: letter.attempted_at,
+                })
+            }
+            // Re-driven in between: it is no longer dead; the broker
+            // delivers it again and it runs.
+            Ok(None) => self.unavailable(None),
+            Err(error) => self.unavailable(Some(error)),
+        }
+    }
+
+    fn alert_if_crossing(&self, dead_letters: u64) {
+        let threshold = self.policy().alert_threshold;
+        if dead_letters != threshold.saturating_add(1) {
+            return;
+        }
+        let consumer = self.consumer();
+        tracing::error!(target: "idem", consumer = %bounded(consumer), dead_letters, threshold, "dead-letter alert: {dead_letters} dead letters, over the threshold of {threshold}");
+        metrics::alert(consumer);
+        self.policy().alert(&DeadLetterAlert {
+            consumer: consumer.to_owned(),
+            dead_letters,
+            threshold,
+        });
+    }
+
+    fn unavailable(&self, error: Option<InboxError>) -> Decision {
+        let after = self.policy().unavailable_pause;
+        match error {
+            Some(error) => {
+                tracing::error!(target: "idem", outcome = "requeued", error = %crate::engine::error_chain(&error), "the inbox is unavailable: the delivery goes back to the broker, uncounted");
+            }
+            None => {
+                tracing::info!(target: "idem", outcome = "requeued", "the delivery goes back to the broker")
+            }
+        }
+        metrics::outcome(Outcome::Requeued);
+        Decision::Requeue { after }
+    }
+
+    /// Records that the dead letter reached the dead-letter queue (the broker
+    /// confirmed it), so that a redelivery of the message is acknowledged
+    /// without publishing it twice. A failure is logged: the next delivery
+    /// publishes it again.
+    pub async fn published(&self, letter: &Letter) {
+        if let Err(error) = self
+            .inbox()
+            .published(self.consumer(), &letter.message_id)
+            .await
+        {
+            tracing::warn!(target: "idem", message_id = %Redacted::of(&letter.message_id), error = %crate::engine::error_chain(&error), "could not mark the dead letter published; a redelivery publishes it again");
+        }
+    }
+
+    /// The consumer's dead letters, as the inbox records them, oldest first.
+    pub async fn dead_letters(&self) -> Result<Vec<DeadLetter>, InboxError> {
+        self.inbox().dead_letters(self.consumer()).await
+    }
+
+    /// Forgets the dead letter `message_id` (its key: the id, as
+    /// [`Attempt::message_id`] gives it) so that its next delivery runs with
+    /// attempt 1; answers what was forgotten. The broker crate moves the body
+    /// back after this.
+    pub async fn redrive(&self, message_id: &str) -> Result<Option<DeadLetter>, InboxError> {
+        let consumer = self.consumer();
+        let forgotten = self.inbox().redrive(consumer, message_id).await?;
+        if let Some(letter) = &forgotten {
+            tracing::info!(target: "idem", consumer = %bounded(consumer), message_id = %Redacted::of(message_id), attempts = letter.attempts, "dead letter re-driven");
+            #[cfg(feature = "metrics")]
+            if let Ok(letters) = self.inbox().dead_letters(consumer).await {
+                metrics::dead_letters(consumer, letters.len() as u64);
+            }
+        }
+        Ok(forgotten)
+    }
+
+    /// The key the inbox files `message` under: its id, a digest of a long id,
+    /// or (no id) a digest of its body.
+    pub fn key_of(message: &Message) -> String {
+        match message.message_id() {
+            Some(id) => message::key_of_id(id),
+            None => message::digest_key(message.body()),
+        }
+    }
+}
+
+impl<I: Inbox> Clone for Protocol<I> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<I: Inbox> fmt::Debug for Protocol<I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Protocol")
+            .field("consumer", &self.inner.consumer)
+            .field("policy", &self.inner.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use super::conformance::{Subject, SubjectFuture};
+    use super::*;
+    use crate::retry::Backoff;
+
+    #[derive(Default)]
+    struct Memory {
+        inbox: MemoryInbox,
+        effects: Arc<Mutex<HashMap<String, u64>>>,
+    }
+
+    impl Subject for Memory {
+        type Inbox = MemoryInbox;
+        fn inbox(&self) -> &MemoryInbox {
+            &self.inbox
+        }
+        fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
+            Box::pin(async move {
+                *self
+                    .effects
+                    .lock()
+                    .unwrap()
+                    .entry(name.to_owned())
+                    .or_default() += 1;
+                Ok(())
+            })
+        }
+        fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
+            Box::pin(
+                async move { Ok(self.effects.lock().unwrap().get(name).copied().unwrap_or(0)) },
+            )
+        }
+    }
+
+    async fn fresh() -> Memory {
+        Memory::default()
+    }
+
+    mod memory_inbox_conformance {
+        use super::fresh;
+        crate::inbox_conformance_tests!(fresh);
+    }
+
+    fn policy() -> ConsumerPolicy {
+        ConsumerPolicy::new().max_attempts(3).backoff(Backoff::new(
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+        ))
+    }
+
+    fn protocol(policy: ConsumerPolicy) -> Protocol<MemoryInbox> {
+        Protocol::new("payments", MemoryInbox::new(), policy)
+    }
+
+    /// Counts its runs; fails with `fail` while it is set.
+    struct Counting {
+        runs: AtomicU32,
+        fail: Option<fn() -> HandlerError>,
+    }
+
+    impl Counting {
+        fn ok() -> Self {
+            Self {
+                runs: AtomicU32::new(0),
+                fail: None,
+            }
+        }
+        fn failing(fail: fn() -> HandlerError) -> Self {
+            Self {
+                runs: AtomicU32::new(0),
+                fail: Some(fail),
+            }
+        }
+    }
+
+    impl Handler<()> for Counting {
+        fn handle<'a>(&'a self, _attempt: Attempt<'a>, _tx: &'a mut ()) -> HandlerFuture<'a> {
+            Box::pin(async move {
+                self.runs.fetch_add(1, Ordering::SeqCst);
+                match self.fail {
+                    Some(fail) => Err(fail()),
+                    None => Ok(()),
+                }
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_message_is_acked_once_applied_and_its_redelivery_is_a_duplicate() {
+        let protocol = protocol(policy());
+        let handler = Counting::ok();
+        let message = Message::new("{}").id("m-1");
+        assert_eq!(
+            protocol.decide(&message, &handler).await,
+            Decision::Ack(Acked::Processed { attempt: 1 })
+        );
+        assert_eq!(
+            protocol.decide(&message, &handler).await,
+            Decision::Ack(Acked::Duplicate)
+        );
+        assert_eq!(handler.runs.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_failing_message_is_retried_then_dead_lettered_after_exactly_max_attempts() {
+        let protocol = protocol(policy());
+        let handler = Counting::failing(|| HandlerError::from("the ledger is down"));
+        let message = Message::new("{}").id("m-2");
+        for attempts in 1..=2 {
+            match protocol.decide(&message, &handler).await {
+                Decision::Retry(retry) => {
+                    assert_eq!(retry.attempts, attempts);
+                    assert!(
+                        retry.delay
+                            <= Backoff::new(Duration::from_millis(100), Duration::from_secs(1))
+                                .ceiling(attempts)
+                    );
+                    assert_eq!(retry.reason, "the ledger is down");
+                }
+                other => panic!("attempt {attempts} is retried, got {other:?}"),
+            }
+        }
+        let Decision::DeadLetter(letter) = protocol.decide(&message, &handler).await else {
+            panic!("the third failure dead-letters it");
+        };
+        assert_eq!(
+            (letter.reason.as_str(), letter.attempted_at.len()),
+            ("the ledger is down", 3)
+        );
+        assert_eq!(handler.runs.load(Ordering::SeqCst), 3);
+        // Not yet published (a crash before the broker confirmed): it goes again.
+        assert!(matches!(
+            protocol.decide(&message, &handler).await,
+            Decision::DeadLetter(_)
+        ));
+        protocol.published(&letter).await;
+        assert_eq!(
+            protocol.decide(&message, &handler).await,
+            Decision::Ack(Acked::DeadLetter),
+            "a dead letter in the queue already is not published twice"
+        );
+        assert_eq!(
+            handler.runs.load(Ordering::SeqCst),
+            3,
+            "a dead letter never runs"
+        );
+    }
+
+    #[tokio::test]
+    async fn permanent_errors_and_panics_are_told_apart() {
+        let protocol = protocol(policy());
+        let permanent = Counting::failing(|| HandlerError::permanent("amount must be positive"));
+        let decision = protocol
+            .decide(&Message::new("{}").id("m-3"), &permanent)
+            .await;
+        assert!(
+            matches!(decision, Decision::DeadLetter(ref l) if l.attempted_at.len() == 1),
+            "{decision:?}"
+        );
+
+        let panicking =
+            crate::consume::handler(|_attempt: Attempt<'_>, _tx: &mut ()| -> HandlerFuture<'_> {
+                Box::pin(async { panic!("boom") })
+            });
+        let decision = protocol
+            .decide(&Message::new("{}").id("m-4"), &panicking)
+            .await;
+        assert!(
+            matches!(decision, Decision::Retry(ref r) if r.reason.contains("boom")),
+            "a panic is retried like a transient error: {decision:?}"
+        );
+
+        let classified = Protocol::new(
+            "payments",
+            MemoryInbox::new(),
+            policy().permanent_when(|error| error.to_string().contains("overflow")),
+        );
+        let overflow = Counting::failing(|| HandlerError::from("bigint overflow"));
+        assert!(matches!(
+            classified
+                .decide(&Message::new("{}").id("m-5"), &overflow)
+                .await,
+            Decision::DeadLetter(_)
+        ));
+        let forced = Counting::failing(|| HandlerError::transient("overflow, but retry"));
+        assert!(matches!(
+            classified
+                .decide(&Message::new("{}").id("m-6"), &forced)
+                .await,
+            Decision::Retry(_)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_message_without_an_id_or_with_a_reused_id_is_dead_lettered_at_once() {
+        let protocol = protocol(policy());
+        let handler = Counting::ok();
+        let Decision::DeadLetter(letter) = protocol.decide(&Message::new("{}"), &handler).await
+        else {
+            panic!("no id: dead-lettered");
+        };
+        assert_eq!(letter.reason, NO_MESSAGE_ID);
+        assert!(letter.message_id.starts_with("sha256:"));
+
+        assert!(matches!(
+            protocol
+                .decide(&Message::new("amount 5").id("m-7"), &handler)
+                .await,
+            Decision::Ack(Acked::Processed { attempt: 1 })
+        ));
+        let Decision::DeadLetter(letter) = protocol
+            .decide(&Message::new("amount 7").id("m-7"), &handler)
+            .await
+        else {
+            panic!("a reused id: dead-lettered");
+        };
+        assert_eq!(
+            (letter.reason.as_str(), letter.message_id.as_str()),
+            (MESSAGE_ID_REUSED, "m-7")
+        );
+        assert_eq!(handler.runs.load(Ordering::SeqCst), 1);
+
+        let by_body = Protocol::new(
+            "p",
+            MemoryInbox::new(),
+            policy().missing_id(MissingId::KeyByBody),
+        );
+        assert!(matches!(
+            by_body.decide(&Message::new("x"), &handler).await,
+            Decision::Ack(Acked::Processed { .. })
+        ));
+        assert!(matches!(
+            by_body.decide(&Message::new("x"), &handler).await,
+            Decision::Ack(Acked::Duplicate)
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_alert_is_raised_once_per_crossing() {
+        let alerts = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&alerts);
+        let protocol = protocol(policy().dead_letter_alert(2, move |alert| {
+            assert_eq!((alert.dead_letters, alert.threshold), (3, 2));
+            seen.fetch_add(1, Ordering::SeqCst);
+        }));
+        let handler = Counting::failing(|| HandlerError::permanent("no"));
+        for i in 0..5 {
+            let _ = protocol
+                .decide(&Message::new("{}").id(format!("d-{i}")), &handler)
+                .await;
+        }
+        assert_eq!(
+            alerts.load(Ordering::SeqCst),
+            1,
+            "five dead letters over a threshold of 2: one alert"
+        );
+        for i in 0..3 {
+            assert!(protocol.redrive(&format!("d-{i}")).await.unwrap().is_some());
+        }
+        for i in 0..3 {
+            let _ = protocol
+                .decide(&Message::new("{}").id(format!("d-{i}")), &handler)
+                .await;
+        }
+        assert_eq!(
+            alerts.load(Ordering::SeqCst),
+            2,
+            "back under, then over again: a second alert"
+        );
+    }
+}
