@@ -26,6 +26,7 @@ pub struct Message {
     body: Bytes,
     headers: Vec<(String, Bytes)>,
     redelivered: bool,
+    redriven: bool,
     delivery_count: Option<u32>,
 }
 
@@ -37,6 +38,7 @@ impl Message {
             body: body.into(),
             headers: Vec::new(),
             redelivered: false,
+            redriven: false,
             delivery_count: None,
         }
     }
@@ -61,6 +63,17 @@ impl Message {
     #[must_use]
     pub fn redelivered(mut self, redelivered: bool) -> Self {
         self.redelivered = redelivered;
+        self
+    }
+
+    /// Marks the message as re-driven from the dead-letter queue by hand
+    /// (a broker crate's redrive sets a header that says so): the inbox
+    /// forgets its dead letter before the message is processed, so it runs
+    /// again from attempt 1. A redrive that can reach the inbox itself calls
+    /// [`Protocol::redrive`](super::Protocol::redrive) instead.
+    #[must_use]
+    pub fn redriven(mut self, redriven: bool) -> Self {
+        self.redriven = redriven;
         self
     }
 
@@ -106,6 +119,11 @@ impl Message {
         self.redelivered
     }
 
+    /// Whether it was re-driven from the dead-letter queue by hand.
+    pub fn is_redriven(&self) -> bool {
+        self.redriven
+    }
+
     /// How many times the broker says it delivered it, if it counts.
     pub fn broker_delivery_count(&self) -> Option<u32> {
         self.delivery_count
@@ -135,6 +153,7 @@ impl fmt::Debug for Message {
                 &self.headers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
             )
             .field("redelivered", &self.redelivered)
+            .field("redriven", &self.redriven)
             .field("delivery_count", &self.delivery_count)
             .finish()
     }

@@ -23,6 +23,10 @@
 //! | a dead letter already in the dead-letter queue (a producer resent it) | [`Decision::Ack`]: it is not published twice |
 //! | the inbox is unavailable | [`Decision::Requeue`]: back to the broker after a pause, not counted |
 //!
+//! A message marked re-driven ([`Message::redriven`]: a broker crate's
+//! redrive sets a header that says so) has its dead letter forgotten first,
+//! so it runs again from attempt 1.
+//!
 //! A message without an id is dead-lettered at once (reason `no-message-id`)
 //! unless the policy keys it by its body ([`MissingId`]). An id over
 //! [`MAX_MESSAGE_ID_LEN`] bytes is keyed by its SHA-256.
@@ -210,6 +214,11 @@ impl<I: Inbox> Protocol<I> {
             if message.message_id().is_none() && self.policy().missing_id == MissingId::Refuse {
                 tracing::warn!(target: "idem", reason = NO_MESSAGE_ID, "a message without an id cannot be applied exactly once: dead-lettered");
                 return self.bury(&entry, NO_MESSAGE_ID, 1).await;
+            }
+            if message.is_redriven() {
+                if let Err(error) = self.redrive(entry.message_id).await {
+                    return self.unavailable(Some(error));
+                }
             }
             self.process(&entry, message, handler).await
         }
@@ -675,6 +684,34 @@ mod tests {
             by_body.decide(&Message::new("x"), &handler).await,
             Decision::Ack(Acked::Duplicate)
         ));
+    }
+
+    #[tokio::test]
+    async fn a_message_marked_redriven_runs_again_from_attempt_one() {
+        let protocol = protocol(policy());
+        let failing = Counting::failing(|| HandlerError::permanent("a bug"));
+        let message = Message::new("{}").id("m-8");
+        let Decision::DeadLetter(letter) = protocol.decide(&message, &failing).await else {
+            panic!("dead-lettered");
+        };
+        protocol.published(&letter).await;
+        let fixed = Counting::ok();
+        assert_eq!(
+            protocol.decide(&message, &fixed).await,
+            Decision::Ack(Acked::DeadLetter),
+            "unmarked, it is still a dead letter"
+        );
+        let redriven = message.clone().redriven(true);
+        assert_eq!(
+            protocol.decide(&redriven, &fixed).await,
+            Decision::Ack(Acked::Processed { attempt: 1 })
+        );
+        assert_eq!(
+            protocol.decide(&redriven, &fixed).await,
+            Decision::Ack(Acked::Duplicate),
+            "a redelivery of the re-driven message is a duplicate"
+        );
+        assert_eq!(fixed.runs.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
