@@ -215,10 +215,10 @@ impl<I: Inbox> Protocol<I> {
                 tracing::warn!(target: "idem", reason = NO_MESSAGE_ID, "a message without an id cannot be applied exactly once: dead-lettered");
                 return self.bury(&entry, NO_MESSAGE_ID, 1).await;
             }
-            if message.is_redriven() {
-                if let Err(error) = self.redrive(entry.message_id).await {
-                    return self.unavailable(Some(error));
-                }
+            if message.is_redriven()
+                && let Err(error) = self.redrive(entry.message_id).await
+            {
+                return self.unavailable(Some(error));
             }
             self.process(&entry, message, handler).await
         }
