@@ -23,8 +23,10 @@ pub type InboxFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, InboxError>>
 ///
 /// Implementations: idem-diesel's PostgreSQL and SQLite inboxes (the effect
 /// and the inbox row in one database transaction), and
-/// [`MemoryInbox`](super::MemoryInbox) (in this process's memory, for tests
-/// and demos).
+/// [`StoreInbox`](super::StoreInbox) over any [`Store`](crate::Store) (for an
+/// effect outside a database: one execution at a time per message, a finished
+/// one never run again), and [`MemoryInbox`](super::MemoryInbox) (in this
+/// process's memory, for tests and demos).
 pub trait Inbox: Send + Sync + 'static {
     /// What the handler works in: the open transaction its writes join, or
     /// `()` for an inbox without one.

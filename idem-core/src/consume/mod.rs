@@ -64,6 +64,7 @@ mod memory;
 mod message;
 mod metrics;
 mod policy;
+mod store_inbox;
 
 #[cfg(feature = "test-util")]
 pub mod conformance;
@@ -75,6 +76,7 @@ pub use inbox::{
 pub use memory::MemoryInbox;
 pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message};
 pub use policy::{ConsumerPolicy, DeadLetterAlert, MissingId};
+pub use store_inbox::StoreInbox;
 
 use std::fmt;
 use std::sync::Arc;
@@ -490,6 +492,47 @@ mod tests {
     mod memory_inbox_conformance {
         use super::fresh;
         crate::inbox_conformance_tests!(fresh);
+    }
+
+    /// A [`StoreInbox`] over a [`MemoryStore`](crate::MemoryStore).
+    struct OverStore {
+        inbox: StoreInbox,
+        effects: Arc<Mutex<HashMap<String, u64>>>,
+    }
+
+    impl Subject for OverStore {
+        type Inbox = StoreInbox;
+        fn inbox(&self) -> &StoreInbox {
+            &self.inbox
+        }
+        fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
+            Box::pin(async move {
+                *self
+                    .effects
+                    .lock()
+                    .unwrap()
+                    .entry(name.to_owned())
+                    .or_default() += 1;
+                Ok(())
+            })
+        }
+        fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
+            Box::pin(
+                async move { Ok(self.effects.lock().unwrap().get(name).copied().unwrap_or(0)) },
+            )
+        }
+    }
+
+    async fn fresh_over_store() -> OverStore {
+        OverStore {
+            inbox: StoreInbox::new(crate::MemoryStore::new()),
+            effects: Arc::default(),
+        }
+    }
+
+    mod store_inbox_conformance {
+        use super::fresh_over_store;
+        crate::inbox_conformance_tests!(fresh_over_store);
     }
 
     fn policy() -> ConsumerPolicy {
