@@ -1,7 +1,8 @@
 //! `RedisStore` against real Redis: the core conformance suite on one node and
 //! on a three-primary Redis Cluster (one of each per test binary, shared, a key
 //! prefix per test), then what is particular to Redis: script reloading,
-//! expiry, slots, outages, a failover.
+//! expiry, slots, outages, a failover. The inbox conformance suite runs on
+//! both through `StoreInbox`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -31,6 +32,67 @@ mod cluster {
     }
 
     idem_core::conformance_tests!(fresh_store);
+}
+
+/// The inbox suite, through `StoreInbox`, on one node and on a cluster.
+mod inbox {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use idem_core::consume::StoreInbox;
+    use idem_core::consume::conformance::{Subject, SubjectFuture};
+    use idem_testkit::TestRedis;
+
+    /// A `StoreInbox` over Redis; effects counted here (the inbox has no
+    /// transaction).
+    pub(super) struct OverRedis {
+        inbox: StoreInbox,
+        effects: Arc<Mutex<HashMap<String, u64>>>,
+    }
+
+    impl Subject for OverRedis {
+        type Inbox = StoreInbox;
+        fn inbox(&self) -> &StoreInbox {
+            &self.inbox
+        }
+        fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
+            Box::pin(async move {
+                *self
+                    .effects
+                    .lock()
+                    .unwrap()
+                    .entry(name.to_owned())
+                    .or_default() += 1;
+                Ok(())
+            })
+        }
+        fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
+            Box::pin(
+                async move { Ok(self.effects.lock().unwrap().get(name).copied().unwrap_or(0)) },
+            )
+        }
+    }
+
+    pub(super) async fn over(redis: &TestRedis) -> OverRedis {
+        OverRedis {
+            inbox: StoreInbox::new(super::store_on(redis).await),
+            effects: Arc::default(),
+        }
+    }
+
+    mod single {
+        async fn fresh() -> super::OverRedis {
+            super::over(idem_testkit::TestRedis::shared()).await
+        }
+        idem_core::inbox_conformance_tests!(fresh);
+    }
+
+    mod cluster {
+        async fn fresh() -> super::OverRedis {
+            super::over(idem_testkit::TestRedis::shared_cluster()).await
+        }
+        idem_core::inbox_conformance_tests!(fresh);
+    }
 }
 
 /// A store on `redis` under a key prefix no other test has.
