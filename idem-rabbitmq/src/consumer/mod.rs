@@ -1,0 +1,560 @@
+//! The consumer: a work queue, an inbox, a policy and a handler, run until
+//! shut down, across broker restarts.
+
+mod delivery;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use idem_core::consume::{ConsumerPolicy, Handler, Inbox, MemoryInbox, Protocol};
+use idem_core::retry::Backoff;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use tokio::task::JoinSet;
+
+use crate::Error;
+use crate::broker::Address;
+use crate::topology::{self, QueueType, Topology};
+
+/// How many unacknowledged deliveries the broker sends ahead, unless told
+/// otherwise ([`ConsumerBuilder::prefetch`]).
+pub const DEFAULT_PREFETCH: u16 = 32;
+
+/// How long a graceful shutdown waits for the running handlers, unless told
+/// otherwise ([`ConsumerBuilder::shutdown_timeout`]).
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long closing the channel and the connection may take at the end: the
+/// broker hands back what was not acknowledged whether or not the close
+/// completes.
+const CLOSE_LIMIT: Duration = Duration::from_secs(5);
+
+/// An at-least-once RabbitMQ consumer whose handler applies each message
+/// once: each delivery is translated into a [`Message`](idem_core::consume::Message),
+/// [`Protocol::decide`] decides, and the consumer carries the
+/// [`Decision`](idem_core::consume::Decision) out on the broker, acknowledging the delivery
+/// only after that work is confirmed:
+///
+/// | decision | on the broker, then the delivery is acknowledged |
+/// |---|---|
+/// | `Ack` | nothing more |
+/// | `Retry` | a copy to the delay queue of its delay ([`Topology`]), with a per-message TTL; confirmed |
+/// | `DeadLetter` | a copy to `Q.dlq` (through `Q.dlq.hop`: `x-death` kept) with `x-idem-reason` and `x-idem-attempts`; confirmed; then [`Protocol::published`] |
+/// | `Requeue` | none: after the pause, the delivery is handed back (`nack`, requeued) |
+///
+/// A copy the broker does not confirm (refused, unroutable) leaves the
+/// delivery unacknowledged: it is handed back after a pause of a second,
+/// and the protocol, which counted the attempt, decides
+/// again. A crash between a confirmed copy and the acknowledgement leaves
+/// both; the inbox makes the second one a duplicate.
+///
+/// Built with [`Consumer::builder`], run with [`Consumer::run`].
+pub struct Consumer<I: Inbox, H> {
+    shared: Arc<Shared<I, H>>,
+    address: Address,
+    prefetch: u16,
+    concurrency: usize,
+    shutdown_timeout: Duration,
+    reconnect: Backoff,
+}
+
+/// What the consumer's tasks share.
+struct Shared<I: Inbox, H> {
+    protocol: Protocol<I>,
+    handler: H,
+    topology: Topology,
+    /// The delay queues declared on the current connection.
+    declared: Mutex<HashSet<String>>,
+}
+
+/// A builder of [`Consumer`]; an inbox and a handler are required, the rest
+/// has defaults.
+#[must_use]
+pub struct ConsumerBuilder<I, H> {
+    url: String,
+    queue: String,
+    name: Option<String>,
+    inbox: I,
+    handler: H,
+    policy: ConsumerPolicy,
+    prefetch: u16,
+    concurrency: usize,
+    queue_type: QueueType,
+    delivery_limit: Option<u32>,
+    shutdown_timeout: Duration,
+    reconnect: Backoff,
+}
+
+/// A part of a [`ConsumerBuilder`] not given yet (the inbox, the handler).
+#[derive(Clone, Copy, Debug)]
+pub struct Unset;
+
+/// What [`Consumer::run`] tells its `on_subscribed` callback each time it
+/// subscribes: once at the start, then after each reconnection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Subscribed {
+    /// The work queue.
+    pub queue: String,
+    /// Which subscription this is: 1 for the first, 2 after the first
+    /// reconnection, and so on.
+    pub subscription: u64,
+}
+
+impl Consumer<MemoryInbox, Unset> {
+    /// A builder of the consumer of `queue` on the broker at `url`
+    /// (`amqp://user:password@host:port/vhost`, the virtual host
+    /// percent-encoded: `%2f` for `/`). The type parameters are the inbox's
+    /// and the handler's, set by [`ConsumerBuilder::inbox`] and
+    /// [`ConsumerBuilder::handler`].
+    pub fn builder(
+        url: impl Into<String>,
+        queue: impl Into<String>,
+    ) -> ConsumerBuilder<Unset, Unset> {
+        ConsumerBuilder {
+            url: url.into(),
+            queue: queue.into(),
+            name: None,
+            inbox: Unset,
+            handler: Unset,
+            policy: ConsumerPolicy::new(),
+            prefetch: DEFAULT_PREFETCH,
+            concurrency: 1,
+            queue_type: QueueType::Classic,
+            delivery_limit: Some(topology::DEFAULT_DELIVERY_LIMIT),
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            reconnect: Backoff::new(Duration::from_millis(250), Duration::from_secs(10)),
+        }
+    }
+}
+
+impl<I, H> ConsumerBuilder<I, H> {
+    /// The inbox that remembers which messages were applied (required):
+    /// idem-diesel's PostgreSQL or SQLite inbox, or [`MemoryInbox`].
+    pub fn inbox<J: Inbox>(self, inbox: J) -> ConsumerBuilder<J, H> {
+        ConsumerBuilder {
+            url: self.url,
+            queue: self.queue,
+            name: self.name,
+            inbox,
+            handler: self.handler,
+            policy: self.policy,
+            prefetch: self.prefetch,
+            concurrency: self.concurrency,
+            queue_type: self.queue_type,
+            delivery_limit: self.delivery_limit,
+            shutdown_timeout: self.shutdown_timeout,
+            reconnect: self.reconnect,
+        }
+    }
+
+    /// What applies a message (required): a [`Handler`] on the inbox's
+    /// transaction, such as a closure wrapped in
+    /// [`handler`](idem_core::consume::handler).
+    pub fn handler<G>(self, handler: G) -> ConsumerBuilder<I, G> {
+        ConsumerBuilder {
+            url: self.url,
+            queue: self.queue,
+            name: self.name,
+            inbox: self.inbox,
+            handler,
+            policy: self.policy,
+            prefetch: self.prefetch,
+            concurrency: self.concurrency,
+            queue_type: self.queue_type,
+            delivery_limit: self.delivery_limit,
+            shutdown_timeout: self.shutdown_timeout,
+            reconnect: self.reconnect,
+        }
+    }
+
+    /// How failures are treated: attempts, backoff, classification, the
+    /// dead-letter alert (default [`ConsumerPolicy::new`]).
+    pub fn policy(mut self, policy: ConsumerPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The consumer's name in the inbox (default: the queue's name). Each
+    /// consumer of a message applies it once, so two consumers of one
+    /// queue that apply the same effect share a name.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// How many unacknowledged deliveries the broker sends ahead (`basic.qos`,
+    /// default [`DEFAULT_PREFETCH`]); raised to the concurrency if lower.
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// How many handlers run at once (default 1; at least 1).
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// The type of every queue of the topology (default
+    /// [`QueueType::Classic`]).
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// A quorum work queue's `x-delivery-limit` (default
+    /// [`DEFAULT_DELIVERY_LIMIT`](topology::DEFAULT_DELIVERY_LIMIT)); see
+    /// [`Topology::delivery_limit`] for how it relates to the inbox's count.
+    pub fn delivery_limit(mut self, limit: Option<u32>) -> Self {
+        self.delivery_limit = limit;
+        self
+    }
+
+    /// How long a graceful shutdown waits for the running handlers (default
+    /// [`DEFAULT_SHUTDOWN_TIMEOUT`]). Handlers still running then are
+    /// dropped (a database inbox rolls their transaction back) and their
+    /// deliveries go back to the queue.
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// The delays between reconnection attempts (default full jitter from
+    /// 250 ms, capped at 10 s).
+    pub fn reconnect_backoff(mut self, backoff: Backoff) -> Self {
+        self.reconnect = backoff;
+        self
+    }
+}
+
+impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
+    /// The consumer. Fails on a URL that cannot be parsed or a queue name
+    /// AMQP cannot carry; the broker is not contacted until
+    /// [`run`](Consumer::run).
+    pub fn build(self) -> Result<Consumer<I, H>, Error> {
+        let address = Address::parse(&self.url)?;
+        topology::check_queue_name(&self.queue)?;
+        let name = self.name.unwrap_or_else(|| self.queue.clone());
+        let topology = Topology::new(self.queue)
+            .queue_type(self.queue_type)
+            .delivery_limit(self.delivery_limit);
+        let prefetch = self
+            .prefetch
+            .max(u16::try_from(self.concurrency).unwrap_or(u16::MAX));
+        Ok(Consumer {
+            shared: Arc::new(Shared {
+                protocol: Protocol::new(name, self.inbox, self.policy),
+                handler: self.handler,
+                topology,
+                declared: Mutex::new(HashSet::new()),
+            }),
+            address,
+            prefetch,
+            concurrency: self.concurrency.min(usize::from(prefetch)),
+            shutdown_timeout: self.shutdown_timeout,
+            reconnect: self.reconnect,
+        })
+    }
+}
+
+/// How a session ended, short of a shutdown.
+struct Lost {
+    error: Error,
+    subscribed: bool,
+}
+
+impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
+    /// The protocol: the inbox, the policy, the inbox's dead letters.
+    pub fn protocol(&self) -> &Protocol<I> {
+        &self.shared.protocol
+    }
+
+    /// The queues the consumer declares and uses.
+    pub fn topology(&self) -> &Topology {
+        &self.shared.topology
+    }
+
+    /// Connects, declares the topology, subscribes, calls `on_subscribed`,
+    /// and consumes until `shutdown` resolves.
+    ///
+    /// **Across failures:** a dropped connection, a broker restart or a
+    /// broker that is not up yet is not an error: the consumer waits for the
+    /// running handlers, reconnects after a full-jitter delay
+    /// ([`reconnect_backoff`](ConsumerBuilder::reconnect_backoff)), declares
+    /// again and resumes, calling `on_subscribed` again. The deliveries it
+    /// had not acknowledged come back from the broker; those whose effect
+    /// committed are duplicates to the inbox. It answers an error only when
+    /// reconnecting cannot help ([`Error::is_permanent`]: refused
+    /// credentials, a queue declared with other arguments).
+    ///
+    /// **Shutdown:** once `shutdown` resolves, the consumer takes no more
+    /// deliveries (`basic.cancel`), lets the running handlers finish and
+    /// carries out their decisions (for at most
+    /// [`shutdown_timeout`](ConsumerBuilder::shutdown_timeout)), then closes
+    /// the channel and the connection: the deliveries it had received but
+    /// not started go back to the queue.
+    pub async fn run(
+        &self,
+        shutdown: impl Future<Output = ()>,
+        mut on_subscribed: impl FnMut(&Subscribed),
+    ) -> Result<(), Error> {
+        tokio::pin!(shutdown);
+        let mut subscriptions = 0u64;
+        let mut failures = 0u32;
+        loop {
+            let lost = match self
+                .session(&mut shutdown, &mut on_subscribed, &mut subscriptions)
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(lost) => lost,
+            };
+            if lost.error.is_permanent() {
+                tracing::error!(queue = self.topology().queue(), error = %error_chain(&lost.error), "the consumer stops: reconnecting cannot help");
+                return Err(lost.error);
+            }
+            if lost.subscribed {
+                failures = 0;
+            }
+            failures = failures.saturating_add(1);
+            let delay = self.reconnect.delay(failures);
+            tracing::warn!(
+                queue = self.topology().queue(),
+                broker = %self.address,
+                error = %error_chain(&lost.error),
+                failures,
+                delay_ms = delay.as_millis() as u64,
+                "the connection to RabbitMQ is lost or could not be made; reconnecting"
+            );
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+    }
+
+    /// One connection: set up, consume, and end on shutdown (`Ok`) or on a
+    /// failure.
+    async fn session(
+        &self,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        on_subscribed: &mut impl FnMut(&Subscribed),
+        subscriptions: &mut u64,
+    ) -> Result<(), Lost> {
+        let unsubscribed = |error| Lost {
+            error,
+            subscribed: false,
+        };
+        let opened = tokio::select! {
+            biased;
+            () = shutdown.as_mut() => return Ok(()),
+            opened = self.open() => opened.map_err(unsubscribed)?,
+        };
+        let Opened {
+            connection,
+            channel,
+            tag,
+            mut deliveries,
+        } = opened;
+        *subscriptions += 1;
+        let queue = self.topology().queue();
+        tracing::info!(queue, broker = %self.address, subscription = *subscriptions, prefetch = self.prefetch, concurrency = self.concurrency, "consuming");
+        on_subscribed(&Subscribed {
+            queue: queue.to_owned(),
+            subscription: *subscriptions,
+        });
+
+        let mut running: JoinSet<Result<(), Error>> = JoinSet::new();
+        let lost = loop {
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => {
+                    self.stop(&connection, &channel, &tag, deliveries, running).await;
+                    return Ok(());
+                }
+                Some(joined) = running.join_next() => match joined {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => break error,
+                    Err(error) => break Error::Internal(format!("a delivery's task failed: {error}")),
+                },
+                delivery = deliveries.next(), if running.len() < self.concurrency => match delivery {
+                    Some(Ok(delivery)) => {
+                        running.spawn(delivery::carry_out(Arc::clone(&self.shared), channel.clone(), delivery));
+                    }
+                    Some(Err(error)) => break Error::Broker { step: "receive deliveries".to_owned(), source: error },
+                    None => break Error::Cancelled,
+                },
+            }
+        };
+        // The deliveries not acknowledged come back from the broker; the
+        // running handlers finish first (their acknowledgements fail with the
+        // connection, which is harmless).
+        drop(deliveries);
+        if tokio::time::timeout(self.shutdown_timeout, drain(&mut running))
+            .await
+            .is_err()
+        {
+            running.abort_all();
+        }
+        close(&connection, &channel).await;
+        Err(Lost {
+            error: lost,
+            subscribed: true,
+        })
+    }
+
+    /// Connects, declares, and subscribes.
+    async fn open(&self) -> Result<Opened, Error> {
+        let name = format!("idem-rabbitmq consumer {}", self.protocol().consumer());
+        let (connection, channel) = self.address.open_confirmed(&name).await?;
+        self.shared.forget_declared();
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(Error::broker("set the prefetch"))?;
+        self.topology().declare(&channel).await?;
+        let tag = format!("idem-{}", uuid::Uuid::new_v4().simple());
+        let deliveries = channel
+            .basic_consume(
+                self.topology().queue().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(Error::broker(format!(
+                "consume from {:?}",
+                self.topology().queue()
+            )))?;
+        Ok(Opened {
+            connection,
+            channel,
+            tag,
+            deliveries,
+        })
+    }
+
+    /// The graceful stop: no more deliveries, the running ones finished
+    /// within the deadline, then the close (what was received but not
+    /// started goes back to the queue).
+    async fn stop(
+        &self,
+        connection: &Connection,
+        channel: &Channel,
+        tag: &str,
+        deliveries: lapin::Consumer,
+        mut running: JoinSet<Result<(), Error>>,
+    ) {
+        let queue = self.topology().queue();
+        tracing::info!(
+            queue,
+            running = running.len(),
+            "stopping: no more deliveries; the running ones finish"
+        );
+        if let Ok(Err(error)) = tokio::time::timeout(
+            CLOSE_LIMIT,
+            channel.basic_cancel(tag.into(), BasicCancelOptions::default()),
+        )
+        .await
+        {
+            tracing::warn!(queue, error = %error, "could not cancel the subscription; closing");
+        }
+        drop(deliveries);
+        if tokio::time::timeout(self.shutdown_timeout, drain(&mut running))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                queue,
+                abandoned = running.len(),
+                timeout_ms = self.shutdown_timeout.as_millis() as u64,
+                "the shutdown deadline passed: the handlers still running are dropped, their deliveries go back to the queue"
+            );
+            running.abort_all();
+        }
+        close(connection, channel).await;
+        tracing::info!(queue, "stopped");
+    }
+}
+
+impl<I: Inbox, H> Shared<I, H> {
+    fn forget_declared(&self) {
+        self.declared
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clear();
+    }
+}
+
+impl<I: Inbox, H> std::fmt::Debug for Consumer<I, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("broker", &self.address)
+            .field("topology", &self.shared.topology)
+            .field("protocol", &self.shared.protocol)
+            .field("prefetch", &self.prefetch)
+            .field("concurrency", &self.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<I, H> std::fmt::Debug for ConsumerBuilder<I, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("queue", &self.queue)
+            .field("name", &self.name)
+            .field("policy", &self.policy)
+            .field("prefetch", &self.prefetch)
+            .field("concurrency", &self.concurrency)
+            .field("queue_type", &self.queue_type)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A session's connection, set up.
+struct Opened {
+    connection: Connection,
+    channel: Channel,
+    tag: String,
+    deliveries: lapin::Consumer,
+}
+
+/// Waits for every running delivery, logging the failures.
+async fn drain(running: &mut JoinSet<Result<(), Error>>) {
+    while let Some(joined) = running.join_next().await {
+        match joined {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(error = %error_chain(&error), "a delivery could not be settled; it comes back from the broker");
+            }
+            Err(error) if error.is_cancelled() => {}
+            Err(error) => tracing::error!(error = %error, "a delivery's task failed"),
+        }
+    }
+}
+
+async fn close(connection: &Connection, channel: &Channel) {
+    let _ = tokio::time::timeout(CLOSE_LIMIT, async {
+        let _ = channel.close(200, "bye".into()).await;
+        let _ = connection.close(200, "bye".into()).await;
+    })
+    .await;
+}
+
+/// An error and its sources, on one line.
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
