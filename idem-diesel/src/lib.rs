@@ -6,6 +6,8 @@
     allow(dead_code, unused_imports)
 )]
 
+#[cfg(feature = "postgres")]
+mod consume;
 mod error;
 mod pool;
 mod prepared;
@@ -24,6 +26,13 @@ mod sqlite;
 /// that an application needs no `idem-core` line of its own.
 pub use idem_core;
 
+/// diesel, re-exported so that handlers are written against the version the
+/// inboxes and stores use (see the README: "Versions").
+pub use diesel;
+/// diesel-async, re-exported for the same reason: `AsyncPgConnection`, the
+/// SQLite connection wrapper and `RunQueryDsl` are its.
+pub use diesel_async;
+
 pub use error::SetupError;
 pub use idem_core::cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use table::DEFAULT_TABLE;
@@ -34,8 +43,8 @@ pub use inbox::{
 };
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    PgPool, PgStore, PgStoreBuilder, PgTransaction, PgTransactionConnection, TransactionEnded,
-    TransactionalPgStore,
+    PgInbox, PgInboxBuilder, PgPool, PgStore, PgStoreBuilder, PgTransaction,
+    PgTransactionConnection, TransactionEnded, TransactionalPgStore,
 };
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqlitePool, SqliteStore, SqliteStoreBuilder};

@@ -1,5 +1,6 @@
 //! The stores against real databases: the core conformance suite, migrations,
-//! the cleanup job, outages, transactional mode and the consumer inbox, on PostgreSQL (a throwaway cluster this binary
+//! the cleanup job, outages, transactional mode, the consumer inbox and the
+//! inbox conformance suite, on PostgreSQL (a throwaway cluster this binary
 //! starts) and on SQLite (a temporary file per test).
 //!
 //! One binary with its own harness (libtest-mimic), because the cluster must be
@@ -13,6 +14,8 @@
 
 #[path = "stores/cleanup.rs"]
 mod cleanup;
+#[path = "stores/consumer_inbox.rs"]
+mod consumer_inbox;
 #[path = "stores/inbox.rs"]
 mod inbox;
 #[path = "stores/postgres.rs"]
@@ -101,12 +104,25 @@ fn main() -> ExitCode {
             },
         ));
     }
+    for case in idem_core::consume::conformance::CASES {
+        for (inbox, run) in consumer_inbox::INBOXES {
+            let run = *run;
+            trials.push(trial(
+                &runtime,
+                &databases,
+                format!("{inbox}::conformance::{case}"),
+                false,
+                move |databases| run(databases, case),
+            ));
+        }
+    }
     for (name, test) in postgres::TESTS
         .iter()
         .chain(sqlite::TESTS)
         .chain(cleanup::TESTS)
         .chain(transactional::TESTS)
         .chain(inbox::TESTS)
+        .chain(consumer_inbox::TESTS)
     {
         let test = *test;
         trials.push(trial(&runtime, &databases, (*name).to_owned(), false, test));

@@ -1,5 +1,6 @@
 //! The PostgreSQL store.
 
+mod consumer_inbox;
 mod statements;
 mod transactional;
 
@@ -28,6 +29,7 @@ use crate::{SetupError, wait};
 use idem_core::cleanup::{Cleanup, SweepGuard, SweepLock};
 use statements::Statements;
 
+pub use consumer_inbox::{PgInbox, PgInboxBuilder};
 pub use transactional::{
     PgTransaction, PgTransactionConnection, TransactionEnded, TransactionalPgStore,
 };
@@ -43,6 +45,9 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres");
 /// idem's locks do not collide with the application's own.
 const MIGRATION_LOCK_CLASS: i32 = 0x6964_6d01;
 pub(crate) const SWEEP_LOCK_CLASS: i32 = 0x6964_6d02;
+/// The class of the consumer inbox's per-consumer bury lock (`0x6964_6d03` is
+/// transactional mode's).
+const BURY_LOCK_CLASS: i32 = 0x6964_6d04;
 
 /// How often a claim statement is run again when it met a concurrent change (see
 /// `Statements::claim`). Each run takes a fresh snapshot, so a second run almost
@@ -358,18 +363,8 @@ impl PgStoreBuilder {
     /// Builds a pool for `url` and checks that it connects.
     pub async fn connect(self, url: &str) -> Result<PgStore, SetupError> {
         let table = self.validated_table()?;
-        let mut config = ManagerConfig::default();
-        config.recycling_method = RecyclingMethod::CustomFunction(Box::new(refuse_closed));
-        let manager = AsyncDieselConnectionManager::new_with_config(url, config);
-        let failures = ConnectFailures::new();
-        let pool = bb8::Pool::builder()
-            .max_size(self.max_connections)
-            .connection_timeout(self.connection_timeout)
-            .retry_connection(false)
-            .error_sink(failures.sink())
-            .build(manager)
-            .await
-            .map_err(|e| SetupError::Connect(e.into()))?;
+        let (pool, failures) =
+            build_pool(url, self.max_connections, self.connection_timeout).await?;
         let store = PgStore::with_table(pool, table, self.connection_timeout, Some(failures));
         drop(store.connection().await.map_err(SetupError::connect)?);
         Ok(store)
@@ -392,7 +387,30 @@ impl PgStoreBuilder {
 }
 
 /// The connection timeout of pools the store builds.
-const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A pool for `url` as the stores and the inbox build it: connections checked
+/// on checkout only for a closed socket, failed connection attempts reported to
+/// the waiting checkouts (see `crate::pool`), and not retried.
+pub(crate) async fn build_pool(
+    url: &str,
+    max_connections: u32,
+    connection_timeout: Duration,
+) -> Result<(PgPool, ConnectFailures), SetupError> {
+    let mut config = ManagerConfig::default();
+    config.recycling_method = RecyclingMethod::CustomFunction(Box::new(refuse_closed));
+    let manager = AsyncDieselConnectionManager::new_with_config(url, config);
+    let failures = ConnectFailures::new();
+    let pool = bb8::Pool::builder()
+        .max_size(max_connections)
+        .connection_timeout(connection_timeout)
+        .retry_connection(false)
+        .error_sink(failures.sink())
+        .build(manager)
+        .await
+        .map_err(|e| SetupError::Connect(e.into()))?;
+    Ok((pool, failures))
+}
 
 /// The pool's check on checkout: refuses a connection whose socket has closed
 /// (after a database restart, say), without the round trip of a `SELECT 1`.

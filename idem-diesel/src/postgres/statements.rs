@@ -277,6 +277,14 @@ statement_keys!(
     DeleteExpired,
     /// The key of [`Statements::in_progress`].
     InProgress,
+    /// The consumer inbox's entry (see `consumer_inbox`).
+    InboxEnter,
+    /// The consumer inbox's last statement before `COMMIT`.
+    InboxFinish,
+    /// The consumer inbox's count of a failed attempt.
+    InboxCount,
+    /// The consumer inbox's move of a message to the dead letters.
+    InboxBury,
 );
 
 /// One statement's text, and whether it is keyed by `K`.
@@ -302,7 +310,8 @@ pub(super) fn binds() -> SqlQuery {
 }
 
 impl<K: StatementKey> Statement<K> {
-    fn new(keyed: bool, sql: String) -> Self {
+    /// The statement `sql`, cached by `K` when `keyed`, else by its text.
+    pub(super) fn new(keyed: bool, sql: String) -> Self {
         Self {
             sql: compact(&sql),
             keyed,

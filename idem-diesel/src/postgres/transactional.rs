@@ -635,7 +635,7 @@ impl Keepalive {
 /// Counts the execution's transaction as open before its `BEGIN` is sent: a
 /// claim dropped midway then leaves a connection the pool sees as still in a
 /// transaction, and closes instead of reusing.
-fn mark_begun(connection: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+pub(super) fn mark_begun(connection: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
     let status =
         AnsiTransactionManager::transaction_manager_status_mut(connection).transaction_state()?;
     if status.transaction_depth().is_some() {
@@ -647,7 +647,7 @@ fn mark_begun(connection: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
 /// Sends `BEGIN` (see [`mark_begun`]). A `BEGIN` cannot fail on a live session
 /// outside a transaction, which a pooled connection is: the claim pipelined
 /// behind it runs in its transaction.
-async fn begin(connection: &AsyncPgConnection) -> diesel::QueryResult<()> {
+pub(super) async fn begin(connection: &AsyncPgConnection) -> diesel::QueryResult<()> {
     let mut connection = connection;
     SimpleAsyncConnection::batch_execute(&mut connection, "BEGIN").await
 }

@@ -1,0 +1,196 @@
+//! What the consumer inboxes of both backends ([`PgInbox`](crate::PgInbox),
+//! [`SqliteInbox`](crate::SqliteInbox)) share: the classification of
+//! database errors that can never succeed on a retry, and time conversions.
+
+use std::error::Error as StdError;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use idem_core::StoreError;
+use idem_core::consume::InboxError;
+
+use crate::row::{duration_micros, time_from_micros};
+
+/// How long an inbox remembers a processed message by default: 7 days, longer
+/// than any broker redelivers.
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// The handler broke the transaction's shape: it left savepoints open.
+#[derive(Debug, thiserror::Error)]
+#[error("the handler left {0} nested transaction(s) open; its writes were rolled back")]
+pub(crate) struct NestedOpen(pub(crate) u32);
+
+/// Whether `error`, or an error in its `source()` chain, is a diesel error that
+/// can never succeed on a retry: see the crate's README ("Permanent errors").
+/// The first diesel error found in the chain decides.
+pub(crate) fn is_permanent(error: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if let Some(diesel) = error.downcast_ref::<DieselError>() {
+            return diesel_is_permanent(diesel);
+        }
+        next = error.source();
+    }
+    false
+}
+
+fn diesel_is_permanent(error: &DieselError) -> bool {
+    match error {
+        DieselError::DatabaseError(kind, info) => match kind {
+            // The row breaks a constraint of the schema: it will again.
+            DatabaseErrorKind::ForeignKeyViolation
+            | DatabaseErrorKind::RestrictViolation
+            | DatabaseErrorKind::NotNullViolation
+            | DatabaseErrorKind::CheckViolation => true,
+            // A unique or exclusion violation may be a race with a concurrent
+            // writer of the application's own table (two messages inserting
+            // the same row): the retry may find the row and succeed. A real
+            // duplicate runs out of attempts and is dead-lettered all the same.
+            DatabaseErrorKind::UniqueViolation
+            | DatabaseErrorKind::ExclusionViolation
+            | DatabaseErrorKind::SerializationFailure
+            | DatabaseErrorKind::ReadOnlyTransaction
+            | DatabaseErrorKind::ClosedConnection
+            | DatabaseErrorKind::UnableToSendCommand => false,
+            // diesel names no other SQLSTATE: the data errors are told by
+            // their message.
+            _ => is_data_error(info.message()),
+        },
+        // A bind value the column's type cannot hold.
+        DieselError::SerializationError(_) => true,
+        _ => false,
+    }
+}
+
+/// The messages of the database errors about the data itself (PostgreSQL's
+/// SQLSTATE class 22 and the index row limit, SQLite's equivalents), which
+/// diesel reports as `DatabaseErrorKind::Unknown`. PostgreSQL's are matched as
+/// the server writes them with its default `lc_messages` (English).
+const DATA_ERRORS: &[&str] = &[
+    // PostgreSQL 22003 ("bigint out of range", "value … is out of range for
+    // type integer"), 22008 ("date/time field value out of range").
+    "out of range",
+    "numeric field overflow",
+    "value overflows numeric format",
+    // 22001: "value too long for type character varying(16)".
+    "value too long for type",
+    // 54000: "index row size 2720 exceeds btree version 4 maximum 2704 …",
+    // "index row requires 9000 bytes, maximum size is 8191".
+    "index row size",
+    "index row requires",
+    // 22P02, 22012, 22021, 22P05.
+    "invalid input syntax",
+    "invalid input value for enum",
+    "division by zero",
+    "invalid byte sequence for encoding",
+    "has no equivalent in encoding",
+    // SQLite.
+    "integer overflow",
+    "string or blob too big",
+    "datatype mismatch",
+    "cannot store",
+];
+
+fn is_data_error(message: &str) -> bool {
+    let message = message.to_ascii_lowercase();
+    DATA_ERRORS.iter().any(|pattern| message.contains(pattern))
+}
+
+/// An inbox step's failure from a store-level one, unwrapped to its cause.
+pub(crate) fn unavailable(error: StoreError) -> InboxError {
+    match error {
+        StoreError::Unavailable(source) => InboxError::Unavailable(source),
+        other => InboxError::unavailable(other),
+    }
+}
+
+/// `time` as microseconds since the Unix epoch (0 before it).
+pub(crate) fn micros(time: SystemTime) -> i64 {
+    duration_micros(time.duration_since(UNIX_EPOCH).unwrap_or_default())
+}
+
+/// The instant `micros` microseconds after the Unix epoch, as an inbox reads it.
+pub(crate) fn time(micros: i64) -> Result<SystemTime, InboxError> {
+    time_from_micros(micros).map_err(|error| InboxError::Corrupt(error.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn database(kind: DatabaseErrorKind, message: &str) -> DieselError {
+        DieselError::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn constraint_and_data_errors_are_permanent_and_the_rest_is_not() {
+        for (error, permanent) in [
+            (database(DatabaseErrorKind::CheckViolation, "check"), true),
+            (database(DatabaseErrorKind::ForeignKeyViolation, "fk"), true),
+            (database(DatabaseErrorKind::NotNullViolation, "null"), true),
+            (database(DatabaseErrorKind::UniqueViolation, "dup"), false),
+            (
+                database(DatabaseErrorKind::SerializationFailure, "40001"),
+                false,
+            ),
+            (
+                database(DatabaseErrorKind::ClosedConnection, "closed"),
+                false,
+            ),
+            (
+                database(DatabaseErrorKind::UnableToSendCommand, "broken pipe"),
+                false,
+            ),
+            (
+                database(DatabaseErrorKind::Unknown, "bigint out of range"),
+                true,
+            ),
+            (
+                database(
+                    DatabaseErrorKind::Unknown,
+                    "value too long for type character varying(4)",
+                ),
+                true,
+            ),
+            (
+                database(
+                    DatabaseErrorKind::Unknown,
+                    "index row size 2720 exceeds btree version 4 maximum 2704 for index \"k\"",
+                ),
+                true,
+            ),
+            (
+                database(
+                    DatabaseErrorKind::Unknown,
+                    "canceling statement due to lock timeout",
+                ),
+                false,
+            ),
+            (
+                database(DatabaseErrorKind::Unknown, "deadlock detected"),
+                false,
+            ),
+            (
+                database(DatabaseErrorKind::Unknown, "database is locked"),
+                false,
+            ),
+            (DieselError::NotFound, false),
+        ] {
+            assert_eq!(is_permanent(&error), permanent, "{error}");
+        }
+    }
+
+    #[test]
+    fn the_source_chain_is_walked() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("the ledger write failed")]
+        struct Wrapped(#[source] DieselError);
+
+        let wrapped = Wrapped(database(DatabaseErrorKind::CheckViolation, "check"));
+        assert!(is_permanent(&wrapped));
+        let boxed: Box<dyn StdError + Send + Sync> = Box::new(wrapped);
+        assert!(is_permanent(&*boxed));
+        let io = std::io::Error::other("connection reset");
+        assert!(!is_permanent(&io));
+    }
+}

@@ -1,0 +1,453 @@
+//! The consumer inboxes of `idem_core::consume` (`PgInbox`, `SqliteInbox`):
+//! the inbox conformance suite on each (a fresh database or file per case),
+//! the classification of permanent errors against real database errors,
+//! cleanup, and the tables living beside the older inbox's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idem_core::consume::conformance::{Subject, SubjectFuture};
+use idem_core::consume::{
+    Attempt, ConsumerPolicy, Decision, Handler, HandlerError, HandlerFuture, Inbox, Message,
+    Protocol,
+};
+use idem_core::retry::Backoff;
+use idem_diesel::{PgInbox, PgPool, PgStore, Sweep, SweepReport};
+
+use crate::postgres::Count;
+use crate::{Databases, TestFn};
+
+pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    (
+        "consumer_inbox::postgres_permanent_errors_are_told_from_transient_ones",
+        |d| Box::pin(postgres_permanent_errors_are_told_from_transient_ones(d)),
+    ),
+    (
+        "consumer_inbox::postgres_a_permanent_error_is_dead_lettered_at_once",
+        |d| Box::pin(postgres_a_permanent_error_is_dead_lettered_at_once(d)),
+    ),
+    (
+        "consumer_inbox::postgres_cleanup_deletes_expired_rows_and_keeps_dead_letters",
+        |d| Box::pin(postgres_cleanup_deletes_expired_rows_and_keeps_dead_letters(d)),
+    ),
+    (
+        "consumer_inbox::postgres_a_processed_message_takes_four_statements",
+        |d| Box::pin(postgres_a_processed_message_takes_four_statements(d)),
+    ),
+    (
+        "consumer_inbox::postgres_tables_live_beside_the_older_inbox",
+        |d| Box::pin(postgres_tables_live_beside_the_older_inbox(d)),
+    ),
+];
+
+/// Makes a fresh subject of one inbox and runs a conformance case on it.
+pub(crate) type RunCase =
+    fn(Arc<Databases>, &'static str) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Every inbox the conformance suite runs against.
+pub(crate) const INBOXES: &[(&str, RunCase)] = &[("postgres_inbox", |databases, case| {
+    Box::pin(async move {
+        let subject = fresh_postgres(&databases).await;
+        idem_core::consume::conformance::run_case(case, subject).await;
+    })
+})];
+
+/// A `PgInbox` on a fresh database, and an `effects` table its handlers write.
+pub(crate) struct PgSubject {
+    inbox: PgInbox,
+}
+
+impl Subject for PgSubject {
+    type Inbox = PgInbox;
+
+    fn inbox(&self) -> &PgInbox {
+        &self.inbox
+    }
+
+    fn write<'a>(&'a self, tx: &'a mut AsyncPgConnection, name: &'a str) -> SubjectFuture<'a, ()> {
+        Box::pin(async move {
+            diesel::sql_query("INSERT INTO effects (name) VALUES ($1)")
+                .bind::<Text, _>(name)
+                .execute(tx)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
+        Box::pin(async move {
+            let mut connection = self.inbox.pool().get().await?;
+            let counted = diesel::sql_query("SELECT count(*) AS n FROM effects WHERE name = $1")
+                .bind::<Text, _>(name)
+                .get_result::<Count>(&mut *connection)
+                .await?;
+            Ok(u64::try_from(counted.n)?)
+        })
+    }
+}
+
+/// A migrated `PgInbox` (its own pool) on a fresh database.
+async fn fresh_pg_inbox(databases: &Arc<Databases>, retention: Duration) -> PgInbox {
+    let url = databases.fresh_postgres().await;
+    let inbox = PgInbox::builder()
+        .retention(retention)
+        .connect(&url)
+        .await
+        .expect("connect");
+    inbox.migrate().await.expect("migrate");
+    inbox.migrate().await.expect("a second migrate is a no-op");
+    inbox
+}
+
+async fn fresh_postgres(databases: &Arc<Databases>) -> PgSubject {
+    let inbox = fresh_pg_inbox(databases, Duration::from_secs(3600)).await;
+    pg_execute(inbox.pool(), "CREATE TABLE effects (name text NOT NULL)").await;
+    PgSubject { inbox }
+}
+
+async fn pg_execute(pool: &PgPool, sql: &str) {
+    let mut connection = pool.get().await.expect("a connection");
+    connection.batch_execute(sql).await.expect(sql);
+}
+
+async fn pg_count(pool: &PgPool, sql: &str) -> i64 {
+    let mut connection = pool.get().await.expect("a connection");
+    diesel::sql_query(sql)
+        .get_result::<Count>(&mut *connection)
+        .await
+        .expect(sql)
+        .n
+}
+
+/// The accounts of the classification tests: an over-long id breaks the
+/// primary key's index row limit, a negative balance the CHECK.
+const ACCOUNTS: &str = "CREATE TABLE accounts (
+    id text PRIMARY KEY,
+    balance bigint NOT NULL CHECK (balance >= 0)
+)";
+
+/// An account id far over the btree index row limit (2704 bytes), and not
+/// compressible below it.
+const HUGE_ID: &str = "(SELECT string_agg(md5(n::text), '') FROM generate_series(1, 300) AS n)";
+
+async fn postgres_permanent_errors_are_told_from_transient_ones(databases: Arc<Databases>) {
+    let inbox = fresh_pg_inbox(&databases, Duration::from_secs(3600)).await;
+    pg_execute(inbox.pool(), ACCOUNTS).await;
+    let mut connection = inbox.pool().get().await.expect("a connection");
+
+    let overflow = diesel::sql_query("SELECT $1 + 1 AS n")
+        .bind::<BigInt, _>(i64::MAX)
+        .get_result::<Count>(&mut *connection)
+        .await
+        .err()
+        .expect("bigint overflow");
+    assert!(
+        inbox.is_permanent(&overflow),
+        "a bigint overflow: {overflow}"
+    );
+
+    let check = diesel::sql_query("INSERT INTO accounts VALUES ('acc_1', -5)")
+        .execute(&mut *connection)
+        .await
+        .expect_err("a CHECK violation");
+    assert!(inbox.is_permanent(&check), "a CHECK violation: {check}");
+    // As the protocol asks: the handler's error, through its source chain.
+    let handler_error = HandlerError::from(check);
+    assert!(inbox.is_permanent(handler_error.source_error()));
+
+    let too_long = diesel::sql_query(format!("INSERT INTO accounts VALUES ({HUGE_ID}, 0)"))
+        .execute(&mut *connection)
+        .await
+        .expect_err("an index row too large");
+    assert!(inbox.is_permanent(&too_long), "an over-long id: {too_long}");
+
+    let not_null = diesel::sql_query("INSERT INTO accounts VALUES ('acc_2', NULL)")
+        .execute(&mut *connection)
+        .await
+        .expect_err("a NOT NULL violation");
+    assert!(inbox.is_permanent(&not_null), "{not_null}");
+
+    // A unique violation may be a race with another writer: retried.
+    pg_execute(inbox.pool(), "INSERT INTO accounts VALUES ('acc_3', 0)").await;
+    let unique = diesel::sql_query("INSERT INTO accounts VALUES ('acc_3', 0)")
+        .execute(&mut *connection)
+        .await
+        .expect_err("a unique violation");
+    assert!(!inbox.is_permanent(&unique), "{unique}");
+
+    // A serialization failure (SQLSTATE 40001) as diesel reports it.
+    let serialization = diesel::result::Error::DatabaseError(
+        diesel::result::DatabaseErrorKind::SerializationFailure,
+        Box::new("could not serialize access due to concurrent update".to_owned()),
+    );
+    assert!(!inbox.is_permanent(&serialization));
+
+    // A lock timeout, for real.
+    let mut holder = inbox.pool().get().await.expect("a connection");
+    holder
+        .batch_execute("BEGIN; LOCK TABLE accounts IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock");
+    let timed_out = connection
+        .batch_execute("SET lock_timeout = '50ms'; SELECT * FROM accounts")
+        .await
+        .expect_err("a lock timeout");
+    assert!(!inbox.is_permanent(&timed_out), "{timed_out}");
+    holder.batch_execute("ROLLBACK").await.expect("rollback");
+
+    // A connection the server ended.
+    let mut victim = inbox
+        .pool()
+        .dedicated_connection()
+        .await
+        .expect("a connection");
+    let pid = diesel::sql_query("SELECT pg_backend_pid()::bigint AS n")
+        .get_result::<Count>(&mut victim)
+        .await
+        .expect("pid")
+        .n;
+    diesel::sql_query("SELECT pg_terminate_backend($1::integer)")
+        .bind::<BigInt, _>(pid)
+        .execute(&mut *connection)
+        .await
+        .expect("terminate");
+    let closed = diesel::sql_query("SELECT 1::bigint AS n")
+        .get_result::<Count>(&mut victim)
+        .await
+        .err()
+        .expect("a closed connection");
+    assert!(!inbox.is_permanent(&closed), "{closed}");
+}
+
+/// A handler that moves `amount` into account `id` (SQL expressions).
+fn deposit(id: &'static str, amount: &'static str) -> impl Handler<AsyncPgConnection> {
+    idem_core::consume::handler(
+        move |_attempt: Attempt<'_>, tx: &mut AsyncPgConnection| -> HandlerFuture<'_> {
+            Box::pin(async move {
+                diesel::sql_query(format!(
+                    "INSERT INTO accounts VALUES ({id}, {amount})
+                 ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + excluded.balance"
+                ))
+                .execute(tx)
+                .await?;
+                Ok(())
+            })
+        },
+    )
+}
+
+async fn postgres_a_permanent_error_is_dead_lettered_at_once(databases: Arc<Databases>) {
+    let inbox = fresh_pg_inbox(&databases, Duration::from_secs(3600)).await;
+    pg_execute(
+        inbox.pool(),
+        &format!("{ACCOUNTS}; INSERT INTO accounts VALUES ('full', 9223372036854775807)"),
+    )
+    .await;
+    let policy = ConsumerPolicy::new().max_attempts(3).backoff(Backoff::new(
+        Duration::from_millis(10),
+        Duration::from_millis(100),
+    ));
+    let protocol = Protocol::new("ledger", inbox.clone(), policy);
+    for (id, handler) in [
+        ("overflow", deposit("'full'", "1")),
+        ("negative", deposit("'acc_1'", "-5")),
+        ("huge-id", deposit(HUGE_ID, "5")),
+    ] {
+        let message = Message::new(id).id(id);
+        match protocol.decide(&message, &handler).await {
+            Decision::DeadLetter(letter) => assert_eq!(
+                letter.attempted_at.len(),
+                1,
+                "{id}: dead-lettered on its first attempt"
+            ),
+            other => panic!("{id}: a permanent error is dead-lettered, got {other:?}"),
+        }
+    }
+    // A transient error is retried, and the next attempt is numbered 2.
+    let flaky = idem_core::consume::handler(
+        |attempt: Attempt<'_>, tx: &mut AsyncPgConnection| -> HandlerFuture<'_> {
+            Box::pin(async move {
+                if attempt.number() == 1 {
+                    return Err(HandlerError::from(diesel::result::Error::DatabaseError(
+                        diesel::result::DatabaseErrorKind::SerializationFailure,
+                        Box::new("could not serialize access".to_owned()),
+                    )));
+                }
+                diesel::sql_query("INSERT INTO accounts VALUES ('acc_2', 7)")
+                    .execute(tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    );
+    let message = Message::new("7").id("flaky");
+    assert!(matches!(
+        protocol.decide(&message, &flaky).await,
+        Decision::Retry(ref retry) if retry.attempts == 1
+    ));
+    assert!(matches!(
+        protocol.decide(&message, &flaky).await,
+        Decision::Ack(idem_core::consume::Acked::Processed { attempt: 2 })
+    ));
+    assert_eq!(
+        pg_count(
+            inbox.pool(),
+            "SELECT count(*) AS n FROM accounts WHERE id <> 'full'"
+        )
+        .await,
+        1,
+        "only the retried message's write committed"
+    );
+    assert_eq!(
+        pg_count(
+            inbox.pool(),
+            "SELECT count(*) AS n FROM idem_consumer_failures"
+        )
+        .await,
+        3,
+        "the dead letters' failure rows stay (until retention); the processed one's went"
+    );
+    let letters = protocol.dead_letters().await.expect("dead letters");
+    assert_eq!(letters.len(), 3);
+}
+
+async fn postgres_cleanup_deletes_expired_rows_and_keeps_dead_letters(databases: Arc<Databases>) {
+    let inbox = fresh_pg_inbox(&databases, Duration::from_secs(3600)).await;
+    // 250 processed two hours ago, 5 now; 3 failure rows abandoned three hours
+    // ago, 1 recent; 1 dead letter from a day ago (never swept).
+    pg_execute(
+        inbox.pool(),
+        "INSERT INTO idem_consumer_inbox (consumer, message_id, fingerprint, processed_at)
+         SELECT 'ledger', 'old-' || n, '\\x00', now() - interval '2 hours'
+         FROM generate_series(1, 250) AS n;
+         INSERT INTO idem_consumer_inbox (consumer, message_id, fingerprint)
+         SELECT 'ledger', 'new-' || n, '\\x00' FROM generate_series(1, 5) AS n;
+         INSERT INTO idem_consumer_failures (consumer, message_id, attempted_at, last_attempt_at)
+         SELECT 'ledger', 'gave-up-' || n, ARRAY[now() - interval '3 hours'],
+                now() - interval '3 hours'
+         FROM generate_series(1, 3) AS n;
+         INSERT INTO idem_consumer_failures (consumer, message_id, attempted_at, last_attempt_at)
+         VALUES ('ledger', 'retrying', ARRAY[now()], now());
+         INSERT INTO idem_consumer_dead_letters
+             (consumer, message_id, reason, attempted_at, dead_at)
+         VALUES ('ledger', 'dead', 'refused', ARRAY[now() - interval '1 day'],
+                 now() - interval '1 day');",
+    )
+    .await;
+    match inbox.cleanup().batch_size(100).sweep().await {
+        SweepReport::Swept(sweep) => assert_eq!(
+            sweep,
+            Sweep {
+                deleted: 253,
+                batches: 3
+            }
+        ),
+        other => panic!("{other:?}"),
+    }
+    let pool = inbox.pool();
+    assert_eq!(
+        pg_count(pool, "SELECT count(*) AS n FROM idem_consumer_inbox").await,
+        5
+    );
+    assert_eq!(
+        pg_count(pool, "SELECT count(*) AS n FROM idem_consumer_failures").await,
+        1
+    );
+    let letters = inbox.dead_letters("ledger").await.expect("dead letters");
+    assert_eq!(letters.len(), 1, "dead letters are never swept");
+}
+
+async fn postgres_tables_live_beside_the_older_inbox(databases: Arc<Databases>) {
+    let store = PgStore::connect(&databases.fresh_postgres().await)
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate the store");
+    idem_diesel::Inbox::new(store.pool().clone())
+        .migrate()
+        .await
+        .expect("migrate the older inbox");
+    let inbox = PgInbox::new(store.pool().clone());
+    inbox.migrate().await.expect("migrate the consumer inbox");
+    assert_eq!(
+        pg_count(
+            store.pool(),
+            "SELECT count(*) AS n FROM pg_tables WHERE tablename IN (
+                 'idem_records', 'idem_inbox', 'idem_inbox_failures', 'idem_dead_letters',
+                 'idem_consumer_inbox', 'idem_consumer_failures', 'idem_consumer_dead_letters')"
+        )
+        .await,
+        7
+    );
+}
+
+/// What a processed message and a duplicate cost on PostgreSQL: the statements
+/// the inbox sends (the handler's own aside), as diesel's instrumentation sees
+/// them. `BEGIN` goes out with the entry, the failures' cleanup with `COMMIT`:
+/// two round trips.
+async fn postgres_a_processed_message_takes_four_statements(databases: Arc<Databases>) {
+    use diesel::connection::InstrumentationEvent;
+    use diesel_async::AsyncConnection;
+    use diesel_async::pooled_connection::{
+        AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
+    };
+    use std::sync::Mutex;
+
+    let url = databases.fresh_postgres().await;
+    let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut config = ManagerConfig::<AsyncPgConnection>::default();
+    config.recycling_method = RecyclingMethod::Fast;
+    let seen = Arc::clone(&sent);
+    config.custom_setup = Box::new(move |url| {
+        let seen = Arc::clone(&seen);
+        Box::pin(async move {
+            let mut connection = AsyncPgConnection::establish(url).await?;
+            connection.set_instrumentation(move |event: InstrumentationEvent<'_>| {
+                if let InstrumentationEvent::StartQuery { query, .. } = event {
+                    // The statement's first words, never its binds.
+                    let text = query.to_string();
+                    let words: Vec<&str> = text
+                        .split_whitespace()
+                        .take_while(|word| *word != "--")
+                        .take(2)
+                        .collect();
+                    seen.lock().unwrap().push(words.join(" "));
+                }
+            });
+            Ok(connection)
+        })
+    });
+    let pool: PgPool = bb8::Pool::builder()
+        .max_size(1)
+        .build(AsyncDieselConnectionManager::new_with_config(url, config))
+        .await
+        .expect("a pool");
+    let inbox = PgInbox::new(pool);
+    inbox.migrate().await.expect("migrate");
+
+    let protocol = Protocol::new("ledger", inbox, ConsumerPolicy::new());
+    let nothing = idem_core::consume::handler(
+        |_attempt: Attempt<'_>, _tx: &mut AsyncPgConnection| -> HandlerFuture<'_> {
+            Box::pin(async { Ok(()) })
+        },
+    );
+    let message = Message::new("{}").id("m-1");
+    sent.lock().unwrap().clear();
+    assert!(matches!(
+        protocol.decide(&message, &nothing).await,
+        Decision::Ack(_)
+    ));
+    let processed = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(
+        processed,
+        vec!["BEGIN", "WITH dead", "DELETE FROM", "COMMIT"],
+        "a processed message: BEGIN with the entry, the cleanup with COMMIT"
+    );
+    assert!(matches!(
+        protocol.decide(&message, &nothing).await,
+        Decision::Ack(_)
+    ));
+    let duplicate = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(duplicate, vec!["BEGIN", "WITH dead", "ROLLBACK"]);
+}
