@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod capture;
+mod closing;
 mod edge;
 mod extract;
 mod middleware;

@@ -16,6 +16,7 @@ use idem_core::{
 };
 
 use crate::capture::{delivered_body, handler_body};
+use crate::closing;
 use crate::edge::{AnswerError, RequestHeaders, into_http_response, stored_headers};
 use crate::extract::ExecutionInfo;
 
@@ -202,9 +203,10 @@ where
         .headers()
         .get(CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok()?.parse().ok());
-    let claimable = match intake.read(declared, request.take_payload()).await {
+    let mut payload = request.take_payload();
+    let claimable = match intake.read(declared, &mut payload).await {
         Ok(claimable) => claimable,
-        Err(answer) => return Ok(answered(request, answer)),
+        Err(answer) => return Ok(refused(request, answer, payload)),
     };
     let run = match claimable.claim().await {
         Decision::Answer(answer) => return Ok(answered(request, answer)),
@@ -244,6 +246,22 @@ where
         Outcome::Answer { head: None, answer } => Err(AnswerError(answer).into()),
         Outcome::Failed(error) => Err(error),
     }
+}
+
+/// A refusal while the body was read (`413`, `408`, `400`). A body read to its
+/// end is answered as any refusal; one left unread closes the connection after
+/// the answer, where actix-web would otherwise read on (see `closing`).
+fn refused<B>(
+    request: ServiceRequest,
+    answer: StoredResponse,
+    mut payload: Payload,
+) -> ServiceResponse<EitherBody<B>> {
+    if closing::is_finished(&mut payload) {
+        return answered(request, answer);
+    }
+    request
+        .into_response(closing::closing_answer(answer, payload))
+        .map_into_right_body()
 }
 
 fn answered<B>(request: ServiceRequest, answer: StoredResponse) -> ServiceResponse<EitherBody<B>> {

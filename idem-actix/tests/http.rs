@@ -28,7 +28,8 @@ struct Server {
 }
 
 impl Server {
-    /// Serves an app configured by `configure` on 127.0.0.1, port 0.
+    /// Serves an app configured by `configure` on 127.0.0.1, port 0 (bound by
+    /// `idem_scenarios::bind`, with its fixed receive buffer).
     fn start<F>(configure: F) -> Self
     where
         F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
@@ -36,12 +37,15 @@ impl Server {
         let (started, bound) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             actix_rt::System::new().block_on(async move {
+                let listener = idem_scenarios::bind()
+                    .and_then(tokio::net::TcpListener::into_std)
+                    .expect("bind 127.0.0.1:0");
                 let server = HttpServer::new(move || App::new().configure(configure.clone()))
                     .workers(1)
                     .disable_signals()
                     .shutdown_timeout(1)
-                    .bind(("127.0.0.1", 0))
-                    .expect("bind 127.0.0.1:0");
+                    .listen(listener)
+                    .expect("listen on 127.0.0.1:0");
                 let addr = server.addrs()[0];
                 let server = server.run();
                 started

@@ -109,7 +109,7 @@ impl Drop for Serving {
 }
 
 async fn start(store: Arc<dyn Store>) -> Target {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = idem_scenarios::bind().unwrap();
     let addr = listener.local_addr().unwrap();
     let router = scenario_router(&store);
     let server = tokio::spawn(async move {

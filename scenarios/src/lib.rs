@@ -19,7 +19,7 @@ pub use app::{
     ScenarioRoute, pattern, principal, routes,
 };
 pub use failing_store::{FAILING_STORE_SECRET, FailingStore};
-pub use target::Target;
+pub use target::{RECEIVE_BUFFER, Target, bind};
 
 /// The future of one case.
 pub type CaseFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -148,6 +148,7 @@ macro_rules! scenario_tests {
             handler_slower_than_its_lease_runs_once: UnderTest,
             scopes_are_isolated: UnderTest,
             oversized_body_is_answered_413_not_reset: UnderTest,
+            refused_body_is_read_within_its_bound_then_closed: UnderTest,
             broken_request_body_is_400_body_unreadable: UnderTest,
             stalled_request_body_is_408_body_timeout: UnderTest,
             failing_store_fails_closed: Failing,

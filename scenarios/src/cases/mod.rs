@@ -3,10 +3,12 @@
 
 mod answers;
 mod concurrency;
+mod drain;
 mod keys;
 mod scopes;
 
 pub(crate) use answers::*;
 pub(crate) use concurrency::*;
+pub(crate) use drain::*;
 pub(crate) use keys::*;
 pub(crate) use scopes::*;
