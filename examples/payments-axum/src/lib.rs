@@ -33,6 +33,9 @@ use idem_axum::{ExecutionInfo, IdempotencyLayer};
 use idem_diesel::PgTransaction;
 use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 
+#[cfg(test)]
+mod attack;
+
 /// The service's router: the keyed routes behind `guards` (their idempotency
 /// stores and policies), over `payments`.
 pub fn app(guards: Guards, payments: Payments) -> Router {
