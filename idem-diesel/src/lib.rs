@@ -6,7 +6,7 @@
     allow(dead_code, unused_imports)
 )]
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod consume;
 mod error;
 mod pool;
@@ -47,4 +47,7 @@ pub use postgres::{
     PgTransactionConnection, TransactionEnded, TransactionalPgStore,
 };
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqlitePool, SqliteStore, SqliteStoreBuilder};
+pub use sqlite::{
+    AsyncSqliteConnection, SqliteInbox, SqliteInboxBuilder, SqlitePool, SqliteStore,
+    SqliteStoreBuilder,
+};

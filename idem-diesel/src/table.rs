@@ -69,6 +69,7 @@ impl Table {
     }
 
     /// The table's own name, unquoted and unqualified.
+    #[cfg(feature = "sqlite")]
     pub(crate) fn name(&self) -> &str {
         &self.name
     }

@@ -1,5 +1,6 @@
 //! The SQLite store.
 
+mod consumer_inbox;
 mod statements;
 
 use std::future::Future;
@@ -32,8 +33,13 @@ use idem_core::cleanup::Cleanup;
 use statements::Statements;
 
 /// A diesel-async connection to SQLite: diesel's synchronous connection, run on
-/// Tokio's blocking threads.
-type Connection = SyncConnectionWrapper<SqliteConnection>;
+/// Tokio's blocking threads. What [`SqliteStore`]'s pool holds, and what a
+/// [`SqliteInbox`] handler writes on.
+pub type AsyncSqliteConnection = SyncConnectionWrapper<SqliteConnection>;
+
+type Connection = AsyncSqliteConnection;
+
+pub use consumer_inbox::{SqliteInbox, SqliteInboxBuilder};
 
 /// A bb8 pool of SQLite connections, as [`SqliteStore`] uses.
 pub type SqlitePool = bb8::Pool<AsyncDieselConnectionManager<Connection>>;
@@ -311,21 +317,13 @@ impl SqliteStoreBuilder {
     /// file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteStore, SetupError> {
         let table = Table::new(None, &self.table)?;
-        let busy_ms = self.busy_timeout.as_millis();
-        let mut config = ManagerConfig::<Connection>::default();
-        config.custom_setup = Box::new(move |url| establish(url, busy_ms));
-        // The file is local: a connection does not go stale, so it is not pinged.
-        config.recycling_method = RecyclingMethod::Fast;
-        let manager = AsyncDieselConnectionManager::new_with_config(database_path(url), config);
-        let failures = ConnectFailures::new();
-        let pool = bb8::Pool::builder()
-            .max_size(self.max_connections)
-            .connection_timeout(self.connection_timeout)
-            .retry_connection(false)
-            .error_sink(failures.sink())
-            .build(manager)
-            .await
-            .map_err(|e| SetupError::Connect(e.into()))?;
+        let (pool, failures) = build_pool(
+            url,
+            self.max_connections,
+            self.connection_timeout,
+            self.busy_timeout,
+        )
+        .await?;
         let store = SqliteStore::with_table(pool, table, Some(failures));
         drop(store.connection().await.map_err(SetupError::connect)?);
         Ok(store)
@@ -336,6 +334,33 @@ impl SqliteStoreBuilder {
         let table = Table::new(None, &self.table)?;
         Ok(SqliteStore::with_table(pool, table, None))
     }
+}
+
+/// A pool for `url` as the store and the inbox build it: connections opened
+/// with `busy_ms` of busy timeout and WAL (see [`establish`]), failed
+/// connection attempts reported to the waiting checkouts (see `crate::pool`).
+pub(crate) async fn build_pool(
+    url: &str,
+    max_connections: u32,
+    connection_timeout: Duration,
+    busy_timeout: Duration,
+) -> Result<(SqlitePool, ConnectFailures), SetupError> {
+    let busy_ms = busy_timeout.as_millis();
+    let mut config = ManagerConfig::<Connection>::default();
+    config.custom_setup = Box::new(move |url| establish(url, busy_ms));
+    // The file is local: a connection does not go stale, so it is not pinged.
+    config.recycling_method = RecyclingMethod::Fast;
+    let manager = AsyncDieselConnectionManager::new_with_config(database_path(url), config);
+    let failures = ConnectFailures::new();
+    let pool = bb8::Pool::builder()
+        .max_size(max_connections)
+        .connection_timeout(connection_timeout)
+        .retry_connection(false)
+        .error_sink(failures.sink())
+        .build(manager)
+        .await
+        .map_err(|e| SetupError::Connect(e.into()))?;
+    Ok((pool, failures))
 }
 
 /// The path diesel opens for `url`: the `sqlite:` scheme removed, so that the

@@ -14,7 +14,10 @@ use idem_core::consume::{
     Protocol,
 };
 use idem_core::retry::Backoff;
-use idem_diesel::{PgInbox, PgPool, PgStore, Sweep, SweepReport};
+use idem_diesel::{
+    AsyncSqliteConnection, PgInbox, PgPool, PgStore, SqliteInbox, SqlitePool, SqliteStore, Sweep,
+    SweepReport,
+};
 
 use crate::postgres::Count;
 use crate::{Databases, TestFn};
@@ -37,6 +40,26 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         |d| Box::pin(postgres_a_processed_message_takes_four_statements(d)),
     ),
     (
+        "consumer_inbox::sqlite_permanent_errors_are_told_from_transient_ones",
+        |d| Box::pin(sqlite_permanent_errors_are_told_from_transient_ones(d)),
+    ),
+    (
+        "consumer_inbox::sqlite_a_permanent_error_is_dead_lettered_at_once",
+        |d| Box::pin(sqlite_a_permanent_error_is_dead_lettered_at_once(d)),
+    ),
+    (
+        "consumer_inbox::sqlite_cleanup_deletes_expired_rows_and_keeps_dead_letters",
+        |d| {
+            Box::pin(sqlite_cleanup_deletes_expired_rows_and_keeps_dead_letters(
+                d,
+            ))
+        },
+    ),
+    (
+        "consumer_inbox::sqlite_inbox_shares_the_file_with_the_store",
+        |d| Box::pin(sqlite_inbox_shares_the_file_with_the_store(d)),
+    ),
+    (
         "consumer_inbox::postgres_tables_live_beside_the_older_inbox",
         |d| Box::pin(postgres_tables_live_beside_the_older_inbox(d)),
     ),
@@ -47,12 +70,20 @@ pub(crate) type RunCase =
     fn(Arc<Databases>, &'static str) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Every inbox the conformance suite runs against.
-pub(crate) const INBOXES: &[(&str, RunCase)] = &[("postgres_inbox", |databases, case| {
-    Box::pin(async move {
-        let subject = fresh_postgres(&databases).await;
-        idem_core::consume::conformance::run_case(case, subject).await;
-    })
-})];
+pub(crate) const INBOXES: &[(&str, RunCase)] = &[
+    ("postgres_inbox", |databases, case| {
+        Box::pin(async move {
+            let subject = fresh_postgres(&databases).await;
+            idem_core::consume::conformance::run_case(case, subject).await;
+        })
+    }),
+    ("sqlite_inbox", |databases, case| {
+        Box::pin(async move {
+            let subject = fresh_sqlite(&databases).await;
+            idem_core::consume::conformance::run_case(case, subject).await;
+        })
+    }),
+];
 
 /// A `PgInbox` on a fresh database, and an `effects` table its handlers write.
 pub(crate) struct PgSubject {
@@ -450,4 +481,230 @@ async fn postgres_a_processed_message_takes_four_statements(databases: Arc<Datab
     ));
     let duplicate = std::mem::take(&mut *sent.lock().unwrap());
     assert_eq!(duplicate, vec!["BEGIN", "WITH dead", "ROLLBACK"]);
+}
+
+/// A `SqliteInbox` on a fresh file, and an `effects` table its handlers write.
+pub(crate) struct SqliteSubject {
+    inbox: SqliteInbox,
+}
+
+impl Subject for SqliteSubject {
+    type Inbox = SqliteInbox;
+
+    fn inbox(&self) -> &SqliteInbox {
+        &self.inbox
+    }
+
+    fn write<'a>(
+        &'a self,
+        tx: &'a mut AsyncSqliteConnection,
+        name: &'a str,
+    ) -> SubjectFuture<'a, ()> {
+        Box::pin(async move {
+            diesel::sql_query("INSERT INTO effects (name) VALUES (?1)")
+                .bind::<Text, _>(name)
+                .execute(tx)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
+        Box::pin(async move {
+            let mut connection = self.inbox.pool().get().await?;
+            let counted = diesel::sql_query("SELECT count(*) AS n FROM effects WHERE name = ?1")
+                .bind::<Text, _>(name.to_owned())
+                .get_result::<Count>(&mut *connection)
+                .await?;
+            Ok(u64::try_from(counted.n)?)
+        })
+    }
+}
+
+/// A migrated `SqliteInbox` (its own pool) on a fresh file.
+async fn fresh_sqlite_inbox(databases: &Arc<Databases>, retention: Duration) -> SqliteInbox {
+    let inbox = SqliteInbox::builder()
+        .retention(retention)
+        .connect(&databases.fresh_sqlite_url())
+        .await
+        .expect("connect");
+    inbox.migrate().await.expect("migrate");
+    inbox.migrate().await.expect("a second migrate is a no-op");
+    inbox
+}
+
+async fn fresh_sqlite(databases: &Arc<Databases>) -> SqliteSubject {
+    let inbox = fresh_sqlite_inbox(databases, Duration::from_secs(3600)).await;
+    sqlite_execute(inbox.pool(), "CREATE TABLE effects (name TEXT NOT NULL)").await;
+    SqliteSubject { inbox }
+}
+
+async fn sqlite_execute(pool: &SqlitePool, sql: &str) {
+    let mut connection = pool.get().await.expect("a connection");
+    connection.batch_execute(sql).await.expect(sql);
+}
+
+async fn sqlite_count(pool: &SqlitePool, sql: &str) -> i64 {
+    let mut connection = pool.get().await.expect("a connection");
+    diesel::sql_query(sql.to_owned())
+        .get_result::<Count>(&mut *connection)
+        .await
+        .expect(sql)
+        .n
+}
+
+/// The accounts of the SQLite classification tests.
+const SQLITE_ACCOUNTS: &str = "CREATE TABLE accounts (
+    id TEXT PRIMARY KEY,
+    balance INTEGER NOT NULL CHECK (balance >= 0)
+) STRICT";
+
+async fn sqlite_permanent_errors_are_told_from_transient_ones(databases: Arc<Databases>) {
+    let inbox = fresh_sqlite_inbox(&databases, Duration::from_secs(3600)).await;
+    sqlite_execute(inbox.pool(), SQLITE_ACCOUNTS).await;
+    let mut connection = inbox.pool().get().await.expect("a connection");
+
+    // SQLite's integers overflow into an error in sum() (arithmetic goes to REAL).
+    let overflow = diesel::sql_query(
+        "SELECT sum(v) AS n FROM (SELECT 9223372036854775807 AS v UNION ALL SELECT 1)",
+    )
+    .get_result::<Count>(&mut *connection)
+    .await
+    .err()
+    .expect("an integer overflow");
+    assert!(inbox.is_permanent(&overflow), "{overflow}");
+
+    let check = diesel::sql_query("INSERT INTO accounts VALUES ('acc_1', -5)")
+        .execute(&mut *connection)
+        .await
+        .expect_err("a CHECK violation");
+    assert!(inbox.is_permanent(&check), "{check}");
+
+    let mismatch = diesel::sql_query("INSERT INTO accounts VALUES ('acc_2', 'lots')")
+        .execute(&mut *connection)
+        .await
+        .expect_err("a STRICT table's type mismatch");
+    assert!(inbox.is_permanent(&mismatch), "{mismatch}");
+
+    sqlite_execute(inbox.pool(), "INSERT INTO accounts VALUES ('acc_3', 0)").await;
+    let unique = diesel::sql_query("INSERT INTO accounts VALUES ('acc_3', 0)")
+        .execute(&mut *connection)
+        .await
+        .expect_err("a unique violation");
+    assert!(!inbox.is_permanent(&unique), "{unique}");
+
+    // Another connection's write transaction, past a short busy timeout.
+    let mut holder = inbox.pool().get().await.expect("a connection");
+    holder
+        .batch_execute("BEGIN IMMEDIATE")
+        .await
+        .expect("the write lock");
+    let busy = connection
+        .batch_execute("PRAGMA busy_timeout = 20; INSERT INTO accounts VALUES ('acc_4', 0)")
+        .await
+        .expect_err("database is locked");
+    assert!(!inbox.is_permanent(&busy), "{busy}");
+    holder.batch_execute("ROLLBACK").await.expect("rollback");
+}
+
+async fn sqlite_a_permanent_error_is_dead_lettered_at_once(databases: Arc<Databases>) {
+    let inbox = fresh_sqlite_inbox(&databases, Duration::from_secs(3600)).await;
+    sqlite_execute(inbox.pool(), SQLITE_ACCOUNTS).await;
+    let protocol = Protocol::new("ledger", inbox.clone(), ConsumerPolicy::new());
+    let negative = idem_core::consume::handler(
+        |_attempt: Attempt<'_>, tx: &mut AsyncSqliteConnection| -> HandlerFuture<'_> {
+            Box::pin(async move {
+                diesel::sql_query("INSERT INTO accounts VALUES ('acc_1', -5)")
+                    .execute(tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    );
+    match protocol
+        .decide(&Message::new("-5").id("negative"), &negative)
+        .await
+    {
+        Decision::DeadLetter(letter) => assert_eq!(letter.attempted_at.len(), 1),
+        other => panic!("a CHECK violation is dead-lettered at once, got {other:?}"),
+    }
+    let letters = protocol.dead_letters().await.expect("dead letters");
+    assert_eq!(letters.len(), 1);
+    assert!(letters[0].reason.contains("CHECK"), "{}", letters[0].reason);
+}
+
+async fn sqlite_cleanup_deletes_expired_rows_and_keeps_dead_letters(databases: Arc<Databases>) {
+    let inbox = fresh_sqlite_inbox(&databases, Duration::from_secs(3600)).await;
+    let hours_ago = |hours: i64| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as i64;
+        now - hours * 3_600_000_000
+    };
+    let (two, three, day, now) = (hours_ago(2), hours_ago(3), hours_ago(24), hours_ago(0));
+    sqlite_execute(
+        inbox.pool(),
+        &format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 250)
+             INSERT INTO idem_consumer_inbox (consumer, message_id, fingerprint, processed_at)
+             SELECT 'ledger', 'old-' || i, x'00', {two} FROM n;
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 5)
+             INSERT INTO idem_consumer_inbox (consumer, message_id, fingerprint, processed_at)
+             SELECT 'ledger', 'new-' || i, x'00', {now} FROM n;
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3)
+             INSERT INTO idem_consumer_failures
+                 (consumer, message_id, attempts, attempted_at, last_attempt_at)
+             SELECT 'ledger', 'gave-up-' || i, 1, '{three}', {three} FROM n;
+             INSERT INTO idem_consumer_failures
+                 (consumer, message_id, attempts, attempted_at, last_attempt_at)
+             VALUES ('ledger', 'retrying', 1, '{now}', {now});
+             INSERT INTO idem_consumer_dead_letters
+                 (consumer, message_id, reason, attempts, attempted_at, dead_at)
+             VALUES ('ledger', 'dead', 'refused', 1, '{day}', {day});"
+        ),
+    )
+    .await;
+    match inbox.cleanup().batch_size(100).sweep().await {
+        SweepReport::Swept(sweep) => assert_eq!(
+            sweep,
+            Sweep {
+                deleted: 253,
+                batches: 3
+            }
+        ),
+        other => panic!("{other:?}"),
+    }
+    let pool = inbox.pool();
+    assert_eq!(
+        sqlite_count(pool, "SELECT count(*) AS n FROM idem_consumer_inbox").await,
+        5
+    );
+    assert_eq!(
+        sqlite_count(pool, "SELECT count(*) AS n FROM idem_consumer_failures").await,
+        1
+    );
+    let letters = inbox.dead_letters("ledger").await.expect("dead letters");
+    assert_eq!(letters.len(), 1, "dead letters are never swept");
+    assert_eq!(letters[0].attempted_at.len(), 1);
+}
+
+async fn sqlite_inbox_shares_the_file_with_the_store(databases: Arc<Databases>) {
+    let store = SqliteStore::connect(&databases.fresh_sqlite_url())
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate the store");
+    let inbox = SqliteInbox::new(store.pool().clone());
+    inbox.migrate().await.expect("migrate the inbox");
+    store.migrate().await.expect("the store's migration again");
+    assert_eq!(
+        sqlite_count(
+            store.pool(),
+            "SELECT count(*) AS n FROM sqlite_master WHERE type = 'table' AND name IN (
+                 'idem_records', 'idem_consumer_inbox', 'idem_consumer_failures',
+                 'idem_consumer_dead_letters')"
+        )
+        .await,
+        4
+    );
 }
