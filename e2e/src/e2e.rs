@@ -10,9 +10,9 @@
 //! × store → pass or fail with the figure behind it, ending in the line
 //! `N passed, M failed`; exits non-zero on any failure.
 //!
-//! Then payments-consumer against a throwaway RabbitMQ node and the same
-//! cluster: its scenarios (`payments_consumer::testing`, which its tests run
-//! too) as rows of the same table.
+//! Then payments-consumer against a throwaway RabbitMQ node, on the same
+//! cluster and on SQLite: its scenarios (`payments_consumer::testing`, which
+//! its tests run too) as rows of the same table.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,7 +46,7 @@ usage: cargo xtask e2e [--example axum|actix|consumer]... [--store memory|sqlite
 --all-features` compiles their libraries; what CI runs), not release builds.
 
 Without options: every example, every store, every scenario that is built
-(the consumer's run on PostgreSQL and RabbitMQ).";
+(the consumer's run on RabbitMQ with PostgreSQL and with SQLite).";
 
 /// Scenarios at once: 2 cores, and each scenario has servers of its own.
 const SLOTS: u32 = 4;
@@ -185,7 +185,8 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     }
     rows.extend(run_all(&deployments, options).await);
     if let Some(binary) = consumer {
-        rows.extend(consumer::rows(binary, cluster, root, &options.consumer_scenarios()).await);
+        let scenarios = options.consumer_scenarios();
+        rows.extend(consumer::rows(binary, cluster, root, &scenarios, &options.stores).await);
     }
     (rows, built)
 }
@@ -408,10 +409,10 @@ impl Options {
     }
 
     /// Whether the consumer's scenarios run: the example is selected, and
-    /// PostgreSQL, and a consumer scenario (or no scenario at all).
+    /// PostgreSQL or SQLite, and a consumer scenario (or no scenario at all).
     fn runs_consumer(&self) -> bool {
         self.examples.contains(&Example::Consumer)
-            && self.stores.contains(&StoreKind::Postgres)
+            && !consumer::backends(&self.stores).is_empty()
             && (self.scenarios.is_empty() || self.scenarios.iter().any(|n| consumer::has(n)))
     }
 

@@ -1,7 +1,7 @@
 //! The consumer's rows: `payments-consumer` as a process against a throwaway
-//! RabbitMQ node and the run's PostgreSQL cluster, every scenario of
-//! `payments_consumer::testing::SCENARIOS` (the ones its tests run), on a
-//! queue and a database of its own.
+//! RabbitMQ node, on the run's PostgreSQL cluster and on SQLite, every
+//! scenario of `payments_consumer::testing::SCENARIOS` (the ones its tests
+//! run), on a queue and a database of its own.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,46 +30,65 @@ pub(crate) fn names() -> impl Iterator<Item = &'static str> {
     SCENARIOS.iter().map(|scenario| scenario.name)
 }
 
-/// Runs the selected scenarios one after the other (the crash test's timing
-/// wants the machine to itself) and answers their rows; `binary` is the built
-/// consumer, or why it is not there.
+/// The consumer's databases among `stores`: PostgreSQL (a fresh database of
+/// the run's cluster per scenario) and SQLite (a file per scenario).
+pub(crate) fn backends(stores: &[StoreKind]) -> Vec<StoreKind> {
+    [StoreKind::Postgres, StoreKind::Sqlite]
+        .into_iter()
+        .filter(|store| stores.contains(store))
+        .collect()
+}
+
+/// Runs the selected scenarios on each of the consumer's databases among
+/// `stores`, one after the other (the crash test's timing wants the machine
+/// to itself), and answers their rows; `binary` is the built consumer, or why
+/// it is not there.
 pub(crate) async fn rows(
     binary: Result<PathBuf, String>,
     cluster: Result<Arc<Cluster>, String>,
     root: &Path,
     selected: &[String],
+    stores: &[StoreKind],
 ) -> Vec<Row> {
-    let chosen: Vec<(usize, &'static Scenario)> = SCENARIOS
-        .iter()
-        .enumerate()
-        .filter(|(_, scenario)| selected.is_empty() || selected.iter().any(|n| n == scenario.name))
+    let chosen: Vec<(usize, &'static Scenario, StoreKind)> = backends(stores)
+        .into_iter()
+        .flat_map(|store| {
+            SCENARIOS
+                .iter()
+                .enumerate()
+                .map(move |(i, scenario)| (i, scenario, store))
+        })
+        .filter(|(_, scenario, _)| {
+            selected.is_empty() || selected.iter().any(|n| n == scenario.name)
+        })
         .collect();
     if chosen.is_empty() {
         return Vec::new();
     }
     let broker = tokio::task::spawn_blocking(TestRabbitMq::start).await;
-    let setup = match (binary, cluster, broker) {
-        (Ok(binary), Ok(cluster), Ok(Ok(broker))) => Ok((binary, cluster, broker)),
-        (Err(why), _, _) => Err(format!("payments-consumer did not build: {why}")),
-        (_, Err(why), _) => Err(format!("no PostgreSQL: {why}")),
-        (_, _, Ok(Err(why))) => Err(format!("no RabbitMQ node: {why}")),
-        (_, _, Err(why)) => Err(format!("the RabbitMQ node's start failed: {why}")),
+    let setup = match (binary, broker) {
+        (Ok(binary), Ok(Ok(broker))) => Ok((binary, Arc::new(broker))),
+        (Err(why), _) => Err(format!("payments-consumer did not build: {why}")),
+        (_, Ok(Err(why))) => Err(format!("no RabbitMQ node: {why}")),
+        (_, Err(why)) => Err(format!("the RabbitMQ node's start failed: {why}")),
     };
-    let (binary, cluster, broker) = match setup {
+    let (binary, broker) = match setup {
         Ok(setup) => setup,
         Err(why) => {
             return chosen
                 .into_iter()
-                .map(|(i, scenario)| row(i, scenario, Err(why.clone())))
+                .map(|(i, scenario, store)| row(i, scenario, store, Err(why.clone())))
                 .collect();
         }
     };
     let logs = root.join("consumer");
     let mut rows = Vec::new();
-    for (i, scenario) in chosen {
-        let outcome = match blocking_database(&cluster).await {
+    for (i, scenario, store) in chosen {
+        let queue = format!("{}_{}", scenario.name, store.name());
+        let outcome = match database(store, &cluster, &logs, &queue).await {
             Ok(database) => {
-                let case = Case::new(&binary, broker.url(), database, scenario.name, &logs);
+                let case = Case::new(&binary, broker.url(), database, queue, &logs)
+                    .with_broker(broker.clone());
                 tokio::time::timeout(LIMIT, (scenario.run)(case))
                     .await
                     .unwrap_or_else(|_| Err(format!("ran past {} s", LIMIT.as_secs())))
@@ -79,6 +98,7 @@ pub(crate) async fn rows(
         rows.push(row(
             i,
             scenario,
+            store,
             outcome.map_err(|why| format!("{why}\n(consumer logs: {})", logs.display())),
         ));
     }
@@ -87,14 +107,36 @@ pub(crate) async fn rows(
     rows
 }
 
-async fn blocking_database(cluster: &Arc<Cluster>) -> Result<String, String> {
-    let cluster = cluster.clone();
+/// A fresh database for the scenario's `queue` on `store`: a database of the
+/// cluster, or a SQLite file beside the logs.
+async fn database(
+    store: StoreKind,
+    cluster: &Result<Arc<Cluster>, String>,
+    logs: &Path,
+    queue: &str,
+) -> Result<String, String> {
+    if store == StoreKind::Sqlite {
+        std::fs::create_dir_all(logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+        return Ok(format!(
+            "sqlite://{}",
+            logs.join(format!("{queue}.db")).display()
+        ));
+    }
+    let cluster = cluster
+        .as_ref()
+        .map_err(|why| format!("no PostgreSQL: {why}"))?
+        .clone();
     tokio::task::spawn_blocking(move || cluster.create_database())
         .await
         .map_err(|e| e.to_string())?
 }
 
-fn row(i: usize, scenario: &'static Scenario, outcome: Result<String, String>) -> Row {
+fn row(
+    i: usize,
+    scenario: &'static Scenario,
+    store: StoreKind,
+    outcome: Result<String, String>,
+) -> Row {
     let (verdict, figure) = match outcome {
         Ok(figure) => (Verdict::Pass, figure),
         Err(details) => {
@@ -113,7 +155,7 @@ fn row(i: usize, scenario: &'static Scenario, outcome: Result<String, String>) -
         order: (CATALOG.len() + i, 0),
         check: scenario.check,
         example: Example::Consumer,
-        store: StoreKind::Postgres,
+        store,
         verdict,
         figure,
     }

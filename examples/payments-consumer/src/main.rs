@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use idem_diesel::PgStore;
-use payments_consumer::consume::error_chain;
-use payments_consumer::{ConsumerError, RunOptions, dead_letters, ledger};
+use payments_consumer::database::{DEFAULT_DATABASE, Database};
+use payments_consumer::dead_letters::DeadLetterLine;
+use payments_consumer::{ConsumerError, RunOptions};
 
 /// An at-least-once consumer on RabbitMQ whose payments take effect once.
 #[derive(Debug, Parser)]
@@ -24,8 +24,9 @@ enum Command {
         /// The broker: amqp://user:password@host:port/vhost.
         #[arg(long)]
         amqp: String,
-        /// The PostgreSQL database: postgres://… (tables created if missing).
-        #[arg(long)]
+        /// The database, postgres://… or sqlite://PATH (tables created if
+        /// missing).
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE, hide_env_values = true)]
         database: String,
         /// The work queue (its delay and dead-letter queues are named after it).
         #[arg(long, default_value = "payments")]
@@ -40,6 +41,9 @@ enum Command {
         /// More dead letters than this raise the dead-letter alert.
         #[arg(long, default_value_t = 10)]
         dlq_alert_threshold: u64,
+        /// How many messages are processed at once.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+        concurrency: u16,
         /// Every payment to this account fails (a deliberate bug).
         #[arg(long)]
         fail_account: Option<String>,
@@ -53,7 +57,8 @@ enum Command {
         #[arg(long, default_value = "payments")]
         queue: String,
     },
-    /// Moves the dead letters back to the work queue.
+    /// Moves the dead letters back to the work queue; each is then applied
+    /// once.
     Redrive {
         /// The broker: amqp://user:password@host:port/vhost.
         #[arg(long)]
@@ -66,20 +71,14 @@ enum Command {
     Balance {
         /// The account.
         account: String,
-        /// The PostgreSQL database: postgres://….
-        #[arg(long)]
+        /// The database, postgres://… or sqlite://PATH.
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE, hide_env_values = true)]
         database: String,
     },
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    example_tracing::init();
     let args = Args::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -94,7 +93,9 @@ fn main() -> ExitCode {
     match runtime.block_on(execute(args.command)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            tracing::error!(error = %error_chain(&error), "payments-consumer failed");
+            // The error and its sources (`error.sources`).
+            let error: &(dyn std::error::Error + 'static) = &error;
+            tracing::error!(error, "payments-consumer failed");
             ExitCode::FAILURE
         }
     }
@@ -109,6 +110,7 @@ async fn execute(command: Command) -> Result<(), ConsumerError> {
             max_attempts,
             retry_base_ms,
             dlq_alert_threshold,
+            concurrency,
             fail_account,
         } => {
             let options = RunOptions {
@@ -118,28 +120,26 @@ async fn execute(command: Command) -> Result<(), ConsumerError> {
                 max_attempts,
                 retry_base: Duration::from_millis(retry_base_ms),
                 dead_letter_alert_threshold: dlq_alert_threshold,
+                concurrency: usize::from(concurrency),
                 fail_account,
             };
-            payments_consumer::run(options, |topology| {
-                println!("consuming from {}", topology.queue());
-            })
-            .await
+            payments_consumer::run(options, |queue| println!("consuming from {queue}")).await
         }
         Command::DeadLetters { amqp, queue } => {
-            for letter in dead_letters::list(&amqp, &queue).await? {
-                println!("{}", serde_json::to_string(&letter).unwrap_or_default());
+            for letter in idem_rabbitmq::dead_letters(&amqp, &queue).await? {
+                let line = DeadLetterLine::from(&letter);
+                println!("{}", serde_json::to_string(&line).unwrap_or_default());
             }
             Ok(())
         }
         Command::Redrive { amqp, queue } => {
-            let moved = dead_letters::redrive(&amqp, &queue).await?;
+            let moved = idem_rabbitmq::redrive(&amqp, &queue).await?;
             println!("re-drove {moved} dead letters from {queue}.dlq to {queue}");
             Ok(())
         }
         Command::Balance { account, database } => {
-            let store = PgStore::connect(&database).await?;
-            ledger::migrate(store.pool()).await?;
-            let account = ledger::account(store.pool(), &account).await?;
+            let database = Database::open(&database, 1).await?;
+            let account = database.account(&account).await?;
             println!("{}", serde_json::to_string(&account).unwrap_or_default());
             Ok(())
         }

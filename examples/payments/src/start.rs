@@ -391,28 +391,11 @@ pub fn listening_line(addr: SocketAddr) -> String {
 /// by `RUST_LOG` (default `info`).
 ///
 /// Whatever `RUST_LOG` says, the PostgreSQL driver (`tokio_postgres`) logs at
-/// `info` at most: at `debug` it writes every statement's bound parameters,
-/// which hold idempotency keys and the values of request bodies. So no line
-/// carries a bearer token (the scope is its hash, see
-/// [`Principal`](crate::Principal)), a full idempotency key (idem logs it
-/// redacted) or a request body.
+/// `info` at most ([`example_tracing::QUIET_DRIVERS`]): at `debug` it writes
+/// every statement's bound parameters, which hold idempotency keys and the
+/// values of request bodies. So no line carries a bearer token (the scope is
+/// its hash, see [`Principal`](crate::Principal)), a full idempotency key (idem
+/// logs it redacted) or a request body.
 pub fn init_tracing() {
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    use tracing_subscriber::{EnvFilter, Layer, filter};
-
-    let env = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let no_driver_parameters = filter::filter_fn(|metadata| {
-        !metadata.target().starts_with("tokio_postgres")
-            || *metadata.level() <= tracing::Level::INFO
-    });
-    let output = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_filter(no_driver_parameters);
-    // A second initialisation (in tests) keeps the first subscriber.
-    let _ = tracing_subscriber::registry()
-        .with(env)
-        .with(output)
-        .try_init();
+    example_tracing::init();
 }

@@ -2,11 +2,13 @@
 //! by RabbitMQ, applied by a consumer without the inbox and by
 //! `payments-consumer`.
 
-use lapin::options::{BasicAckOptions, BasicGetOptions};
+use idem_rabbitmq::lapin::options::{BasicAckOptions, BasicGetOptions};
 
 use super::process::{Case, Client};
-use crate::ledger::{self, Account};
-use crate::message;
+use crate::ConsumerError;
+use crate::database::{Database, with_connection};
+use crate::ledger::{Account, Ledger};
+use crate::payment::Payment;
 
 /// The balances the two consumers ended with.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,8 +29,7 @@ pub async fn delivered_three_times(case: &Case) -> Result<Delivered3x, String> {
             .to_string()
             .into_bytes()
     };
-    let pool = case.pool().await?;
-    ledger::migrate(&pool).await.map_err(|e| e.to_string())?;
+    let database = case.database().await?;
 
     let naive = Case::new(
         &case.binary,
@@ -50,10 +51,8 @@ pub async fn delivered_three_times(case: &Case) -> Result<Delivered3x, String> {
             .await
             .map_err(|e| e.to_string())?
             .ok_or("a delivery went missing")?;
-        let (_, payment) = message::parse(&got.delivery.properties, &got.delivery.data)
-            .map_err(|e| e.to_string())?;
-        let mut connection = pool.get().await.map_err(|e| e.to_string())?;
-        ledger::apply(&mut connection, &payment, None)
+        let payment = Payment::parse(&got.delivery.data).map_err(|e| e.to_string())?;
+        apply_without_inbox(&database, &payment)
             .await
             .map_err(|e| e.to_string())?;
         got.delivery
@@ -61,7 +60,8 @@ pub async fn delivered_three_times(case: &Case) -> Result<Delivered3x, String> {
             .await
             .map_err(|e| e.to_string())?;
     }
-    let without_inbox = ledger::account(&pool, "demo-naive")
+    let without_inbox = database
+        .account("demo-naive")
         .await
         .map_err(|e| e.to_string())?;
 
@@ -82,4 +82,11 @@ pub async fn delivered_three_times(case: &Case) -> Result<Delivered3x, String> {
         without_inbox,
         with_inbox,
     })
+}
+
+/// What a consumer without the inbox does: applies the payment, however
+/// many times it is delivered.
+async fn apply_without_inbox(database: &Database, payment: &Payment) -> Result<(), ConsumerError> {
+    with_connection!(database, connection => connection.add(payment).await?);
+    Ok(())
 }

@@ -1,31 +1,35 @@
 //! Test support (feature `test-util`): the scenarios ([`SCENARIOS`]) that the
 //! crate's tests and `cargo xtask e2e` run against the `payments-consumer`
-//! binary, on a throwaway RabbitMQ node and PostgreSQL cluster
-//! (`idem_testkit`).
+//! binary, on a throwaway RabbitMQ node (`idem_testkit`), each on PostgreSQL
+//! and on SQLite.
 //!
 //! A scenario gets a [`Case`]: the binary, the broker's URL, a fresh database
-//! and a queue name of its own, and a directory for the consumers' logs. It
+//! (`postgres://…` or `sqlite://PATH`) and a queue name of its own, and a
+//! directory for the consumers' logs. A scenario that stops the broker
+//! ([`Scenario::alone`]) runs alone, with the node ([`Case::with_broker`]). It
 //! starts consumers as processes (`run`, their stderr in the directory), drives
 //! them through the broker, reads the outcome with the binary's other commands
 //! (`balance`, `dead-letters`, `redrive`) and the database, and answers the
 //! figure behind its verdict, or what went wrong.
 //!
 //! ```no_run
+//! use std::sync::Arc;
 //! use idem_testkit::{TestPostgres, TestRabbitMq};
 //! use payments_consumer::testing::{Case, SCENARIOS};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let broker = TestRabbitMq::start()?;
+//! let broker = Arc::new(TestRabbitMq::start()?);
 //! let cluster = TestPostgres::start()?;
 //! for scenario in SCENARIOS {
 //!     cluster.create_database(scenario.name)?;
 //!     let case = Case::new(
 //!         "target/debug/payments-consumer",
 //!         broker.url(),
-//!         cluster.url(scenario.name),
+//!         cluster.url(scenario.name), // or "sqlite:///tmp/NAME.db"
 //!         scenario.name,
 //!         std::env::temp_dir(),
-//!     );
+//!     )
+//!     .with_broker(broker.clone());
 //!     match (scenario.run)(case).await {
 //!         Ok(figure) => println!("{}: {figure}", scenario.check),
 //!         Err(failure) => println!("{}: FAILED: {failure}", scenario.check),

@@ -7,20 +7,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use diesel::QueryableByName;
-use diesel::sql_types::{BigInt, Text};
-use diesel_async::RunQueryDsl;
-use idem_diesel::{PgPool, PgStore};
-use lapin::message::BasicGetMessage;
-use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use idem_diesel::diesel::{self, QueryableByName, sql_types::BigInt};
+use idem_diesel::diesel_async::RunQueryDsl;
+use idem_rabbitmq::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use idem_rabbitmq::lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
+};
+use idem_rabbitmq::{DeadLetterMessage, Topology};
+use idem_testkit::TestRabbitMq;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::ConsumerError;
+use crate::consume::inbox_name;
+use crate::database::{Database, with_connection};
 use crate::ledger::Account;
-use crate::message::PERSISTENT;
-use crate::topology::Topology;
 
 /// What a scenario runs on: one queue and one database of its own.
 #[derive(Clone, Debug)]
@@ -29,12 +30,14 @@ pub struct Case {
     pub binary: PathBuf,
     /// The broker.
     pub amqp: String,
-    /// A fresh database.
+    /// A fresh database: `postgres://…` or `sqlite://PATH`.
     pub database: String,
     /// The work queue, the scenario's own.
     pub queue: String,
     /// Where the consumers' logs go.
     pub dir: PathBuf,
+    /// The broker's node, for the scenarios that stop and start it.
+    broker: Option<Arc<TestRabbitMq>>,
     started: Arc<AtomicUsize>,
 }
 
@@ -46,8 +49,8 @@ pub struct ConsumerProcess {
     pub log: PathBuf,
 }
 
-/// A broker client on the case's queue: publishes with confirmations, counts
-/// queues, peeks at dead letters.
+/// A broker client on the case's queue: publishes with confirmations and
+/// counts queues.
 pub struct Client {
     connection: Connection,
     channel: Channel,
@@ -57,6 +60,9 @@ pub struct Client {
 
 /// How long a scenario waits for what it expects before it fails.
 pub(crate) const PATIENCE: Duration = Duration::from_secs(60);
+
+/// AMQP's delivery mode for messages that survive a broker restart.
+const PERSISTENT: u8 = 2;
 
 impl Case {
     /// A case; `dir` is created if missing.
@@ -73,13 +79,34 @@ impl Case {
             database: database.into(),
             queue: queue.into(),
             dir: dir.into(),
+            broker: None,
             started: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    /// The case with the broker's node, which the scenarios that restart the
+    /// broker need (the others do without). Such a scenario runs alone
+    /// ([`Scenario::alone`](super::Scenario::alone)): every client of the
+    /// node loses its connection.
+    #[must_use]
+    pub fn with_broker(mut self, broker: Arc<TestRabbitMq>) -> Self {
+        self.broker = Some(broker);
+        self
     }
 
     /// Starts `payments-consumer run` on the case (with `--retry-base-ms 20`
     /// unless `extra` says otherwise) and waits for its `consuming from` line.
     pub async fn consumer(&self, extra: &[&str]) -> Result<ConsumerProcess, String> {
+        self.consumer_with_env(&[], extra).await
+    }
+
+    /// [`consumer`](Self::consumer), with environment variables set (as
+    /// `RUST_LOG`).
+    pub async fn consumer_with_env(
+        &self,
+        env: &[(&str, &str)],
+        extra: &[&str],
+    ) -> Result<ConsumerProcess, String> {
         std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
         let n = self.started.fetch_add(1, Ordering::Relaxed) + 1;
         let log = self.dir.join(format!("{}-consumer-{n}.log", self.queue));
@@ -93,6 +120,7 @@ impl Case {
         }
         let mut child = command
             .args(extra)
+            .envs(env.iter().copied())
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -167,17 +195,45 @@ impl Case {
             .collect()
     }
 
-    /// The inbox's consumer name for the case's queue.
-    pub fn inbox_consumer(&self) -> String {
-        format!("payments-consumer/{}", self.queue)
+    /// The dead letters as idem-rabbitmq reads them (with their `x-death`).
+    pub async fn dead_letter_messages(&self) -> Result<Vec<DeadLetterMessage>, String> {
+        idem_rabbitmq::dead_letters(&self.amqp, &self.queue)
+            .await
+            .map_err(|e| e.to_string())
     }
 
-    /// A pool on the case's database.
-    pub async fn pool(&self) -> Result<PgPool, String> {
-        PgStore::connect(&self.database)
+    /// The inbox's consumer name for the case's queue.
+    pub fn inbox_consumer(&self) -> String {
+        inbox_name(&self.queue)
+    }
+
+    /// The case's database (migrated).
+    pub async fn database(&self) -> Result<Database, String> {
+        Database::open(&self.database, 2)
             .await
-            .map(|store| store.pool().clone())
             .map_err(|e| format!("the database: {e}"))
+    }
+
+    /// Stops the broker (`rabbitmqctl stop_app`: every connection closed,
+    /// the port refusing new ones, durable queues and persistent messages
+    /// kept), waits `down`, and starts it again.
+    pub async fn restart_broker(&self, down: Duration) -> Result<(), String> {
+        let broker = self
+            .broker
+            .clone()
+            .ok_or("the case has no broker to restart (Case::with_broker)")?;
+        let ctl = |command: &'static str| {
+            let broker = broker.clone();
+            async move {
+                tokio::task::spawn_blocking(move || broker.ctl(&[command]).map(drop))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| format!("rabbitmqctl {command}: {e}"))
+            }
+        };
+        ctl("stop_app").await?;
+        tokio::time::sleep(down).await;
+        ctl("start_app").await
     }
 }
 
@@ -187,26 +243,23 @@ struct Count {
     n: i64,
 }
 
-/// How many messages the case's consumer processed (its inbox rows).
-pub(crate) async fn processed(pool: &PgPool, consumer: &str) -> Result<i64, String> {
-    let mut connection = pool.get().await.map_err(|e| e.to_string())?;
-    diesel::sql_query("SELECT count(*) AS n FROM idem_inbox WHERE consumer = $1")
-        .bind::<Text, _>(consumer)
-        .get_result::<Count>(&mut *connection)
-        .await
-        .map(|row| row.n)
-        .map_err(|e| e.to_string())
+/// How many messages `consumer` processed (its inbox rows).
+pub(crate) async fn processed(database: &Database, consumer: &str) -> Result<i64, String> {
+    // The name is the scenario's own (letters, digits, `_`, `/`, `-`).
+    let query =
+        format!("SELECT count(*) AS n FROM idem_consumer_inbox WHERE consumer = '{consumer}'");
+    count(database, &query).await.map_err(|e| e.to_string())
+}
+
+async fn count(database: &Database, query: &str) -> Result<i64, ConsumerError> {
+    Ok(with_connection!(database, connection => {
+        diesel::sql_query(query).get_result::<Count>(connection).await?.n
+    }))
 }
 
 /// Every account, by id.
-pub(crate) async fn accounts(pool: &PgPool) -> Result<Vec<Account>, String> {
-    let mut connection = pool.get().await.map_err(|e| e.to_string())?;
-    diesel::sql_query(
-        "SELECT account_id, balance, operations FROM payments_consumer_accounts ORDER BY account_id",
-    )
-    .get_results::<Account>(&mut *connection)
-    .await
-    .map_err(|e| e.to_string())
+pub(crate) async fn accounts(database: &Database) -> Result<Vec<Account>, String> {
+    database.accounts().await.map_err(|e| e.to_string())
 }
 
 impl ConsumerProcess {
@@ -215,8 +268,8 @@ impl ConsumerProcess {
         let _ = self.child.kill().await;
     }
 
-    /// Stops it with `SIGTERM`, as a supervisor would; kills it if it is
-    /// still running after 10 s.
+    /// Stops it with `SIGTERM`, as a supervisor would; fails unless it exits
+    /// 0 within 10 s.
     pub async fn terminate(mut self) -> Result<(), String> {
         if let Some(pid) = self.child.id() {
             let _ = Command::new("kill")
@@ -232,6 +285,16 @@ impl ConsumerProcess {
             )),
             _ => Err("the consumer did not stop within 10 s of SIGTERM".to_owned()),
         }
+    }
+
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Its log.
+    pub fn log_text(&self) -> String {
+        read_log(&self.log)
     }
 
     /// Its log lines that contain `text`.
@@ -273,29 +336,7 @@ impl Client {
     /// Publishes `body` to the work queue with `message_id` (if any),
     /// persistent, and waits for the broker's confirmation.
     pub async fn publish(&self, message_id: Option<&str>, body: &[u8]) -> Result<(), String> {
-        let mut properties = BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_delivery_mode(PERSISTENT);
-        if let Some(id) = message_id {
-            properties = properties.with_message_id(id.into());
-        }
-        let confirmation = self
-            .channel
-            .basic_publish(
-                "".into(),
-                self.topology.queue().into(),
-                BasicPublishOptions::default(),
-                body,
-                properties,
-            )
-            .await
-            .map_err(|e| e.to_string())?
-            .await
-            .map_err(|e| e.to_string())?;
-        match confirmation {
-            Confirmation::Ack(_) => Ok(()),
-            other => Err(format!("the broker did not take a message: {other:?}")),
-        }
+        publish(&self.channel, self.topology.queue(), message_id, body).await
     }
 
     /// The client's channel (in confirm mode).
@@ -305,7 +346,7 @@ impl Client {
 
     /// How many messages are ready in `queue`.
     pub async fn ready(&self, queue: &str) -> Result<u32, String> {
-        Topology::ready(&self.channel, queue)
+        idem_rabbitmq::ready(&self.channel, queue)
             .await
             .map_err(|e| e.to_string())
     }
@@ -327,65 +368,42 @@ impl Client {
         }
     }
 
-    /// The `x-death` entries of every dead letter (fetched on a channel of
-    /// their own and handed back), as (queue, reason, count) triples.
-    pub async fn x_deaths(&self) -> Result<Vec<Vec<(String, String, i64)>>, String> {
-        let channel = self
-            .connection
-            .create_channel()
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut letters = Vec::new();
-        while let Some(got) = channel
-            .basic_get(
-                self.topology.dead_letter_queue().into(),
-                BasicGetOptions::default(),
-            )
-            .await
-            .map_err(|e| e.to_string())?
-        {
-            letters.push(x_death(&got));
-        }
-        channel
-            .close(200, "peeked".into())
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(letters)
+    /// Closes the connection.
+    pub async fn close(self) {
+        let _ = self.connection.close(200, "bye".into()).await;
     }
 }
 
-fn x_death(got: &BasicGetMessage) -> Vec<(String, String, i64)> {
-    let Some(AMQPValue::FieldArray(deaths)) = got
-        .delivery
-        .properties
-        .headers()
-        .as_ref()
-        .and_then(|headers| headers.inner().get("x-death"))
-    else {
-        return Vec::new();
-    };
-    deaths
-        .as_slice()
-        .iter()
-        .filter_map(|death| match death {
-            AMQPValue::FieldTable(table) => Some(entry(table)),
-            _ => None,
-        })
-        .collect()
-}
-
-fn entry(table: &FieldTable) -> (String, String, i64) {
-    let text = |name: &str| match table.inner().get(name) {
-        Some(AMQPValue::LongString(value)) => String::from_utf8_lossy(value.as_bytes()).into(),
-        Some(AMQPValue::ShortString(value)) => value.as_str().to_owned(),
-        _ => String::new(),
-    };
-    let count = match table.inner().get("count") {
-        Some(AMQPValue::LongLongInt(n)) => *n,
-        Some(AMQPValue::LongInt(n)) => i64::from(*n),
-        _ => -1,
-    };
-    (text("queue"), text("reason"), count)
+/// Publishes `body` to `queue` with `message_id` (if any), persistent, and
+/// waits for the broker's confirmation (`channel` in confirm mode).
+pub(crate) async fn publish(
+    channel: &Channel,
+    queue: &str,
+    message_id: Option<&str>,
+    body: &[u8],
+) -> Result<(), String> {
+    let mut properties = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(PERSISTENT);
+    if let Some(id) = message_id {
+        properties = properties.with_message_id(id.into());
+    }
+    let confirmation = channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            body,
+            properties,
+        )
+        .await
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    match confirmation {
+        Confirmation::Ack(_) => Ok(()),
+        other => Err(format!("the broker did not take a message: {other:?}")),
+    }
 }
 
 /// The file's text, or why it could not be read.

@@ -1,0 +1,44 @@
+//! The examples' log set-up, shared by the payments services and
+//! `payments-consumer`: [`init`].
+
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, filter};
+
+/// The targets of the drivers that log what they carry below `info`, whatever
+/// `RUST_LOG` says: PostgreSQL's (`tokio_postgres`, at `debug`: every
+/// statement's bound parameters, which hold idempotency keys, message ids and
+/// the values of bodies) and RabbitMQ's (`lapin` and `amq_protocol`, at
+/// `trace`: every frame, with its message's properties and body).
+pub const QUIET_DRIVERS: &[&str] = &["tokio_postgres", "lapin", "amq_protocol"];
+
+/// Logs to stderr (stdout's first line is the program's own), filtered by
+/// `RUST_LOG` (default `info`), with the [`QUIET_DRIVERS`] at `info` at most.
+/// A second call (in tests) keeps the first subscriber.
+pub fn init() {
+    let env = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let output = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_filter(filter::filter_fn(|metadata| {
+            *metadata.level() <= tracing::Level::INFO || !is_quiet_driver(metadata.target())
+        }));
+    let _ = tracing_subscriber::registry()
+        .with(env)
+        .with(output)
+        .try_init();
+}
+
+/// Whether `target` is one of the [`QUIET_DRIVERS`] or in one of their
+/// modules.
+///
+/// ```
+/// assert!(example_tracing::is_quiet_driver("tokio_postgres::query"));
+/// assert!(example_tracing::is_quiet_driver("amq_protocol_types"));
+/// assert!(!example_tracing::is_quiet_driver("idem"));
+/// ```
+pub fn is_quiet_driver(target: &str) -> bool {
+    QUIET_DRIVERS
+        .iter()
+        .any(|driver| target.starts_with(driver))
+}
