@@ -16,8 +16,6 @@ mod table;
 mod wait;
 
 #[cfg(feature = "postgres")]
-mod inbox;
-#[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
@@ -37,10 +35,6 @@ pub use error::SetupError;
 pub use idem_core::cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use table::DEFAULT_TABLE;
 
-#[cfg(feature = "postgres")]
-pub use inbox::{
-    ConsumerFn, DeadLetter, DeadLetterAlert, Delivery, Inbox, InboxBuilder, InboxError,
-};
 #[cfg(feature = "postgres")]
 pub use postgres::{
     PgInbox, PgInboxBuilder, PgPool, PgStore, PgStoreBuilder, PgTransaction,

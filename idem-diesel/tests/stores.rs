@@ -16,8 +16,6 @@
 mod cleanup;
 #[path = "stores/consumer_inbox.rs"]
 mod consumer_inbox;
-#[path = "stores/inbox.rs"]
-mod inbox;
 #[path = "stores/postgres.rs"]
 mod postgres;
 #[path = "stores/sqlite.rs"]
@@ -121,7 +119,6 @@ fn main() -> ExitCode {
         .chain(sqlite::TESTS)
         .chain(cleanup::TESTS)
         .chain(transactional::TESTS)
-        .chain(inbox::TESTS)
         .chain(consumer_inbox::TESTS)
     {
         let test = *test;

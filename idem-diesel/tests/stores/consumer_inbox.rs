@@ -15,7 +15,7 @@ use idem_core::consume::{
 };
 use idem_core::retry::Backoff;
 use idem_diesel::{
-    AsyncSqliteConnection, PgInbox, PgPool, PgStore, SqliteInbox, SqlitePool, SqliteStore, Sweep,
+    AsyncSqliteConnection, PgInbox, PgPool, SqliteInbox, SqlitePool, SqliteStore, Sweep,
     SweepReport,
 };
 
@@ -58,10 +58,6 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
         "consumer_inbox::sqlite_inbox_shares_the_file_with_the_store",
         |d| Box::pin(sqlite_inbox_shares_the_file_with_the_store(d)),
-    ),
-    (
-        "consumer_inbox::postgres_tables_live_beside_the_older_inbox",
-        |d| Box::pin(postgres_tables_live_beside_the_older_inbox(d)),
     ),
 ];
 
@@ -388,29 +384,6 @@ async fn postgres_cleanup_deletes_expired_rows_and_keeps_dead_letters(databases:
     );
     let letters = inbox.dead_letters("ledger").await.expect("dead letters");
     assert_eq!(letters.len(), 1, "dead letters are never swept");
-}
-
-async fn postgres_tables_live_beside_the_older_inbox(databases: Arc<Databases>) {
-    let store = PgStore::connect(&databases.fresh_postgres().await)
-        .await
-        .expect("connect");
-    store.migrate().await.expect("migrate the store");
-    idem_diesel::Inbox::new(store.pool().clone())
-        .migrate()
-        .await
-        .expect("migrate the older inbox");
-    let inbox = PgInbox::new(store.pool().clone());
-    inbox.migrate().await.expect("migrate the consumer inbox");
-    assert_eq!(
-        pg_count(
-            store.pool(),
-            "SELECT count(*) AS n FROM pg_tables WHERE tablename IN (
-                 'idem_records', 'idem_inbox', 'idem_inbox_failures', 'idem_dead_letters',
-                 'idem_consumer_inbox', 'idem_consumer_failures', 'idem_consumer_dead_letters')"
-        )
-        .await,
-        7
-    );
 }
 
 /// What a processed message and a duplicate cost on PostgreSQL: the statements

@@ -1,3 +1,0 @@
-DROP TABLE IF EXISTS "idem_dead_letters";
-DROP TABLE IF EXISTS "idem_inbox_failures";
-DROP TABLE IF EXISTS "idem_inbox";
