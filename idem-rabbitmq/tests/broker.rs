@@ -1,2 +1,1011 @@
-//! placeholder
-fn main() {}
+//! idem-rabbitmq against a real RabbitMQ node: one throwaway node for the
+//! binary (stopped when the trials end), a queue per case, `MemoryInbox` as
+//! the inbox and an in-memory ledger as the effect.
+//!
+//! Every wait is bounded and fails loudly with what it waited for and what
+//! it last saw; none waits for readiness by sleeping. The case that stops
+//! the broker runs alone (the others hold a shared lock).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::fmt::Display;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use idem_core::retry::Jitter;
+use idem_rabbitmq::lapin::{Connection, ConnectionProperties};
+use idem_rabbitmq::{
+    Attempt, Backoff, Consumer, ConsumerPolicy, Error, Handler, HandlerError, HandlerFuture, Inbox,
+    MemoryInbox, Message, Publisher, QueueType,
+};
+use idem_testkit::TestRabbitMq;
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Barrier, oneshot, watch};
+use tokio::task::JoinHandle;
+
+type Outcome = Result<String, Failed>;
+
+/// A case: its name (its queue's too), whether it must run alone, and how to
+/// run it (the figure behind a pass).
+struct Scenario {
+    name: &'static str,
+    alone: bool,
+    run: fn(Case) -> BoxFuture<'static, Outcome>,
+}
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "duplicates_are_applied_once",
+        alone: false,
+        run: |case| duplicates_are_applied_once(case).boxed(),
+    },
+    Scenario {
+        name: "a_failing_message_is_dead_lettered_after_exactly_three_attempts",
+        alone: false,
+        run: |case| dead_lettered_after_three_attempts(case, QueueType::Classic).boxed(),
+    },
+    Scenario {
+        name: "on_quorum_queues_a_failing_message_is_dead_lettered_after_exactly_three_attempts",
+        alone: false,
+        run: |case| dead_lettered_after_three_attempts(case, QueueType::Quorum).boxed(),
+    },
+    Scenario {
+        name: "a_short_retry_is_not_held_behind_a_long_one",
+        alone: false,
+        run: |case| a_short_retry_is_not_held_behind_a_long_one(case).boxed(),
+    },
+    Scenario {
+        name: "one_alert_per_crossing_of_the_threshold",
+        alone: false,
+        run: |case| one_alert_per_crossing_of_the_threshold(case).boxed(),
+    },
+    Scenario {
+        name: "a_redrive_is_applied_once",
+        alone: false,
+        run: |case| a_redrive_is_applied_once(case).boxed(),
+    },
+    Scenario {
+        name: "the_consumer_resumes_by_itself_after_a_broker_restart",
+        alone: true,
+        run: |case| the_consumer_resumes_after_a_broker_restart(case).boxed(),
+    },
+    Scenario {
+        name: "a_graceful_shutdown_under_load_loses_nothing",
+        alone: false,
+        run: |case| a_graceful_shutdown_under_load_loses_nothing(case).boxed(),
+    },
+    Scenario {
+        name: "concurrency_n_runs_n_handlers_at_once",
+        alone: false,
+        run: |case| concurrency_n_runs_n_handlers_at_once(case).boxed(),
+    },
+];
+
+fn main() -> ExitCode {
+    let args = Arguments::from_args();
+    let broker: Arc<OnceLock<Result<TestRabbitMq, String>>> = Arc::new(OnceLock::new());
+    let alone = Arc::new(RwLock::new(()));
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => Arc::new(runtime),
+        Err(error) => {
+            eprintln!("cannot start a Tokio runtime for the tests: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let trials = SCENARIOS
+        .iter()
+        .map(|scenario| {
+            let broker = broker.clone();
+            let runtime = runtime.clone();
+            let alone = alone.clone();
+            Trial::test(scenario.name, move || {
+                let node = broker
+                    .get_or_init(|| TestRabbitMq::start().map_err(|e| format!("RabbitMQ: {e}")))
+                    .as_ref()
+                    .map_err(|why| Failed::from(why.as_str()))?;
+                let _turn = if scenario.alone {
+                    Turn::Alone(alone.write().unwrap_or_else(|p| p.into_inner()))
+                } else {
+                    Turn::Shared(alone.read().unwrap_or_else(|p| p.into_inner()))
+                };
+                let case = Case {
+                    url: node.url(),
+                    queue: scenario.name.to_owned(),
+                    broker: broker.clone(),
+                };
+                runtime
+                    .block_on((scenario.run)(case))
+                    .map(|figure| println!("{}: {figure}", scenario.name))
+                    .map_err(|failed| {
+                        Failed::from(format!(
+                            "{}\n(the node's logs: {})",
+                            failed.message().unwrap_or_default(),
+                            node.dir().join("log").display()
+                        ))
+                    })
+            })
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    drop(runtime);
+    // The node is stopped here, whatever the trials did.
+    drop(broker);
+    conclusion.exit_code()
+}
+
+#[allow(dead_code)]
+enum Turn<'a> {
+    Alone(std::sync::RwLockWriteGuard<'a, ()>),
+    Shared(std::sync::RwLockReadGuard<'a, ()>),
+}
+
+struct Case {
+    url: String,
+    queue: String,
+    broker: Arc<OnceLock<Result<TestRabbitMq, String>>>,
+}
+
+impl Case {
+    fn broker(&self) -> &TestRabbitMq {
+        match self.broker.get() {
+            Some(Ok(broker)) => broker,
+            _ => unreachable!("the node started before the case"),
+        }
+    }
+
+    fn dlq(&self) -> String {
+        format!("{}.dlq", self.queue)
+    }
+
+    /// A consumer of the case's queue on `inbox`, applying `apply`.
+    fn consumer(
+        &self,
+        inbox: MemoryInbox,
+        apply: Apply,
+        policy: ConsumerPolicy,
+        concurrency: usize,
+    ) -> Result<Consumer<MemoryInbox, Apply>, Failed> {
+        Consumer::builder(&self.url, &self.queue)
+            .inbox(inbox)
+            .handler(apply)
+            .policy(policy)
+            .concurrency(concurrency)
+            .build()
+            .map_err(failed)
+    }
+
+    /// Publishes each `(id, payment)` once, confirmed.
+    async fn publish(&self, payments: &[(String, Payment)]) -> Result<(), Failed> {
+        let publisher = Publisher::connect(&self.url).await.map_err(failed)?;
+        for (id, payment) in payments {
+            publisher
+                .publish(&self.queue, &payment.message(id))
+                .await
+                .map_err(failed)?;
+        }
+        publisher.close().await;
+        Ok(())
+    }
+
+    /// How many messages are ready in `queue` (0 when it does not exist).
+    async fn ready(&self, queue: &str) -> Result<u32, String> {
+        let connection = Connection::connect(&self.url, ConnectionProperties::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| e.to_string())?;
+        let ready = match idem_rabbitmq::ready(&channel, queue).await {
+            Ok(ready) => Ok(ready),
+            Err(Error::NoSuchQueue(_)) => Ok(0),
+            Err(error) => Err(error.to_string()),
+        };
+        let _ = connection.close(200, "counted".into()).await;
+        ready
+    }
+
+    /// Waits until `queue` holds exactly `count` ready messages.
+    async fn await_ready(&self, queue: &str, count: u32, limit: Duration) -> Result<(), Failed> {
+        until(format!("{queue} holds {count} messages"), limit, || async {
+            match self.ready(queue).await {
+                Ok(ready) if ready == count => Ok(()),
+                Ok(ready) => Err(format!("{ready} ready")),
+                Err(error) => Err(error),
+            }
+        })
+        .await
+    }
+
+    /// The queue's unacknowledged messages, as the broker counts them.
+    fn unacknowledged(&self, queue: &str) -> Result<u64, Failed> {
+        let listed = self
+            .broker()
+            .ctl(&["list_queues", "-q", "name", "messages_unacknowledged"])
+            .map_err(failed)?;
+        Ok(listed
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .find(|(name, _)| *name == queue)
+            .and_then(|(_, count)| count.trim().parse().ok())
+            .unwrap_or(0))
+    }
+}
+
+/// A payment: add `amount` to the account's balance.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Payment {
+    account_id: String,
+    amount: i64,
+}
+
+impl Payment {
+    fn new(account: &str, amount: i64) -> Self {
+        Self {
+            account_id: account.to_owned(),
+            amount,
+        }
+    }
+
+    fn message(&self, id: &str) -> Message {
+        Message::new(serde_json::to_vec(self).unwrap()).id(id)
+    }
+}
+
+/// `count` payments `prefix-i` over 7 accounts, amounts 1 to `count`.
+fn payments(prefix: &str, count: usize) -> Vec<(String, Payment)> {
+    (0..count)
+        .map(|i| {
+            (
+                format!("{prefix}-{i}"),
+                Payment::new(&format!("acc-{}", i % 7), i as i64 + 1),
+            )
+        })
+        .collect()
+}
+
+/// Every account's balance and operations after applying `payments` once.
+fn balances(payments: &[(String, Payment)]) -> HashMap<String, (i64, u64)> {
+    let mut balances: HashMap<String, (i64, u64)> = HashMap::new();
+    for (_, payment) in payments {
+        let account = balances.entry(payment.account_id.clone()).or_default();
+        account.0 += payment.amount;
+        account.1 += 1;
+    }
+    balances
+}
+
+/// The effect: balances, and how many times each message was applied.
+#[derive(Clone, Default)]
+struct Ledger {
+    inner: Arc<Mutex<LedgerState>>,
+}
+
+#[derive(Default)]
+struct LedgerState {
+    balances: HashMap<String, (i64, u64)>,
+    applied: HashMap<String, u64>,
+}
+
+impl Ledger {
+    fn apply(&self, id: &str, payment: &Payment) {
+        let mut state = self.inner.lock().unwrap();
+        let account = state
+            .balances
+            .entry(payment.account_id.clone())
+            .or_default();
+        account.0 += payment.amount;
+        account.1 += 1;
+        *state.applied.entry(id.to_owned()).or_default() += 1;
+    }
+
+    fn operations(&self) -> u64 {
+        self.inner.lock().unwrap().applied.values().sum()
+    }
+
+    fn balances(&self) -> HashMap<String, (i64, u64)> {
+        self.inner.lock().unwrap().balances.clone()
+    }
+
+    /// Fails unless every payment was applied exactly once.
+    fn exact(&self, payments: &[(String, Payment)]) -> Result<(), Failed> {
+        let state = self.inner.lock().unwrap();
+        let twice: Vec<_> = state.applied.iter().filter(|(_, n)| **n != 1).collect();
+        ensure(
+            twice.is_empty(),
+            format!("applied more than once: {twice:?}"),
+        )?;
+        ensure(
+            state.applied.len() == payments.len(),
+            format!(
+                "{} of {} messages applied",
+                state.applied.len(),
+                payments.len()
+            ),
+        )?;
+        ensure(
+            state.balances == balances(payments),
+            format!(
+                "balances {:?}, expected {:?}",
+                state.balances,
+                balances(payments)
+            ),
+        )
+    }
+}
+
+/// One run of the handler, as it saw it.
+#[derive(Clone, Debug)]
+struct Seen {
+    id: String,
+    attempt: u32,
+    at: Instant,
+    delivery_count: Option<u32>,
+}
+
+type Fails = dyn Fn(&str, u32) -> Option<HandlerError> + Send + Sync;
+
+/// The handler: applies the payment to the ledger, unless `fails` says
+/// otherwise for this message and attempt; records each run; optionally
+/// takes `latency` and waits at a gate.
+#[derive(Clone)]
+struct Apply {
+    ledger: Ledger,
+    fails: Arc<Fails>,
+    latency: Duration,
+    gate: Option<Arc<Barrier>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    in_flight: Arc<AtomicUsize>,
+    most_in_flight: Arc<AtomicUsize>,
+}
+
+impl Apply {
+    fn new(ledger: &Ledger) -> Self {
+        Self {
+            ledger: ledger.clone(),
+            fails: Arc::new(|_, _| None),
+            latency: Duration::ZERO,
+            gate: None,
+            seen: Arc::default(),
+            in_flight: Arc::default(),
+            most_in_flight: Arc::default(),
+        }
+    }
+
+    fn failing(
+        mut self,
+        fails: impl Fn(&str, u32) -> Option<HandlerError> + Send + Sync + 'static,
+    ) -> Self {
+        self.fails = Arc::new(fails);
+        self
+    }
+
+    fn latency(mut self, latency: Duration) -> Self {
+        self.latency = latency;
+        self
+    }
+
+    fn gate(mut self, gate: Arc<Barrier>) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    fn runs_of(&self, id: &str) -> Vec<Seen> {
+        self.seen().into_iter().filter(|s| s.id == id).collect()
+    }
+}
+
+impl Handler<()> for Apply {
+    fn handle<'a>(&'a self, attempt: Attempt<'a>, _tx: &'a mut ()) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            let id = attempt.message_id();
+            self.seen.lock().unwrap().push(Seen {
+                id: id.to_owned(),
+                attempt: attempt.number(),
+                at: Instant::now(),
+                delivery_count: attempt.broker_delivery_count(),
+            });
+            let payment: Payment = attempt.json().map_err(HandlerError::permanent)?;
+            let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_in_flight.fetch_max(now, Ordering::SeqCst);
+            let ran = async {
+                if let Some(gate) = &self.gate {
+                    tokio::time::timeout(Duration::from_secs(20), gate.wait())
+                        .await
+                        .map_err(|_| HandlerError::permanent("the gate never filled"))?;
+                }
+                if !self.latency.is_zero() {
+                    // The effect's own duration, not a wait for readiness.
+                    tokio::time::sleep(self.latency).await;
+                }
+                if let Some(error) = (self.fails)(id, attempt.number()) {
+                    return Err(error);
+                }
+                self.ledger.apply(id, &payment);
+                Ok(())
+            }
+            .await;
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            ran
+        })
+    }
+}
+
+/// A consumer running in a task, stopped on demand.
+struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), Error>>,
+    subscriptions: watch::Receiver<u64>,
+}
+
+impl Running {
+    /// Runs `consumer` and waits until it subscribed.
+    async fn start<I: Inbox>(consumer: Arc<Consumer<I, Apply>>) -> Result<Self, Failed>
+    where
+        Apply: Handler<I::Tx>,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let (subscribed, subscriptions) = watch::channel(0u64);
+        let task = tokio::spawn(async move {
+            consumer
+                .run(
+                    async {
+                        let _ = stopped.await;
+                    },
+                    move |s| {
+                        let _ = subscribed.send(s.subscription);
+                    },
+                )
+                .await
+        });
+        let mut running = Self {
+            stop: Some(stop),
+            task,
+            subscriptions,
+        };
+        running.subscribed(1).await?;
+        Ok(running)
+    }
+
+    /// Waits until the consumer subscribed `n` times.
+    async fn subscribed(&mut self, n: u64) -> Result<(), Failed> {
+        let waited = tokio::time::timeout(
+            Duration::from_secs(60),
+            self.subscriptions.wait_for(|count| *count >= n),
+        )
+        .await
+        .map(|seen| seen.map(drop));
+        match waited {
+            Ok(Ok(())) => Ok(()),
+            _ if self.task.is_finished() => Err(Failed::from(format!(
+                "the consumer ended before its subscription {n}: {:?}",
+                (&mut self.task).await
+            ))),
+            _ => Err(Failed::from(format!(
+                "the consumer did not subscribe {n} times within 60 s (it did {} times)",
+                *self.subscriptions.borrow()
+            ))),
+        }
+    }
+
+    /// Shuts the consumer down gracefully; answers how long it took.
+    async fn stop(mut self) -> Result<Duration, Failed> {
+        let started = Instant::now();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match tokio::time::timeout(Duration::from_secs(60), self.task).await {
+            Ok(Ok(Ok(()))) => Ok(started.elapsed()),
+            Ok(Ok(Err(error))) => Err(failed(error)),
+            Ok(Err(error)) => Err(failed(error)),
+            Err(_) => Err(Failed::from("the consumer did not stop within 60 s")),
+        }
+    }
+}
+
+/// Polls `check` until it answers `Ok`, for at most `limit`; fails with
+/// `what` and the last state it answered.
+async fn until<F, Fut>(what: impl Display, limit: Duration, mut check: F) -> Result<(), Failed>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let started = Instant::now();
+    loop {
+        let last = match check().await {
+            Ok(()) => return Ok(()),
+            Err(state) => state,
+        };
+        if started.elapsed() > limit {
+            return Err(Failed::from(format!(
+                "waited {limit:?} for: {what}; last seen: {last}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+fn ensure(condition: bool, why: impl Display) -> Result<(), Failed> {
+    if condition {
+        Ok(())
+    } else {
+        Err(Failed::from(why.to_string()))
+    }
+}
+
+fn failed(error: impl Display) -> Failed {
+    Failed::from(error.to_string())
+}
+
+/// A policy with quick retries.
+fn quick(max_attempts: u32) -> ConsumerPolicy {
+    ConsumerPolicy::new()
+        .max_attempts(max_attempts)
+        .backoff(Backoff::new(
+            Duration::from_millis(50),
+            Duration::from_millis(200),
+        ))
+}
+
+async fn operations(ledger: &Ledger, count: u64, limit: Duration) -> Result<(), Failed> {
+    until(format!("{count} operations"), limit, || async {
+        let done = ledger.operations();
+        if done >= count {
+            Ok(())
+        } else {
+            Err(format!("{done} operations"))
+        }
+    })
+    .await
+}
+
+// --- the cases ---
+
+/// 500 messages, 100 of them published twice (a producer that retried):
+/// every balance exact, each message applied once, nothing left.
+async fn duplicates_are_applied_once(case: Case) -> Outcome {
+    let unique = payments("m", 500);
+    let mut published = unique.clone();
+    published.extend(unique.iter().step_by(5).cloned());
+    ensure(published.len() == 600, "600 publishes")?;
+
+    let ledger = Ledger::default();
+    let consumer = case.consumer(MemoryInbox::new(), Apply::new(&ledger), quick(3), 4)?;
+    let running = Running::start(Arc::new(consumer)).await?;
+    case.publish(&published).await?;
+    operations(&ledger, 500, Duration::from_secs(60)).await?;
+    case.await_ready(&case.queue, 0, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+    // What was delivered and not acknowledged is back in the queue now.
+    ensure(
+        case.ready(&case.queue).await? == 0,
+        "every delivery, the duplicates included, was acknowledged",
+    )?;
+    ledger.exact(&unique)?;
+    Ok(format!(
+        "600 deliveries of 500 messages: 500 operations, {} accounts exact",
+        ledger.balances().len()
+    ))
+}
+
+/// A message that fails every time: in the dead-letter queue after exactly
+/// three attempts, with the reason, the three attempts' times and its
+/// `x-death` history; the listing leaves it there.
+async fn dead_lettered_after_three_attempts(case: Case, queue_type: QueueType) -> Outcome {
+    let ledger = Ledger::default();
+    let apply =
+        Apply::new(&ledger).failing(|_, _| Some(HandlerError::transient("the ledger is down")));
+    let consumer = Consumer::builder(&case.url, &case.queue)
+        .inbox(MemoryInbox::new())
+        .handler(apply.clone())
+        .policy(quick(3))
+        .queue_type(queue_type)
+        .build()
+        .map_err(failed)?;
+    let consumer = Arc::new(consumer);
+    let running = Running::start(consumer.clone()).await?;
+    case.publish(&[("poison-1".to_owned(), Payment::new("acc-1", 5))])
+        .await?;
+    case.await_ready(&case.dlq(), 1, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+
+    let runs = apply.runs_of("poison-1");
+    let attempts: Vec<u32> = runs.iter().map(|s| s.attempt).collect();
+    ensure(attempts == [1, 2, 3], format!("attempts {attempts:?}"))?;
+    if queue_type == QueueType::Quorum {
+        let counts: Vec<_> = runs.iter().map(|s| s.delivery_count).collect();
+        ensure(
+            counts == [Some(1); 3],
+            format!("each attempt is a first delivery of its copy: {counts:?}"),
+        )?;
+    }
+    let letters = idem_rabbitmq::dead_letters(&case.url, &case.queue)
+        .await
+        .map_err(failed)?;
+    let [letter] = letters.as_slice() else {
+        return Err(failed(format!("one dead letter, got {letters:?}")));
+    };
+    ensure(
+        letter.message_id.as_deref() == Some("poison-1") && letter.queue == case.queue,
+        format!("{letter:?}"),
+    )?;
+    ensure(
+        letter.reason.contains("the ledger is down"),
+        format!("reason {:?}", letter.reason),
+    )?;
+    ensure(
+        letter.attempted_at.len() == 3 && letter.attempted_at.is_sorted(),
+        format!("three attempt times: {:?}", letter.attempted_at),
+    )?;
+    let hop = format!("{}.dlq.hop", case.queue);
+    ensure(
+        letter
+            .deaths
+            .iter()
+            .any(|d| d.queue == hop && d.reason == "expired"),
+        format!("x-death records the hop: {:?}", letter.deaths),
+    )?;
+    let retried: u64 = letter
+        .deaths
+        .iter()
+        .filter(|d| d.queue.starts_with(&format!("{}.retry.", case.queue)))
+        .map(|d| d.count)
+        .sum();
+    ensure(
+        retried == 2,
+        format!("x-death records the two retries: {:?}", letter.deaths),
+    )?;
+    ensure(
+        serde_json::from_slice::<Payment>(&letter.body).is_ok(),
+        "the body is the message's",
+    )?;
+    case.await_ready(&case.dlq(), 1, Duration::from_secs(5))
+        .await?;
+    let recorded = consumer.protocol().dead_letters().await.map_err(failed)?;
+    ensure(
+        recorded.len() == 1 && recorded[0].published && recorded[0].attempts == 3,
+        format!("the inbox's record: {recorded:?}"),
+    )?;
+    ensure(ledger.operations() == 0, "never applied")?;
+    Ok(format!(
+        "3 attempts over {:?}, then the dead-letter queue ({} x-death entries)",
+        runs[2].at - runs[0].at,
+        letter.deaths.len()
+    ))
+}
+
+/// A retry of 200 ms is not held behind one of 3.2 s: each comes back
+/// after its own delay (RabbitMQ expires per-message TTLs only at a queue's
+/// head; each power of two of milliseconds has its delay queue).
+async fn a_short_retry_is_not_held_behind_a_long_one(case: Case) -> Outcome {
+    let ledger = Ledger::default();
+    let apply = Apply::new(&ledger).failing(|id, attempt| {
+        let fails = match id {
+            "long" => attempt <= 5,
+            _ => attempt == 1,
+        };
+        fails.then(|| HandlerError::transient("not yet"))
+    });
+    // Delays without jitter: 200, 400, 800, 1600, then 3200 ms.
+    let policy = ConsumerPolicy::new().max_attempts(10).backoff(
+        Backoff::new(Duration::from_millis(200), Duration::from_millis(3200)).jitter(Jitter::None),
+    );
+    let consumer = case.consumer(MemoryInbox::new(), apply.clone(), policy, 2)?;
+    let running = Running::start(Arc::new(consumer)).await?;
+    case.publish(&[("long".to_owned(), Payment::new("acc-1", 1))])
+        .await?;
+    // "long" waits 3.2 s in its delay queue; then "short" fails once.
+    let long_queue = format!("{}.retry.4096ms", case.queue);
+    case.await_ready(&long_queue, 1, Duration::from_secs(30))
+        .await?;
+    case.publish(&[("short".to_owned(), Payment::new("acc-2", 1))])
+        .await?;
+    operations(&ledger, 2, Duration::from_secs(30)).await?;
+    running.stop().await?;
+
+    let (long, short) = (apply.runs_of("long"), apply.runs_of("short"));
+    ensure(
+        long.len() == 6 && short.len() == 2,
+        format!("runs: long {long:?}, short {short:?}"),
+    )?;
+    let short_wait = short[1].at - short[0].at;
+    let long_wait = long[5].at - long[4].at;
+    ensure(
+        short_wait < Duration::from_millis(1000),
+        format!("the 200 ms retry came back after {short_wait:?}"),
+    )?;
+    ensure(
+        long_wait >= Duration::from_millis(3200),
+        format!("the 3.2 s retry came back after {long_wait:?}"),
+    )?;
+    ensure(short[1].at < long[5].at, "the short retry came back first")?;
+    Ok(format!(
+        "the 200 ms retry came back after {short_wait:?}, while the 3.2 s one (queued first) took {long_wait:?}"
+    ))
+}
+
+/// Past a threshold of 2, the third dead letter alerts, the fourth and fifth
+/// do not; after three are re-driven and applied (two left), the next one
+/// crosses again and alerts again.
+async fn one_alert_per_crossing_of_the_threshold(case: Case) -> Outcome {
+    let ledger = Ledger::default();
+    let broken = Arc::new(AtomicBool::new(true));
+    let flag = broken.clone();
+    let apply = Apply::new(&ledger).failing(move |_, _| {
+        flag.load(Ordering::SeqCst)
+            .then(|| HandlerError::permanent("the account is closed"))
+    });
+    let alerts = Arc::new(Mutex::new(Vec::new()));
+    let raised = alerts.clone();
+    let policy = quick(3).dead_letter_alert(2, move |alert| {
+        raised.lock().unwrap().push(alert.dead_letters);
+    });
+    let consumer = Arc::new(case.consumer(MemoryInbox::new(), apply, policy, 1)?);
+    let running = Running::start(consumer.clone()).await?;
+    let letters = payments("d", 6);
+    case.publish(&letters[..5]).await?;
+    case.await_ready(&case.dlq(), 5, Duration::from_secs(30))
+        .await?;
+    let raised = alerts.lock().unwrap().clone();
+    ensure(
+        raised == [3],
+        format!("five dead letters, one alert: {raised:?}"),
+    )?;
+
+    broken.store(false, Ordering::SeqCst);
+    for (id, _) in &letters[..3] {
+        let moved = idem_rabbitmq::redrive_message(&case.url, &case.queue, id)
+            .await
+            .map_err(failed)?;
+        ensure(moved == 1, format!("{id}: {moved} moved"))?;
+    }
+    operations(&ledger, 3, Duration::from_secs(30)).await?;
+    let left = consumer.protocol().dead_letters().await.map_err(failed)?;
+    ensure(left.len() == 2, format!("two dead letters left: {left:?}"))?;
+
+    broken.store(true, Ordering::SeqCst);
+    case.publish(&letters[5..]).await?;
+    case.await_ready(&case.dlq(), 3, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+    let raised = alerts.lock().unwrap().clone();
+    ensure(
+        raised == [3, 3],
+        format!("a second crossing, a second alert: {raised:?}"),
+    )?;
+    let kept: Vec<_> = idem_rabbitmq::dead_letters(&case.url, &case.queue)
+        .await
+        .map_err(failed)?
+        .into_iter()
+        .filter_map(|letter| letter.message_id)
+        .collect();
+    ensure(
+        kept == ["d-3", "d-4", "d-5"],
+        format!("the others stayed, in order: {kept:?}"),
+    )?;
+    Ok("6 dead letters over a threshold of 2, 3 re-driven between: 2 alerts".to_owned())
+}
+
+/// A dead letter re-driven after the fix is applied once: a second redrive
+/// moves nothing, and the producer sending it again is a duplicate.
+async fn a_redrive_is_applied_once(case: Case) -> Outcome {
+    let ledger = Ledger::default();
+    let broken = Arc::new(AtomicBool::new(true));
+    let flag = broken.clone();
+    let apply = Apply::new(&ledger).failing(move |_, _| {
+        flag.load(Ordering::SeqCst)
+            .then(|| HandlerError::transient("a bug"))
+    });
+    let consumer = Arc::new(case.consumer(MemoryInbox::new(), apply.clone(), quick(3), 1)?);
+    let running = Running::start(consumer.clone()).await?;
+    let message = [("r-1".to_owned(), Payment::new("acc-1", 5))];
+    case.publish(&message).await?;
+    case.await_ready(&case.dlq(), 1, Duration::from_secs(30))
+        .await?;
+
+    broken.store(false, Ordering::SeqCst);
+    let moved = idem_rabbitmq::redrive(&case.url, &case.queue)
+        .await
+        .map_err(failed)?;
+    ensure(moved == 1, format!("{moved} re-driven"))?;
+    operations(&ledger, 1, Duration::from_secs(30)).await?;
+    let again = idem_rabbitmq::redrive(&case.url, &case.queue)
+        .await
+        .map_err(failed)?;
+    ensure(again == 0, format!("a second redrive moved {again}"))?;
+    case.publish(&message).await?;
+    case.await_ready(&case.queue, 0, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+    ensure(
+        case.ready(&case.queue).await? == 0 && case.ready(&case.dlq()).await? == 0,
+        "nothing left in the queue or the dead-letter queue",
+    )?;
+    ledger.exact(&message)?;
+    let attempts: Vec<u32> = apply.runs_of("r-1").iter().map(|s| s.attempt).collect();
+    ensure(
+        attempts == [1, 2, 3, 1],
+        format!("three failed attempts, then attempt 1 again: {attempts:?}"),
+    )?;
+    ensure(
+        consumer
+            .protocol()
+            .dead_letters()
+            .await
+            .map_err(failed)?
+            .is_empty(),
+        "the inbox forgot the dead letter",
+    )?;
+    Ok("dead-lettered, re-driven, applied once; the resend was a duplicate".to_owned())
+}
+
+/// The broker stopped and started while 500 messages flow: the consumer
+/// reconnects by itself and every balance is exact.
+async fn the_consumer_resumes_after_a_broker_restart(case: Case) -> Outcome {
+    let unique = payments("b", 500);
+    let ledger = Ledger::default();
+    let apply = Apply::new(&ledger).latency(Duration::from_millis(2));
+    let consumer = Arc::new(
+        Consumer::builder(&case.url, &case.queue)
+            .inbox(MemoryInbox::new())
+            .handler(apply)
+            .policy(quick(3))
+            .concurrency(4)
+            .reconnect_backoff(Backoff::new(
+                Duration::from_millis(100),
+                Duration::from_secs(1),
+            ))
+            .build()
+            .map_err(failed)?,
+    );
+    let mut running = Running::start(consumer).await?;
+
+    // A producer that retries each message, under its id, until confirmed.
+    let url = case.url.clone();
+    let queue = case.queue.clone();
+    let sent = unique.clone();
+    let retried = Arc::new(AtomicU64::new(0));
+    let retries = retried.clone();
+    let producer = tokio::spawn(async move {
+        let mut publisher = None;
+        for (id, payment) in &sent {
+            let started = Instant::now();
+            loop {
+                if publisher.is_none() {
+                    publisher = Publisher::connect(&url).await.ok();
+                }
+                if let Some(open) = &publisher
+                    && open.publish(&queue, &payment.message(id)).await.is_ok()
+                {
+                    break;
+                }
+                retries.fetch_add(1, Ordering::Relaxed);
+                if started.elapsed() > Duration::from_secs(60) {
+                    return Err(format!("{id} not confirmed within 60 s"));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Ok(())
+    });
+
+    operations(&ledger, 150, Duration::from_secs(60)).await?;
+    let broker = case.broker();
+    let stopped_at = ledger.operations();
+    // The case runs on the trial's thread (`block_on`): blocking it holds
+    // up no consumer task.
+    broker.stop_app().map_err(failed)?;
+    // The broker stays down a moment while the producer and the consumer
+    // fail (the scenario's outage, not a wait for readiness).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    broker.start_app().map_err(failed)?;
+    let restarted = Instant::now();
+    running.subscribed(2).await?;
+    let resumed = restarted.elapsed();
+
+    match tokio::time::timeout(Duration::from_secs(120), producer).await {
+        Ok(Ok(Ok(()))) => {}
+        other => return Err(failed(format!("the producer: {other:?}"))),
+    }
+    operations(&ledger, 500, Duration::from_secs(120)).await?;
+    case.await_ready(&case.queue, 0, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+    ensure(
+        case.ready(&case.queue).await? == 0,
+        "every delivery was acknowledged",
+    )?;
+    ledger.exact(&unique)?;
+    Ok(format!(
+        "stopped at {stopped_at} operations; resubscribed {resumed:?} after the start; {} publishes retried; 500 applied once",
+        retried.load(Ordering::Relaxed)
+    ))
+}
+
+/// Shut down while 4 handlers run: what committed was acknowledged, what did
+/// not is back in the queue, and a second consumer finishes with every
+/// balance exact.
+async fn a_graceful_shutdown_under_load_loses_nothing(case: Case) -> Outcome {
+    let unique = payments("g", 300);
+    let ledger = Ledger::default();
+    let inbox = MemoryInbox::new();
+    let apply = Apply::new(&ledger).latency(Duration::from_millis(20));
+    let consumer = Consumer::builder(&case.url, &case.queue)
+        .inbox(inbox.clone())
+        .handler(apply.clone())
+        .policy(quick(3))
+        .concurrency(4)
+        .prefetch(16)
+        .build()
+        .map_err(failed)?;
+    let running = Running::start(Arc::new(consumer)).await?;
+    case.publish(&unique).await?;
+    operations(&ledger, 60, Duration::from_secs(60)).await?;
+    let took = running.stop().await?;
+
+    let applied = ledger.operations();
+    let left = case.ready(&case.queue).await?;
+    ensure(
+        applied + u64::from(left) == 300,
+        format!("{applied} applied + {left} left in the queue ≠ 300"),
+    )?;
+    ensure(
+        case.unacknowledged(&case.queue)? == 0,
+        "nothing unacknowledged",
+    )?;
+    ensure(
+        applied < 300,
+        "the shutdown came under load (some messages not yet applied)",
+    )?;
+
+    let consumer = case.consumer(inbox, apply, quick(3), 4)?;
+    let running = Running::start(Arc::new(consumer)).await?;
+    operations(&ledger, 300, Duration::from_secs(60)).await?;
+    case.await_ready(&case.queue, 0, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+    ledger.exact(&unique)?;
+    Ok(format!(
+        "stopped in {took:?} with {applied} applied and {left} back in the queue; the next consumer finished: 300 exact"
+    ))
+}
+
+/// With concurrency 4 (and a prefetch of 8), four handlers run at once,
+/// never more: each waits at a gate that opens when four are there.
+async fn concurrency_n_runs_n_handlers_at_once(case: Case) -> Outcome {
+    let ledger = Ledger::default();
+    let apply = Apply::new(&ledger).gate(Arc::new(Barrier::new(4)));
+    let consumer = Consumer::builder(&case.url, &case.queue)
+        .inbox(MemoryInbox::new())
+        .handler(apply.clone())
+        .policy(quick(1))
+        .concurrency(4)
+        .prefetch(8)
+        .build()
+        .map_err(failed)?;
+    let running = Running::start(Arc::new(consumer)).await?;
+    let messages = payments("c", 16);
+    case.publish(&messages).await?;
+    operations(&ledger, 16, Duration::from_secs(60)).await?;
+    running.stop().await?;
+    ledger.exact(&messages)?;
+    let most = apply.most_in_flight.load(Ordering::SeqCst);
+    ensure(most == 4, format!("at most {most} handlers ran at once"))?;
+    Ok("16 messages through a gate of 4: 4 handlers at once, never more".to_owned())
+}

@@ -181,6 +181,35 @@ impl TestRabbitMq {
             .to_owned())
     }
 
+    /// Stops the RabbitMQ application on the node (`rabbitmqctl stop_app`),
+    /// as a broker restart does: every client connection is closed and the
+    /// AMQP port refuses new ones. Durable queues and persistent messages
+    /// stay; the node's Erlang VM keeps running. [`start_app`](Self::start_app)
+    /// starts it again.
+    pub fn stop_app(&self) -> Result<(), Error> {
+        self.ctl(&["stop_app"]).map(drop)
+    }
+
+    /// Starts the RabbitMQ application again after [`stop_app`](Self::stop_app)
+    /// and waits until its AMQP port accepts a connection.
+    pub fn start_app(&self) -> Result<(), Error> {
+        self.ctl(&["start_app"])?;
+        let port = self.port;
+        process::await_ready(
+            &format!(
+                "RabbitMQ node {} takes AMQP connections on port {port} again",
+                self.node
+            ),
+            || {
+                TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(5))
+                    .map(drop)
+                    .map_err(|error| format!("AMQP port {port}: {error}"))
+            },
+            || None,
+            || process::tail(&self.output(), 40),
+        )
+    }
+
     /// Waits until `rabbitmqctl await_startup` succeeds (it fails at once
     /// while the node has not registered with `epmd` yet) and the AMQP port
     /// accepts a connection.
