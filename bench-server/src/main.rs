@@ -15,6 +15,9 @@
 //! - `redis-load`: the Redis store's own scripts called at a given concurrency,
 //!   without HTTP: the route's ceiling on that server.
 //! - `profile`: the axum routes driven in process, for an instruction counter.
+//! - `consume`: one drain of pre-published payments from RabbitMQ, through
+//!   idem-rabbitmq with the PostgreSQL or SQLite inbox, or through a bare
+//!   lapin consumer applying the same transaction (see `consume`).
 //!
 //! Helpers that answer print one JSON object on stdout.
 
@@ -22,6 +25,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod consume;
 mod handler;
 mod load;
 mod memory;
@@ -60,6 +64,9 @@ enum Command {
     RedisLoad(redis::LoadOptions),
     /// Drives the axum routes in process (no sockets), for an instruction counter.
     Profile(profile::Options),
+    /// Publishes payments to a fresh queue, drains them through a consumer and
+    /// prints the drain's time and CPU.
+    Consume(consume::Options),
 }
 
 fn main() -> ExitCode {
@@ -74,6 +81,7 @@ fn main() -> ExitCode {
         Command::Cleanup(options) => block_on(postgres::cleanup(options)),
         Command::RedisLoad(options) => redis::load(options),
         Command::Profile(options) => profile::run(&options),
+        Command::Consume(options) => consume::run(options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

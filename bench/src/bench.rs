@@ -13,6 +13,11 @@
 //! - **Redis**: the layered route on `RedisStore` against the store's own
 //!   scripts called without HTTP ([`redis`]) at the same concurrency, on the
 //!   same throwaway `redis-server`: first executions and replays.
+//! - **Consumers** ([`consumer`]): messages per second through idem-rabbitmq
+//!   with the PostgreSQL and the SQLite inbox, each against a bare lapin
+//!   consumer applying the same transaction without an inbox (same prefetch,
+//!   concurrency 1 and 32), draining pre-published payments on a throwaway
+//!   RabbitMQ node; the consumer's and PostgreSQL's CPU time per message.
 //! - **Memory**: bytes per record of the in-memory store; peak RSS of
 //!   payments-axum (`--store memory`) under a storm of charges.
 //! - **Cleanup**: rows deleted per second with the database otherwise idle,
@@ -37,6 +42,7 @@
 //! it; no target is asserted.
 //! The table is written as JSON too (default `target/bench/bench.json`).
 
+mod consumer;
 mod load;
 mod memory;
 mod overhead;
@@ -77,6 +83,12 @@ struct Settings {
     cleanup_rows: u64,
     /// Rounds of interleaved runs pooled into each row.
     rounds: usize,
+    /// Consumers' concurrencies (the consumer section).
+    consumer_concurrencies: Vec<usize>,
+    /// Messages each consumer run drains, measured.
+    consumer_messages: usize,
+    /// Messages each consumer run drains first, unmeasured.
+    consumer_warmup: usize,
 }
 
 impl Settings {
@@ -94,6 +106,9 @@ impl Settings {
             storm: Duration::from_secs(10),
             cleanup_rows: 1_000_000,
             rounds: 3,
+            consumer_concurrencies: vec![1, 32],
+            consumer_messages: 10_000,
+            consumer_warmup: 256,
         }
     }
 
@@ -111,6 +126,9 @@ impl Settings {
             storm: Duration::from_secs(2),
             cleanup_rows: 100_000,
             rounds: 1,
+            consumer_concurrencies: vec![1, 32],
+            consumer_messages: 300,
+            consumer_warmup: 64,
         }
     }
 }
@@ -185,13 +203,14 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 7] = [
+    let sections: [(&str, Section); 8] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
         ("storm", memory::storm),
         ("postgres", postgres::postgres),
         ("redis", redis::redis),
+        ("consumer", consumer::consumer),
         ("peers", peers::peers),
     ];
     if let Some(only) = &only

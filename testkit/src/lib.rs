@@ -26,6 +26,9 @@
 //! - **A missing binary is an error that says what to install**, never a
 //!   skipped test.
 //!
+//! [`cpu`] reads the CPU time a process, or a PostgreSQL server, has used
+//! (the benchmarks' readings).
+//!
 //! [`shell`] holds what `cargo xtask` and the runners share: the workspace
 //! root, and running `cargo` and other steps loudly.
 //!
@@ -36,6 +39,7 @@
 // as it was printed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod cpu;
 pub mod postgres;
 mod process;
 pub mod rabbitmq;

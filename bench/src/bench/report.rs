@@ -25,8 +25,9 @@ pub(crate) struct Row {
     pub(crate) records: Option<u64>,
     /// Requests (or transactions) per second.
     pub(crate) rate: f64,
-    pub(crate) p50_ms: f64,
-    pub(crate) p99_ms: f64,
+    /// Latency quantiles; `None` where a row measures none (a drain).
+    pub(crate) p50_ms: Option<f64>,
+    pub(crate) p99_ms: Option<f64>,
     /// The server's CPU use while loaded, in % of one core.
     pub(crate) server_cpu: Option<f64>,
     /// The server's CPU time per request, in microseconds.
@@ -79,8 +80,8 @@ impl Row {
             concurrency,
             records: None,
             rate: measured.rps(),
-            p50_ms: measured.p50_ms,
-            p99_ms: measured.p99_ms,
+            p50_ms: Some(measured.p50_ms),
+            p99_ms: Some(measured.p99_ms),
             server_cpu: measured.server_cpu_percent(),
             server_micros: measured.server_micros_per_request(),
             generator_cpu: measured.generator_cpu,
@@ -92,6 +93,13 @@ impl Row {
 
     pub(crate) fn records(mut self, records: u64) -> Self {
         self.records = Some(records);
+        self
+    }
+
+    /// A row without latencies (a drain measures a rate, not requests).
+    pub(crate) fn without_latency(mut self) -> Self {
+        self.p50_ms = None;
+        self.p99_ms = None;
         self
     }
 }
@@ -186,8 +194,8 @@ impl Report {
                     row.concurrency.to_string(),
                     row.records.map(thousands).unwrap_or_default(),
                     thousands(row.rate.round() as u64),
-                    format!("{:.2}", row.p50_ms),
-                    format!("{:.2}", row.p99_ms),
+                    row.p50_ms.map(|ms| format!("{ms:.2}")).unwrap_or_default(),
+                    row.p99_ms.map(|ms| format!("{ms:.2}")).unwrap_or_default(),
                     row.server_cpu
                         .map(|cpu| format!("{cpu:.0} %"))
                         .unwrap_or_default(),

@@ -1,0 +1,727 @@
+//! `consume`: one drain of a queue of payments, through idem's consumer
+//! (idem-rabbitmq with `PgInbox` or `SqliteInbox`) or through a bare lapin
+//! consumer that applies the same transaction without an inbox.
+//!
+//! One run, in order:
+//!
+//! 1. **Set-up, not measured:** the database's pool (the inbox's, which the
+//!    bare consumer borrows, so that the pool is not a difference), the inbox's
+//!    migration, the ledger's tables and accounts.
+//! 2. **Publish, not measured:** the queue is declared as idem's consumer
+//!    declares it ([`Topology`]: the bare consumer reads the same kind of
+//!    queue), then `--messages` payments are published with
+//!    idem-rabbitmq's `Publisher` (confirms, persistent, a UUID v7
+//!    `message_id` each, as the publisher gives by default, which is also the
+//!    body's `payment_id`), plus `--warmup` to a warm-up queue.
+//! 3. **Warm-up, not measured:** the same consumer drains the warm-up queue,
+//!    so that the pool's connections are open and their statements prepared
+//!    before the clock starts.
+//! 4. **The drain, measured:** from the subscription (`on_subscribed`, or the
+//!    bare consumer's `basic.consume`) until the consumer stopped, every
+//!    message acknowledged after its commit. The bare consumer counts its acks
+//!    and, at `--messages`, cancels and closes. idem's consumer is shut down
+//!    when its handler has run `--messages` times; its graceful shutdown
+//!    waits for the running messages to commit and be acknowledged, then
+//!    closes: the clock covers every ack. This process's CPU time and (on
+//!    PostgreSQL) the server's are read at both ends.
+//! 5. **Checked, not measured:** the accounts counted exactly `--messages`
+//!    more payments and the queue is empty (nothing left unacknowledged,
+//!    nothing applied twice); the run's queues are deleted.
+//!
+//! The transaction, on both sides: the account's balance `UPDATE` and the
+//! payment's `INSERT` (diesel's query builder, so each is a prepared
+//! statement), acknowledged after the commit; `BEGIN`/`COMMIT` on PostgreSQL,
+//! `BEGIN IMMEDIATE`/`COMMIT` on SQLite (the inbox's own). idem adds the inbox
+//! row, sent with the `BEGIN` on PostgreSQL, and its failures' cleanup, sent
+//! with the `COMMIT`: the same round trips.
+//!
+//! Prints one JSON object: `messages`, `seconds`, `cpu_seconds` (this
+//! process), `database_cpu_seconds` (PostgreSQL's, or null), `publish_seconds`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use diesel::connection::{AnsiTransactionManager as SyncTransactions, TransactionManager as _};
+use diesel::result::QueryResult;
+use diesel::{ExpressionMethods, QueryDsl};
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
+};
+use futures_util::{StreamExt, TryStreamExt};
+use idem_diesel::{AsyncSqliteConnection, PgInbox, PgPool, SqliteInbox, SqlitePool};
+use idem_rabbitmq::lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions,
+};
+use idem_rabbitmq::lapin::types::FieldTable;
+use idem_rabbitmq::lapin::{self, Channel, ConnectionProperties};
+use idem_rabbitmq::{
+    Attempt, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture, Inbox, Message,
+    Publisher, Topology,
+};
+use idem_testkit::cpu::{cpu_seconds, postgres_cpu_seconds};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+
+use crate::BoxError;
+
+/// What `consume` runs.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Options {
+    /// The broker: `amqp://user:password@host:port/vhost`.
+    #[arg(long)]
+    amqp: String,
+    /// The run's work queue (a fresh name: declared, filled and drained here).
+    #[arg(long)]
+    queue: String,
+    /// The database: `postgres://…` or `sqlite://PATH`.
+    #[arg(long)]
+    database: String,
+    /// `idem` (idem-rabbitmq and the database's inbox) or `bare` (lapin and
+    /// the same transaction, no inbox).
+    #[arg(long)]
+    consumer: Kind,
+    /// Messages processed at once.
+    #[arg(long)]
+    concurrency: usize,
+    /// Unacknowledged deliveries the broker sends ahead (`basic.qos`).
+    #[arg(long, default_value_t = idem_rabbitmq::DEFAULT_PREFETCH)]
+    prefetch: u16,
+    /// Messages in the measured drain.
+    #[arg(long)]
+    messages: usize,
+    /// Messages drained first, unmeasured.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Accounts the payments are spread over.
+    #[arg(long, default_value_t = 1_000)]
+    accounts: usize,
+    /// Database connections (default: the concurrency on PostgreSQL, the
+    /// inbox's default of 4 on SQLite, whose writers take turns anyway).
+    #[arg(long)]
+    pool: Option<u32>,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Kind {
+    Idem,
+    Bare,
+}
+
+/// SQLite's pool unless `--pool` says otherwise: `SqliteInbox`'s default.
+const SQLITE_POOL: u32 = 4;
+
+/// The consumer's name in the inbox, the same in every run (the message ids
+/// are UUIDs, new in every run).
+const CONSUMER: &str = "payments";
+
+/// How many publishes wait for their confirmation at once.
+const PUBLISHING: usize = 256;
+
+diesel::table! {
+    /// The accounts the payments move.
+    bench_accounts (account_id) {
+        account_id -> Text,
+        balance -> BigInt,
+        operations -> BigInt,
+    }
+}
+
+diesel::table! {
+    /// One row per payment applied.
+    bench_payments (payment_id) {
+        payment_id -> Text,
+        account_id -> Text,
+        amount -> BigInt,
+        currency -> Text,
+        reference -> Text,
+    }
+}
+
+/// A count, as SQL answers it.
+#[derive(diesel::QueryableByName)]
+struct Total {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
+
+/// What the handler reads of a message's body.
+#[derive(serde::Deserialize)]
+struct Payment {
+    payment_id: String,
+    account_id: String,
+    amount: i64,
+    currency: String,
+    reference: String,
+}
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The effect, on a connection whose transaction is open: the same
+/// statements for both consumers.
+trait Ledger: Send {
+    /// The balance `UPDATE` and the payment's `INSERT`; an unknown account
+    /// is `NotFound`.
+    fn apply<'a>(&'a mut self, payment: &'a Payment) -> BoxFuture<'a, QueryResult<()>>;
+    /// How many payments the accounts counted, in all.
+    fn applied(&mut self) -> BoxFuture<'_, QueryResult<i64>>;
+}
+
+macro_rules! ledger {
+    ($connection:ty) => {
+        impl Ledger for $connection {
+            fn apply<'a>(&'a mut self, payment: &'a Payment) -> BoxFuture<'a, QueryResult<()>> {
+                Box::pin(async move {
+                    use diesel_async::RunQueryDsl;
+                    use bench_accounts::dsl as accounts;
+                    use bench_payments::dsl as payments;
+                    let updated = diesel::update(accounts::bench_accounts.find(&payment.account_id))
+                        .set((
+                            accounts::balance.eq(accounts::balance + payment.amount),
+                            accounts::operations.eq(accounts::operations + 1),
+                        ))
+                        .execute(self)
+                        .await?;
+                    if updated != 1 {
+                        return Err(diesel::result::Error::NotFound);
+                    }
+                    diesel::insert_into(payments::bench_payments)
+                        .values((
+                            payments::payment_id.eq(&payment.payment_id),
+                            payments::account_id.eq(&payment.account_id),
+                            payments::amount.eq(payment.amount),
+                            payments::currency.eq(&payment.currency),
+                            payments::reference.eq(&payment.reference),
+                        ))
+                        .execute(self)
+                        .await
+                        .map(drop)
+                })
+            }
+
+            fn applied(&mut self) -> BoxFuture<'_, QueryResult<i64>> {
+                Box::pin(async move {
+                    use diesel_async::RunQueryDsl;
+                    diesel::sql_query(
+                        "SELECT CAST(COALESCE(SUM(operations), 0) AS BIGINT) AS n FROM bench_accounts",
+                    )
+                    .get_result::<Total>(self)
+                    .await
+                    .map(|total| total.n)
+                })
+            }
+        }
+    };
+}
+
+ledger!(AsyncPgConnection);
+ledger!(AsyncSqliteConnection);
+
+/// The bare consumer's transaction on a pool of the database.
+trait BareTransaction: Clone + Send + Sync + 'static {
+    /// Checks a connection out, begins, applies `payment`, commits.
+    fn run<'a>(&'a self, payment: &'a Payment) -> BoxFuture<'a, Result<(), BoxError>>;
+}
+
+impl BareTransaction for PgPool {
+    fn run<'a>(&'a self, payment: &'a Payment) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(async move {
+            let mut pooled = self.get().await?;
+            let connection: &mut AsyncPgConnection = &mut pooled;
+            // What `AsyncConnection::transaction` does.
+            AnsiTransactionManager::begin_transaction(connection).await?;
+            match connection.apply(payment).await {
+                Ok(()) => AnsiTransactionManager::commit_transaction(connection).await?,
+                Err(error) => {
+                    AnsiTransactionManager::rollback_transaction(connection).await?;
+                    return Err(error.into());
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+impl BareTransaction for SqlitePool {
+    fn run<'a>(&'a self, payment: &'a Payment) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(async move {
+            let mut pooled = self.get().await?;
+            let connection: &mut AsyncSqliteConnection = &mut pooled;
+            // `BEGIN IMMEDIATE`, as the inbox: the file's write lock from the
+            // start, so that concurrent transactions wait their turn.
+            connection
+                .spawn_blocking(|c| SyncTransactions::begin_transaction_sql(c, "BEGIN IMMEDIATE"))
+                .await?;
+            match connection.apply(payment).await {
+                Ok(()) => {
+                    connection
+                        .spawn_blocking(SyncTransactions::commit_transaction)
+                        .await?;
+                }
+                Err(error) => {
+                    connection
+                        .spawn_blocking(SyncTransactions::rollback_transaction)
+                        .await?;
+                    return Err(error.into());
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// idem's handler: the effect on the inbox's transaction, counted.
+struct Apply {
+    progress: Arc<Progress>,
+}
+
+impl<Tx: Ledger> Handler<Tx> for Apply {
+    fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            let payment: Payment = attempt.json().map_err(HandlerError::permanent)?;
+            tx.apply(&payment).await?;
+            self.progress.one();
+            Ok(())
+        })
+    }
+}
+
+/// Counts messages; says so when the target is reached.
+struct Progress {
+    done: AtomicUsize,
+    target: usize,
+    reached: Notify,
+}
+
+impl Progress {
+    fn new(target: usize) -> Arc<Self> {
+        Arc::new(Self {
+            done: AtomicUsize::new(0),
+            target,
+            reached: Notify::new(),
+        })
+    }
+
+    fn one(&self) {
+        if self.done.fetch_add(1, Ordering::Relaxed) + 1 == self.target {
+            self.reached.notify_one();
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.done.load(Ordering::Relaxed)
+    }
+}
+
+/// The measured window: the clock and the CPU readings at its start.
+struct Window {
+    postgres_port: Option<u16>,
+    started: Option<(Instant, Option<f64>, Option<f64>)>,
+}
+
+/// What the window measured.
+struct Drained {
+    seconds: f64,
+    cpu_seconds: Option<f64>,
+    database_cpu_seconds: Option<f64>,
+}
+
+impl Window {
+    fn new(postgres_port: Option<u16>) -> Self {
+        Self {
+            postgres_port,
+            started: None,
+        }
+    }
+
+    /// Starts the window (once: a second subscription, after a reconnection,
+    /// does not restart it).
+    fn start(&mut self) {
+        if self.started.is_none() {
+            let cpu = cpu_seconds(std::process::id());
+            let database = self.postgres_port.and_then(postgres_cpu_seconds);
+            self.started = Some((Instant::now(), cpu, database));
+        }
+    }
+
+    fn end(&self) -> Result<Drained, BoxError> {
+        let (started, cpu, database) = self.started.ok_or("the consumer never subscribed")?;
+        let seconds = started.elapsed().as_secs_f64();
+        let after = |before: Option<f64>, now: Option<f64>| before.zip(now).map(|(b, a)| a - b);
+        Ok(Drained {
+            seconds,
+            cpu_seconds: after(cpu, cpu_seconds(std::process::id())),
+            database_cpu_seconds: after(
+                database,
+                self.postgres_port.and_then(postgres_cpu_seconds),
+            ),
+        })
+    }
+}
+
+/// The database of a run.
+enum Database {
+    Postgres { inbox: PgInbox, port: Option<u16> },
+    Sqlite { inbox: SqliteInbox },
+}
+
+pub(crate) fn run(options: Options) -> Result<(), BoxError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(options.workers.max(1))
+        .enable_all()
+        .build()?
+        .block_on(drain_once(options))
+}
+
+async fn drain_once(options: Options) -> Result<(), BoxError> {
+    if options.messages == 0 {
+        return Err("--messages must be at least 1".into());
+    }
+    let database = Database::open(&options).await?;
+    let warmup_queue = format!("{}.warmup", options.queue);
+    let published = Instant::now();
+    publish(&options, &options.queue, options.messages).await?;
+    if options.warmup > 0 {
+        publish(&options, &warmup_queue, options.warmup).await?;
+    }
+    let publish_seconds = published.elapsed().as_secs_f64();
+    if options.warmup > 0 {
+        let mut ignored = Window::new(None);
+        database
+            .drain(&options, &warmup_queue, options.warmup, &mut ignored)
+            .await?;
+    }
+    let before = database.applied().await?;
+    let mut window = Window::new(database.postgres_port());
+    let drained = database
+        .drain(&options, &options.queue, options.messages, &mut window)
+        .await?;
+    let measured = window.end()?;
+    if drained != options.messages {
+        return Err(format!("{drained} messages drained, not {}", options.messages).into());
+    }
+    let applied = database.applied().await? - before;
+    if applied != options.messages as i64 {
+        return Err(format!(
+            "the accounts counted {applied} payments in the drain, not {}",
+            options.messages
+        )
+        .into());
+    }
+    clean_up(&options, &[&options.queue, &warmup_queue]).await?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "messages": options.messages,
+            "seconds": measured.seconds,
+            "cpu_seconds": measured.cpu_seconds,
+            "database_cpu_seconds": measured.database_cpu_seconds,
+            "publish_seconds": publish_seconds,
+        })
+    );
+    Ok(())
+}
+
+impl Database {
+    /// The pool and the inbox's tables, the ledger's tables and accounts.
+    async fn open(options: &Options) -> Result<Self, BoxError> {
+        let accounts = options.accounts.max(1);
+        if options.database.starts_with("sqlite:") {
+            let inbox = SqliteInbox::builder()
+                .max_connections(options.pool.unwrap_or(SQLITE_POOL))
+                .connect(&options.database)
+                .await?;
+            inbox.migrate().await?;
+            let seed = format!(
+                "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i + 1 < {accounts})
+                 INSERT OR IGNORE INTO bench_accounts SELECT printf('acc-%05d', i), 0, 0 FROM n"
+            );
+            create_ledger(&mut *inbox.pool().get().await?, &seed).await?;
+            Ok(Self::Sqlite { inbox })
+        } else {
+            let connections = options
+                .pool
+                .unwrap_or_else(|| u32::try_from(options.concurrency).unwrap_or(u32::MAX));
+            let inbox = PgInbox::builder()
+                .max_connections(connections)
+                .connect(&options.database)
+                .await?;
+            inbox.migrate().await?;
+            let seed = format!(
+                "INSERT INTO bench_accounts
+                     SELECT format('acc-%s', lpad(i::text, 5, '0')), 0, 0
+                     FROM generate_series(0, {accounts} - 1) AS i
+                 ON CONFLICT DO NOTHING"
+            );
+            create_ledger(&mut *inbox.pool().get().await?, &seed).await?;
+            Ok(Self::Postgres {
+                inbox,
+                port: port_of(&options.database),
+            })
+        }
+    }
+
+    fn postgres_port(&self) -> Option<u16> {
+        match self {
+            Self::Postgres { port, .. } => *port,
+            Self::Sqlite { .. } => None,
+        }
+    }
+
+    /// Drains `count` messages of `queue` with the run's consumer; answers
+    /// how many it counted.
+    async fn drain(
+        &self,
+        options: &Options,
+        queue: &str,
+        count: usize,
+        window: &mut Window,
+    ) -> Result<usize, BoxError> {
+        match (self, options.consumer) {
+            (Self::Postgres { inbox, .. }, Kind::Idem) => {
+                idem(inbox.clone(), options, queue, count, window).await
+            }
+            (Self::Sqlite { inbox }, Kind::Idem) => {
+                idem(inbox.clone(), options, queue, count, window).await
+            }
+            (Self::Postgres { inbox, .. }, Kind::Bare) => {
+                bare(inbox.pool().clone(), options, queue, count, window).await
+            }
+            (Self::Sqlite { inbox }, Kind::Bare) => {
+                bare(inbox.pool().clone(), options, queue, count, window).await
+            }
+        }
+    }
+
+    /// How many payments the accounts counted, in all.
+    async fn applied(&self) -> Result<i64, BoxError> {
+        Ok(match self {
+            Self::Postgres { inbox, .. } => inbox.pool().get().await?.applied().await?,
+            Self::Sqlite { inbox } => inbox.pool().get().await?.applied().await?,
+        })
+    }
+}
+
+/// The ledger's tables (the same text on both databases), and its accounts
+/// (`seed`, in the database's dialect).
+async fn create_ledger(
+    connection: &mut (impl SimpleAsyncConnection + Send),
+    seed: &str,
+) -> Result<(), BoxError> {
+    connection
+        .batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS bench_accounts (
+                 account_id text PRIMARY KEY, balance bigint NOT NULL, operations bigint NOT NULL);
+             CREATE TABLE IF NOT EXISTS bench_payments (
+                 payment_id text PRIMARY KEY, account_id text NOT NULL, amount bigint NOT NULL,
+                 currency text NOT NULL, reference text NOT NULL);
+             {seed};"
+        ))
+        .await?;
+    Ok(())
+}
+
+/// idem-rabbitmq's consumer on `inbox`, shut down once its handler ran
+/// `count` times.
+async fn idem<I>(
+    inbox: I,
+    options: &Options,
+    queue: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError>
+where
+    I: Inbox,
+    I::Tx: Ledger + Sized,
+{
+    let progress = Progress::new(count);
+    let consumer = Consumer::builder(&options.amqp, queue)
+        .name(CONSUMER)
+        .inbox(inbox)
+        .policy(ConsumerPolicy::new())
+        .prefetch(options.prefetch)
+        .concurrency(options.concurrency)
+        .handler(Apply {
+            progress: Arc::clone(&progress),
+        })
+        .build()?;
+    let mut subscriptions = 0;
+    consumer
+        .run(progress.reached.notified(), |_| {
+            subscriptions += 1;
+            window.start();
+        })
+        .await?;
+    if subscriptions != 1 {
+        return Err(format!("the consumer subscribed {subscriptions} times, not once").into());
+    }
+    Ok(progress.count())
+}
+
+/// A bare lapin consumer: up to `--concurrency` messages at once, each
+/// parsed, applied in its transaction and acknowledged after the commit;
+/// cancels and closes once it acknowledged `count`.
+async fn bare<T: BareTransaction>(
+    transaction: T,
+    options: &Options,
+    queue: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError> {
+    let connection =
+        lapin::Connection::connect(&options.amqp, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(options.prefetch, BasicQosOptions::default())
+        .await?;
+    let tag = format!("bare-{}", uuid::Uuid::new_v4().simple());
+    let mut deliveries = channel
+        .basic_consume(
+            queue.into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    window.start();
+    let concurrency = options.concurrency.max(1);
+    let mut running: JoinSet<Result<(), BoxError>> = JoinSet::new();
+    let mut acked = 0;
+    while acked < count {
+        tokio::select! {
+            biased;
+            Some(joined) = running.join_next() => {
+                joined??;
+                acked += 1;
+            }
+            delivery = deliveries.next(), if running.len() < concurrency => {
+                let delivery = delivery.ok_or("the subscription ended")??;
+                let transaction = transaction.clone();
+                running.spawn(async move {
+                    let payment: Payment = serde_json::from_slice(&delivery.data)?;
+                    transaction.run(&payment).await?;
+                    delivery.acker.ack(BasicAckOptions::default()).await?;
+                    Ok(())
+                });
+            }
+        }
+    }
+    channel
+        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+        .await?;
+    channel.close(200, "bye".into()).await?;
+    connection.close(200, "bye".into()).await?;
+    Ok(acked)
+}
+
+/// Declares `queue` as idem's consumer does, and publishes `count` payments
+/// to it, each with its own `message_id`.
+async fn publish(options: &Options, queue: &str, count: usize) -> Result<(), BoxError> {
+    let (connection, channel) = open(options).await?;
+    Topology::new(queue).declare(&channel).await?;
+    let publisher = Publisher::connect(&options.amqp).await?;
+    futures_util::stream::iter(0..count)
+        .map(|n| {
+            let id = uuid::Uuid::now_v7().to_string();
+            let message = Message::new(payment_body(&id, n, options.accounts.max(1))).id(id);
+            let publisher = &publisher;
+            async move { publisher.publish(queue, &message).await.map(drop) }
+        })
+        .buffer_unordered(PUBLISHING)
+        .try_collect::<()>()
+        .await?;
+    publisher.close().await;
+    channel.close(200, "bye".into()).await?;
+    connection.close(200, "bye".into()).await?;
+    Ok(())
+}
+
+/// Checks that `queues` are empty (nothing was left unacknowledged), then
+/// deletes them and their dead-letter queues.
+async fn clean_up(options: &Options, queues: &[&str]) -> Result<(), BoxError> {
+    let (connection, channel) = open(options).await?;
+    let ready = idem_rabbitmq::ready(&channel, queues[0]).await?;
+    if ready != 0 {
+        return Err(format!("{ready} messages left in the queue after the drain").into());
+    }
+    for queue in queues {
+        let topology = Topology::new(*queue);
+        for name in [
+            queue.to_string(),
+            topology.dead_letter_hop(),
+            topology.dead_letter_queue(),
+        ] {
+            channel
+                .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+    }
+    channel.close(200, "bye".into()).await?;
+    connection.close(200, "bye".into()).await?;
+    Ok(())
+}
+
+async fn open(options: &Options) -> Result<(lapin::Connection, Channel), BoxError> {
+    let connection =
+        lapin::Connection::connect(&options.amqp, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    Ok((connection, channel))
+}
+
+/// A payment as a payment service would publish it (about 330 bytes of
+/// JSON): its id, the account, the amount in cents, and the details a
+/// consumer reads past.
+fn payment_body(id: &str, n: usize, accounts: usize) -> String {
+    serde_json::json!({
+        "payment_id": id,
+        "account_id": format!("acc-{:05}", n.wrapping_mul(7_919) % accounts),
+        "amount": 100 + n.wrapping_mul(37) % 99_900,
+        "currency": "EUR",
+        "reference": format!("invoice INV-{n:08}"),
+        "created_at": "2025-06-01T12:00:00.000Z",
+        "method": {"type": "card", "brand": "visa", "last4": "4242", "exp": "12/28"},
+        "customer": {"id": format!("cus_{:08x}", n.wrapping_mul(2_654_435_761) & 0xffff_ffff), "country": "FR"},
+        "metadata": {"order_id": format!("ord_{n}"), "channel": "web"},
+    })
+    .to_string()
+}
+
+/// The port of a `postgres://user@host:port/db` URL.
+fn port_of(url: &str) -> Option<u16> {
+    let authority = url.split_once("://")?.1.split('/').next()?;
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    host.rsplit_once(':')?.1.parse().ok()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_postgres_url_gives_its_port() {
+        assert_eq!(
+            port_of("postgres://postgres@127.0.0.1:5433/consumer"),
+            Some(5433)
+        );
+        assert_eq!(port_of("postgres://127.0.0.1/consumer"), None);
+    }
+
+    #[test]
+    fn payments_parse_and_spread_over_the_accounts() {
+        let id = uuid::Uuid::now_v7().to_string();
+        let body = payment_body(&id, 7, 1_000);
+        let payment: Payment = serde_json::from_str(&body).unwrap();
+        assert_eq!(payment.payment_id, id);
+        assert_eq!(payment.account_id, "acc-00433");
+        assert!(payment.amount > 0);
+        assert!((250..450).contains(&body.len()), "{} bytes", body.len());
+    }
+}
