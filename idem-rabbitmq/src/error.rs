@@ -20,6 +20,16 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// Declaring a queue failed; `PRECONDITION_FAILED` means it exists with
+    /// other arguments (another queue type, another delivery limit).
+    #[error("RabbitMQ: could not declare the queue {queue:?}")]
+    Declare {
+        /// The queue.
+        queue: String,
+        /// The broker's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// The broker did not take a published message: it refused it (`nack`),
     /// or no queue was bound to where it was sent.
     #[error("RabbitMQ did not confirm the message sent to {destination:?}: {why}")]
@@ -51,28 +61,43 @@ impl Error {
         move |source| Self::Broker { step, source }
     }
 
-    /// Whether reconnecting cannot help: the broker refused the credentials
-    /// or the virtual host, or a queue exists with other arguments than the
-    /// ones declared (another queue type, say). The consumer stops on such
+    /// Whether reconnecting cannot help: the broker refused the credentials,
+    /// the virtual host or a permission, or a queue exists with other
+    /// arguments than the ones declared (another queue type, say). The consumer stops on such
     /// an error instead of reconnecting.
     pub fn is_permanent(&self) -> bool {
         match self {
             Self::InvalidUrl(_) | Self::Invalid(_) => true,
-            Self::Broker { source, .. } => match source.kind() {
-                lapin::ErrorKind::ProtocolError(error) => matches!(
-                    error.kind(),
+            Self::Declare { source, .. } => amqp_error(source).is_some_and(|kind| {
+                matches!(
+                    kind,
                     AMQPErrorKind::Soft(
                         AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED
-                    ) | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
-                ),
+                    )
+                )
+            }),
+            Self::Broker { source, .. } => match source.kind() {
                 lapin::ErrorKind::InvalidProtocolVersion(_)
                 | lapin::ErrorKind::AuthProviderError(_) => true,
-                _ => false,
+                _ => amqp_error(source).is_some_and(|kind| {
+                    matches!(
+                        kind,
+                        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+                    )
+                }),
             },
             Self::NotConfirmed { .. }
             | Self::NoSuchQueue(_)
             | Self::Cancelled
             | Self::Internal(_) => false,
         }
+    }
+}
+
+fn amqp_error(error: &lapin::Error) -> Option<&AMQPErrorKind> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(error) => Some(error.kind()),
+        _ => None,
     }
 }

@@ -23,7 +23,9 @@
 //! Events go through `tracing` (targets `idem_rabbitmq` and, for the
 //! protocol's decisions, `idem`). No event carries a body or a whole message
 //! id ([`Redacted`](idem_core::Redacted)), and the broker's address is shown
-//! without its password.
+//! without its password. lapin's own TRACE events show every frame, bodies
+//! and message ids included: keep `lapin` at DEBUG or above
+//! (`RUST_LOG=info,lapin=info`).
 //!
 //! # Why lapin
 //!
@@ -59,8 +61,8 @@ pub use topology::{
 
 pub use idem_core;
 pub use idem_core::consume::{
-    Attempt, ConsumerPolicy, DeadLetterAlert, Decision, ErrorKind, Handler, HandlerError,
-    HandlerFuture, Inbox, MemoryInbox, Message, MissingId, Protocol, handler,
+    Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler, HandlerError, HandlerFuture,
+    Inbox, MemoryInbox, Message, MissingId, Protocol, handler,
 };
 pub use idem_core::retry::Backoff;
 pub use lapin;

@@ -195,7 +195,10 @@ impl Topology {
         channel
             .queue_declare(name.into(), QueueDeclareOptions::durable(), arguments)
             .await
-            .map_err(Error::broker(format!("declare the queue {name:?}")))?;
+            .map_err(|source| Error::Declare {
+                queue: name.to_owned(),
+                source,
+            })?;
         Ok(())
     }
 }

@@ -81,6 +81,11 @@ const SCENARIOS: &[Scenario] = &[
         run: |case| a_graceful_shutdown_under_load_loses_nothing(case).boxed(),
     },
     Scenario {
+        name: "no_log_line_carries_a_message_id_a_body_or_the_password",
+        alone: false,
+        run: |case| no_log_line_carries_a_message_id_a_body_or_the_password(case).boxed(),
+    },
+    Scenario {
         name: "concurrency_n_runs_n_handlers_at_once",
         alone: false,
         run: |case| concurrency_n_runs_n_handlers_at_once(case).boxed(),
@@ -89,6 +94,18 @@ const SCENARIOS: &[Scenario] = &[
 
 fn main() -> ExitCode {
     let args = Arguments::from_args();
+    // Every event of this crate and of the protocol, at every level, for
+    // the case that reads them. (lapin's own TRACE events show every frame,
+    // bodies included: an application keeps `lapin` at DEBUG or above.)
+    let logs = Captured::default();
+    let _ = LOGS.set(logs.clone());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            "idem=trace,idem_rabbitmq=trace",
+        ))
+        .with_writer(logs)
+        .with_ansi(false)
+        .init();
     let broker: Arc<OnceLock<Result<TestRabbitMq, String>>> = Arc::new(OnceLock::new());
     let alone = Arc::new(RwLock::new(()));
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -141,6 +158,39 @@ fn main() -> ExitCode {
     // The node is stopped here, whatever the trials did.
     drop(broker);
     conclusion.exit_code()
+}
+
+/// What the log events wrote.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+static LOGS: OnceLock<Captured> = OnceLock::new();
+
+impl Captured {
+    fn text() -> String {
+        LOGS.get()
+            .map(|logs| String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
 }
 
 #[allow(dead_code)]
@@ -901,6 +951,8 @@ async fn the_consumer_resumes_after_a_broker_restart(case: Case) -> Outcome {
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
+            // A steady producer: the restart comes while it publishes.
+            tokio::time::sleep(Duration::from_millis(4)).await;
         }
         Ok(())
     });
@@ -914,8 +966,8 @@ async fn the_consumer_resumes_after_a_broker_restart(case: Case) -> Outcome {
     // The broker stays down a moment while the producer and the consumer
     // fail (the scenario's outage, not a wait for readiness).
     tokio::time::sleep(Duration::from_secs(1)).await;
-    broker.start_app().map_err(failed)?;
     let restarted = Instant::now();
+    broker.start_app().map_err(failed)?;
     running.subscribed(2).await?;
     let resumed = restarted.elapsed();
 
@@ -933,7 +985,7 @@ async fn the_consumer_resumes_after_a_broker_restart(case: Case) -> Outcome {
     )?;
     ledger.exact(&unique)?;
     Ok(format!(
-        "stopped at {stopped_at} operations; resubscribed {resumed:?} after the start; {} publishes retried; 500 applied once",
+        "stopped at {stopped_at} operations; resubscribed {resumed:?} after `start_app` began; {} publishes retried; 500 applied once",
         retried.load(Ordering::Relaxed)
     ))
 }
@@ -1008,4 +1060,129 @@ async fn concurrency_n_runs_n_handlers_at_once(case: Case) -> Outcome {
     let most = apply.most_in_flight.load(Ordering::SeqCst);
     ensure(most == 4, format!("at most {most} handlers ran at once"))?;
     Ok("16 messages through a gate of 4: 4 handlers at once, never more".to_owned())
+}
+
+/// At TRACE, through a retry, a dead letter, a listing, a redrive, a
+/// publish and a connection refused: no event carries a whole message id,
+/// a body or the AMQP URL's password (a user of its own, with a password
+/// found nowhere else).
+async fn no_log_line_carries_a_message_id_a_body_or_the_password(case: Case) -> Outcome {
+    const PASSWORD: &str = "pw-9f3c1e77d2b4";
+    let broker = case.broker();
+    broker
+        .ctl(&["add_user", "idem-logs", PASSWORD])
+        .map_err(failed)?;
+    broker
+        .ctl(&["set_permissions", "-p", "/", "idem-logs", ".*", ".*", ".*"])
+        .map_err(failed)?;
+    let port = broker.port();
+    let url = format!("amqp://idem-logs:{PASSWORD}@127.0.0.1:{port}/%2f");
+    let case = Case { url, ..case };
+
+    let ids = [
+        "message-id-secret-0c9a5e31-1",
+        "message-id-secret-0c9a5e31-2",
+    ];
+    let bodies = [
+        Payment::new("acc-secret-body-7d1e-1", 3),
+        Payment::new("acc-secret-body-7d1e-2", 4),
+    ];
+    let ledger = Ledger::default();
+    let broken = Arc::new(AtomicBool::new(true));
+    let flag = broken.clone();
+    let apply = Apply::new(&ledger).failing(move |id, attempt| {
+        if id.ends_with("-1") && flag.load(Ordering::SeqCst) {
+            Some(HandlerError::permanent("the account is closed"))
+        } else if id.ends_with("-2") && attempt == 1 {
+            Some(HandlerError::transient("try again"))
+        } else {
+            None
+        }
+    });
+    let consumer = Arc::new(case.consumer(MemoryInbox::new(), apply, quick(3), 1)?);
+    let running = Running::start(consumer).await?;
+    let messages: Vec<(String, Payment)> = ids
+        .iter()
+        .map(|id| (*id).to_owned())
+        .zip(bodies.iter().cloned())
+        .collect();
+    case.publish(&messages).await?;
+    case.await_ready(&case.dlq(), 1, Duration::from_secs(30))
+        .await?;
+    operations(&ledger, 1, Duration::from_secs(30)).await?;
+    let listed = idem_rabbitmq::dead_letters(&case.url, &case.queue)
+        .await
+        .map_err(failed)?;
+    let shown = format!("{listed:?}");
+    broken.store(false, Ordering::SeqCst);
+    idem_rabbitmq::redrive_message(&case.url, &case.queue, ids[0])
+        .await
+        .map_err(failed)?;
+    operations(&ledger, 2, Duration::from_secs(30)).await?;
+    running.stop().await?;
+
+    // A broker that refuses the connection: the consumer logs its retries.
+    let nowhere = format!("amqp://idem-logs:{PASSWORD}@127.0.0.1:1/%2f");
+    let refused = Publisher::connect(&nowhere)
+        .await
+        .err()
+        .map(|error| format!("{error} {error:?}"))
+        .unwrap_or_default();
+    let lost = Consumer::builder(&nowhere, &case.queue)
+        .inbox(MemoryInbox::new())
+        .handler(Apply::new(&ledger))
+        .build()
+        .map_err(failed)?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        lost.run(
+            async {
+                let _ = stopped.await;
+            },
+            |_| {},
+        )
+        .await
+    });
+    until("a reconnection logged", Duration::from_secs(30), || async {
+        if Captured::text().contains("127.0.0.1:1/") {
+            Ok(())
+        } else {
+            Err("none yet".to_owned())
+        }
+    })
+    .await?;
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+
+    let logs = Captured::text();
+    if std::env::var_os("IDEM_SHOW_LOGS").is_some() {
+        eprintln!("{logs}");
+    }
+    let secrets = [ids[0], ids[1], "acc-secret-body-7d1e", PASSWORD];
+    for secret in secrets {
+        ensure(
+            !logs.contains(secret),
+            format!("a log line carries {secret:?}"),
+        )?;
+        ensure(
+            !shown.contains(secret) || secret.starts_with("message-id"),
+            format!("a dead letter's Debug shows {secret:?}"),
+        )?;
+        ensure(
+            !refused.contains(secret),
+            format!("a connection error shows {secret:?}: {refused}"),
+        )?;
+    }
+    ensure(
+        !shown.contains(ids[0]),
+        format!("a dead letter's Debug shows its id: {shown}"),
+    )?;
+    ensure(
+        logs.contains("dead letter re-driven") && logs.contains("idem.message"),
+        "the events were captured",
+    )?;
+    Ok(format!(
+        "{} bytes of TRACE events: no message id, body or password",
+        logs.len()
+    ))
 }

@@ -41,7 +41,10 @@ pub(super) async fn carry_out<I: Inbox, H: Handler<I::Tx> + 'static>(
             let properties = message::hop(&properties, topology.queue(), &retry.reason, None)
                 .with_expiration(delay.as_millis().to_string().into());
             match hop(&channel, &queue, &message, properties).await? {
-                Hopped::Confirmed => ack(&acker).await,
+                Hopped::Confirmed => {
+                    tracing::debug!(message_id = %redacted(&message), delay_queue = %queue, delay_ms = delay.as_millis() as u64, "the retry's copy waits in its delay queue");
+                    ack(&acker).await
+                }
                 Hopped::Refused => hand_back(&acker, pause).await,
             }
         }
@@ -54,6 +57,7 @@ pub(super) async fn carry_out<I: Inbox, H: Handler<I::Tx> + 'static>(
             );
             match hop(&channel, &topology.dead_letter_hop(), &message, properties).await? {
                 Hopped::Confirmed => {
+                    tracing::debug!(message_id = %redacted(&message), dead_letter_queue = %topology.dead_letter_queue(), "the dead letter is in the dead-letter queue");
                     shared.protocol.published(&letter).await;
                     ack(&acker).await
                 }
@@ -84,12 +88,15 @@ async fn hop(
     match publish_confirmed(channel, queue, message.body(), properties).await {
         Ok(()) => Ok(Hopped::Confirmed),
         Err(error @ Error::NotConfirmed { .. }) => {
-            let id = message.message_id().unwrap_or("");
-            tracing::warn!(message_id = %Redacted::of(id), error = %error, "the broker did not take the message's copy: the delivery goes back to the queue");
+            tracing::warn!(message_id = %redacted(message), error = %error, "the broker did not take the message's copy: the delivery goes back to the queue");
             Ok(Hopped::Refused)
         }
         Err(error) => Err(error),
     }
+}
+
+fn redacted(message: &Message) -> Redacted<'_> {
+    Redacted::of(message.message_id().unwrap_or(""))
 }
 
 async fn ack(acker: &Acker) -> Result<(), Error> {
