@@ -100,27 +100,27 @@ impl Inbox for MemoryInbox {
                 }
             };
             let attempt = previous.len() as u32 + 1;
+            // Dropped unfinished (a shutdown's deadline, a cancelled task),
+            // the entry goes back to what it was, so that a later delivery
+            // runs instead of waiting for ever.
+            let mut running = Running {
+                inbox: self,
+                name: Some(name),
+                previous,
+            };
             let ran = handler
                 .handle(Attempt::new(message, entry.message_id, attempt), &mut ())
                 .await;
-            let entered = {
-                let mut entries = self.entries();
-                match ran {
-                    Ok(()) => {
-                        entries.insert(name, State::Processed(entry.fingerprint));
-                        Entered::Processed { attempt }
-                    }
-                    Err(error) => {
-                        if previous.is_empty() {
-                            entries.remove(&name);
-                        } else {
-                            entries.insert(name, State::Failing(previous));
-                        }
-                        Entered::Failed { attempt, error }
-                    }
+            let entered = match ran {
+                Ok(()) => {
+                    running.settle(State::Processed(entry.fingerprint));
+                    Entered::Processed { attempt }
+                }
+                Err(error) => {
+                    running.undo();
+                    Entered::Failed { attempt, error }
                 }
             };
-            self.inner.settled.notify_waiters();
             Ok(entered)
         })
     }
@@ -244,6 +244,43 @@ impl Inbox for MemoryInbox {
                 _ => Ok(None),
             }
         })
+    }
+}
+
+/// An entry taken for running: settled, or undone when dropped unsettled.
+struct Running<'a> {
+    inbox: &'a MemoryInbox,
+    name: Option<(String, String)>,
+    previous: Vec<SystemTime>,
+}
+
+impl Running<'_> {
+    fn settle(&mut self, state: State) {
+        if let Some(name) = self.name.take() {
+            self.inbox.entries().insert(name, state);
+            self.inbox.inner.settled.notify_waiters();
+        }
+    }
+
+    /// Back to the failures before this attempt (or to nothing).
+    fn undo(&mut self) {
+        if let Some(name) = self.name.take() {
+            let previous = std::mem::take(&mut self.previous);
+            let mut entries = self.inbox.entries();
+            if previous.is_empty() {
+                entries.remove(&name);
+            } else {
+                entries.insert(name, State::Failing(previous));
+            }
+            drop(entries);
+            self.inbox.inner.settled.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.undo();
     }
 }
 

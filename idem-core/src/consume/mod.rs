@@ -758,6 +758,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_memory_inbox_entry_abandoned_midway_runs_again() {
+        let protocol = protocol(policy());
+        let stuck = handler(|_attempt: Attempt<'_>, _tx: &mut ()| -> HandlerFuture<'_> {
+            Box::pin(std::future::pending())
+        });
+        let message = Message::new("{}").id("m-9");
+        let abandoned =
+            tokio::time::timeout(Duration::from_millis(20), protocol.decide(&message, &stuck))
+                .await;
+        assert!(abandoned.is_err(), "the stuck handler is cut off");
+        let fixed = Counting::ok();
+        let decided =
+            tokio::time::timeout(Duration::from_secs(5), protocol.decide(&message, &fixed)).await;
+        assert_eq!(
+            decided.ok(),
+            Some(Decision::Ack(Acked::Processed { attempt: 1 })),
+            "a later delivery runs instead of waiting for the abandoned one"
+        );
+    }
+
+    #[tokio::test]
     async fn the_alert_is_raised_once_per_crossing() {
         let alerts = Arc::new(AtomicU64::new(0));
         let seen = Arc::clone(&alerts);

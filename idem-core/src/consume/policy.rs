@@ -145,6 +145,12 @@ impl ConsumerPolicy {
         self.backoff
     }
 
+    /// How long a delivery waits before it is handed back when the inbox is
+    /// unavailable.
+    pub fn unavailable_pause_duration(&self) -> Duration {
+        self.unavailable_pause
+    }
+
     /// The dead-letter alert's threshold.
     pub fn alert_threshold(&self) -> u64 {
         self.alert_threshold
