@@ -32,7 +32,9 @@ pub(super) async fn carry_out<I: Inbox, H: Handler<I::Tx> + 'static>(
     let topology = &shared.topology;
     let message = message::translate(&properties, data, redelivered, topology.kind());
     let decision = shared.protocol.decide(&message, &shared.handler).await;
-    let pause = REFUSED_PAUSE;
+    // A copy the broker refused: handed back after the policy's pause, as
+    // when the inbox is unavailable.
+    let pause = shared.protocol.policy().unavailable_pause_duration();
     match decision {
         Decision::Ack(_) => ack(&acker).await,
         Decision::Retry(retry) => {
@@ -67,10 +69,6 @@ pub(super) async fn carry_out<I: Inbox, H: Handler<I::Tx> + 'static>(
         Decision::Requeue { after } => hand_back(&acker, after).await,
     }
 }
-
-/// How long a delivery whose copy the broker refused waits before it is
-/// handed back.
-const REFUSED_PAUSE: Duration = Duration::from_secs(1);
 
 enum Hopped {
     Confirmed,
