@@ -215,15 +215,18 @@ fn add(report: &mut Report, store: Store, c: usize, idem: &Measured, bare: &Meas
         idem.database_micros_per_request(),
         bare.database_micros_per_request(),
     ) {
-        report.ratios.push(
-            Ratio::new(
-                format!("idem-rabbitmq + {inbox} / bare lapin, PostgreSQL CPU per message (c={c})"),
-                idem_cost / bare_cost,
-                Target::None,
-            )
-            .note(format!(
+        let what =
+            format!("idem-rabbitmq + {inbox} / bare lapin, PostgreSQL CPU per message (c={c})");
+        report.ratios.push(if bare_cost > 0.0 {
+            Ratio::new(what, idem_cost / bare_cost, Target::None).note(format!(
                 "PostgreSQL CPU per message: idem {idem_cost:.1} us, bare {bare_cost:.1} us"
-            )),
-        );
+            ))
+        } else {
+            Ratio::missing(
+                what,
+                Target::None,
+                "the drain was too short for CPU time counted in clock ticks",
+            )
+        });
     }
 }
