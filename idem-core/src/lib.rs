@@ -9,6 +9,7 @@ mod fingerprint;
 mod key;
 pub mod log;
 mod metrics;
+pub mod outbox;
 mod policy;
 mod problem;
 pub mod protocol;

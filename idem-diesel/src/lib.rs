@@ -9,6 +9,7 @@
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod consume;
 mod error;
+mod outbox;
 mod pool;
 mod prepared;
 mod row;
@@ -33,15 +34,19 @@ pub use diesel_async;
 
 pub use error::SetupError;
 pub use idem_core::cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
+pub use idem_core::outbox::{Event, Publish, PublishError};
+pub use outbox::{
+    Backend, Backlog, Outbox, OutboxBuilder, ParkedEvent, Postgres, Relay, Relayed, Sqlite,
+};
 pub use table::DEFAULT_TABLE;
 
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    PgInbox, PgInboxBuilder, PgPool, PgStore, PgStoreBuilder, PgTransaction,
+    PgInbox, PgInboxBuilder, PgOutbox, PgPool, PgStore, PgStoreBuilder, PgTransaction,
     PgTransactionConnection, TransactionEnded, TransactionalPgStore,
 };
 #[cfg(feature = "sqlite")]
 pub use sqlite::{
-    AsyncSqliteConnection, SqliteInbox, SqliteInboxBuilder, SqlitePool, SqliteStore,
+    AsyncSqliteConnection, SqliteInbox, SqliteInboxBuilder, SqliteOutbox, SqlitePool, SqliteStore,
     SqliteStoreBuilder,
 };

@@ -1,6 +1,6 @@
 //! The stores against real databases: the core conformance suite, migrations,
 //! the cleanup job, outages, transactional mode, the consumer inbox and the
-//! inbox conformance suite, on PostgreSQL (a throwaway cluster this binary
+//! inbox conformance suite, the outbox and its relay, on PostgreSQL (a throwaway cluster this binary
 //! starts) and on SQLite (a temporary file per test).
 //!
 //! One binary with its own harness (libtest-mimic), because the cluster must be
@@ -16,6 +16,8 @@
 mod cleanup;
 #[path = "stores/consumer_inbox.rs"]
 mod consumer_inbox;
+#[path = "stores/outbox.rs"]
+mod outbox;
 #[path = "stores/postgres.rs"]
 mod postgres;
 #[path = "stores/sqlite.rs"]
@@ -120,6 +122,7 @@ fn main() -> ExitCode {
         .chain(cleanup::TESTS)
         .chain(transactional::TESTS)
         .chain(consumer_inbox::TESTS)
+        .chain(outbox::TESTS)
     {
         let test = *test;
         trials.push(trial(&runtime, &databases, (*name).to_owned(), false, test));

@@ -847,7 +847,7 @@ impl DeadLetterRow {
 
 /// Counts the transaction as ended after a `COMMIT` sent as a statement: a
 /// `COMMIT` that fails rolls back, so it is over either way.
-fn ended(connection: &mut AsyncPgConnection) {
+pub(super) fn ended(connection: &mut AsyncPgConnection) {
     if let Ok(status) =
         AnsiTransactionManager::transaction_manager_status_mut(connection).transaction_state()
     {

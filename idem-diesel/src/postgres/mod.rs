@@ -1,6 +1,7 @@
 //! The PostgreSQL store.
 
 mod consumer_inbox;
+mod outbox;
 mod statements;
 mod transactional;
 
@@ -30,6 +31,7 @@ use idem_core::cleanup::{Cleanup, SweepGuard, SweepLock};
 use statements::Statements;
 
 pub use consumer_inbox::{PgInbox, PgInboxBuilder};
+pub use outbox::PgOutbox;
 pub use transactional::{
     PgTransaction, PgTransactionConnection, TransactionEnded, TransactionalPgStore,
 };

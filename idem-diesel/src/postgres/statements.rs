@@ -285,6 +285,14 @@ statement_keys!(
     InboxCount,
     /// The consumer inbox's move of a message to the dead letters.
     InboxBury,
+    /// The outbox's stage of an event (see `outbox`).
+    OutboxStage,
+    /// The outbox's stage of an event, without `NOTIFY`.
+    OutboxStageQuiet,
+    /// A relay's batch.
+    OutboxTake,
+    /// A relay's settlement of its batch.
+    OutboxSettle,
 );
 
 /// One statement's text, and whether it is keyed by `K`.
@@ -351,6 +359,29 @@ impl<K: StatementKey> Statement<K> {
                 .get_result(&mut connection)
                 .await
                 .optional()
+        }
+    }
+
+    /// Runs the statement with `binds` (see [`binds`]): every row it answers.
+    /// Pipelined as [`row`](Self::row) is.
+    pub(super) async fn rows<'a, B, R>(
+        &'a self,
+        connection: &AsyncPgConnection,
+        binds: B,
+    ) -> QueryResult<Vec<R>>
+    where
+        B: QueryFragment<Pg> + Send + 'a,
+        R: QueryableByName<Pg> + Send + 'static,
+    {
+        let mut connection = connection;
+        if self.keyed && K::BY_TYPE {
+            Execution::<K, B>::new(&self.sql, binds)
+                .load(&mut connection)
+                .await
+        } else {
+            Execution::<ByText, B>::new(&self.sql, binds)
+                .load(&mut connection)
+                .await
         }
     }
 

@@ -1,6 +1,7 @@
 //! The SQLite store.
 
 mod consumer_inbox;
+mod outbox;
 mod statements;
 
 use std::future::Future;
@@ -40,6 +41,7 @@ pub type AsyncSqliteConnection = SyncConnectionWrapper<SqliteConnection>;
 type Connection = AsyncSqliteConnection;
 
 pub use consumer_inbox::{SqliteInbox, SqliteInboxBuilder};
+pub use outbox::SqliteOutbox;
 
 /// A bb8 pool of SQLite connections, as [`SqliteStore`] uses.
 pub type SqlitePool = bb8::Pool<AsyncDieselConnectionManager<Connection>>;

@@ -1,0 +1,556 @@
+//! The transactional outbox: [`Outbox`] stages events in the caller's
+//! transaction, and a [`Relay`] publishes them once committed (see the
+//! crate's README, "The outbox").
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use futures_util::future::join_all;
+use idem_core::outbox::{Event, Publish, PublishError};
+use idem_core::retry::Backoff;
+use idem_core::{Redacted, StoreError};
+use tokio::sync::Notify;
+
+use crate::pool::ConnectFailures;
+
+/// How long sent events are kept by default before the cleanup job deletes
+/// them: a day.
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The outbox's table.
+pub(crate) const OUTBOX_TABLE: &str = "idem_outbox";
+
+/// Events staged in the caller's database transaction, published by a
+/// [`Relay`] once committed: on PostgreSQL ([`PgOutbox`](crate::PgOutbox))
+/// or SQLite ([`SqliteOutbox`](crate::SqliteOutbox)).
+///
+/// Cheap to clone: clones share the pool. See the crate's README ("The
+/// outbox") for an example, the table, and what the relay guarantees.
+pub struct Outbox<B: Backend> {
+    pub(crate) inner: Arc<Inner<B>>,
+}
+
+pub(crate) struct Inner<B: Backend> {
+    pub(crate) pool: B::Pool,
+    /// Set when the outbox built the pool (see `crate::pool`).
+    pub(crate) failures: Option<ConnectFailures>,
+    pub(crate) retention: Duration,
+    /// PostgreSQL: whether a stage notifies the relays on commit.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) notify: bool,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) connection_timeout: Duration,
+    /// Wakes this process's relay (SQLite: at each stage).
+    pub(crate) wake: Arc<Notify>,
+    pub(crate) staged: AtomicU64,
+}
+
+/// The database an [`Outbox`] is on: [`Postgres`] or [`Sqlite`]. Sealed.
+pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
+    /// The pool the outbox checks connections out of.
+    type Pool: Clone + Send + Sync + 'static;
+}
+
+/// PostgreSQL (feature `postgres`): several relays at once, woken on commit by
+/// `LISTEN`/`NOTIFY`.
+#[derive(Debug)]
+pub enum Postgres {}
+
+/// SQLite (feature `sqlite`): one relay per file, woken in process.
+#[derive(Debug)]
+pub enum Sqlite {}
+
+mod sealed {
+    #[allow(unreachable_pub)]
+    pub trait Sealed {}
+    impl Sealed for super::Postgres {}
+    impl Sealed for super::Sqlite {}
+}
+
+/// Configures an [`Outbox`]: the retention of sent events, and the pool it
+/// builds.
+#[must_use]
+pub struct OutboxBuilder<B: Backend> {
+    pub(crate) retention: Duration,
+    pub(crate) max_connections: u32,
+    pub(crate) connection_timeout: Duration,
+    pub(crate) busy_timeout: Duration,
+    pub(crate) notify: bool,
+    backend: PhantomData<fn() -> B>,
+}
+
+/// What is waiting in an outbox ([`Outbox::backlog`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Events staged and not yet published (parked ones aside).
+    pub unsent: u64,
+    /// Events parked: never publishable as they stand.
+    pub parked: u64,
+    /// How long the oldest unsent event has waited.
+    pub oldest_unsent: Option<Duration>,
+}
+
+/// An event the relay parked, and why ([`Outbox::parked`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParkedEvent {
+    /// The event's id.
+    pub id: uuid::Uuid,
+    /// Its destination.
+    pub destination: String,
+    /// Its key.
+    pub key: String,
+    /// Why it can never be published, as the publisher said.
+    pub reason: String,
+    /// Publish attempts, the refused one included.
+    pub attempts: u32,
+    /// When it was parked.
+    pub parked_at: SystemTime,
+}
+
+/// Publishes what an [`Outbox`] staged, with a [`Publish`] (a broker crate's
+/// publisher): `run` it as a task for as long as the application runs.
+///
+/// It takes batches of the events whose turn it is (the oldest unsent one of
+/// each destination and key, with those behind it), publishes the events of
+/// different keys concurrently and those of one key one after the other,
+/// and marks each sent only once the broker confirmed it. An event the
+/// broker did not take is tried again after a full-jitter delay, and the
+/// events behind it in its key wait; an event refused for good is parked
+/// with its reason and its key goes on.
+#[must_use]
+pub struct Relay<P> {
+    source: Arc<dyn Source>,
+    publisher: Arc<P>,
+    batch_size: usize,
+    poll_interval: Duration,
+    backoff: Backoff,
+    counters: Arc<RelayCounters>,
+}
+
+/// What a relay did ([`Relay::run_once`], [`Relay::run`], [`Relay::report`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Relayed {
+    /// Events published and marked sent.
+    pub published: u64,
+    /// Events parked.
+    pub parked: u64,
+    /// Failed attempts, to be tried again.
+    pub retried: u64,
+}
+
+#[derive(Default)]
+struct RelayCounters {
+    published: AtomicU64,
+    parked: AtomicU64,
+    retried: AtomicU64,
+}
+
+/// One staged event as the relay took it.
+pub(crate) struct Taken {
+    pub(crate) position: i64,
+    pub(crate) attempts: u32,
+    pub(crate) event: Event,
+}
+
+/// What became of a batch's events, for the database.
+#[derive(Default)]
+pub(crate) struct Settlement {
+    pub(crate) sent: Vec<i64>,
+    /// Position, reason.
+    pub(crate) parked: Vec<(i64, String)>,
+    /// Position, delay before the next attempt (µs).
+    pub(crate) retried: Vec<(i64, i64)>,
+}
+
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A backend's side of a relay.
+pub(crate) trait Source: Send + Sync + 'static {
+    /// Takes up to `limit` events whose turn it is, held for this relay until
+    /// the batch is settled or dropped.
+    fn take(&self, limit: usize) -> BoxFuture<'_, Result<Box<dyn Batch>, StoreError>>;
+
+    /// Resolves when events may have been committed: a notification, or (for a
+    /// wake-up that may precede its commit) never sooner than told.
+    fn woken(&self) -> BoxFuture<'_, ()>;
+
+    /// Whether a wake-up may come before the commit it announces (SQLite's
+    /// in-process wake-up, at the stage).
+    fn wakes_early(&self) -> bool;
+
+    /// A task that turns the database's notifications into wake-ups, if the
+    /// backend has them.
+    fn listen(&self, poll_interval: Duration) -> Option<BoxFuture<'static, ()>>;
+}
+
+/// A batch taken by a relay.
+pub(crate) trait Batch: Send {
+    fn events(&self) -> &[Taken];
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), StoreError>>;
+}
+
+impl<B: Backend> Clone for Outbox<B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<B: Backend> Outbox<B> {
+    /// Configures the retention and the pool.
+    pub fn builder() -> OutboxBuilder<B> {
+        OutboxBuilder {
+            retention: DEFAULT_RETENTION,
+            max_connections: 4,
+            connection_timeout: Duration::from_secs(3),
+            busy_timeout: Duration::from_secs(5),
+            notify: true,
+            backend: PhantomData,
+        }
+    }
+
+    pub(crate) fn with_pool(
+        pool: B::Pool,
+        failures: Option<ConnectFailures>,
+        builder: &OutboxBuilder<B>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                pool,
+                failures,
+                retention: builder.retention,
+                notify: builder.notify,
+                connection_timeout: builder.connection_timeout,
+                wake: Arc::new(Notify::new()),
+                staged: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &B::Pool {
+        &self.inner.pool
+    }
+
+    /// How long sent events are kept before the cleanup job deletes them.
+    pub fn retention(&self) -> Duration {
+        self.inner.retention
+    }
+
+    /// Events staged through this outbox (in this process) since it was
+    /// made, committed or not.
+    pub fn staged(&self) -> u64 {
+        self.inner.staged.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_staged(&self, event: &Event) {
+        self.inner.staged.fetch_add(1, Ordering::Relaxed);
+        tracing::trace!(
+            target: "idem",
+            event_id = %Redacted::of(&event.id().to_string()),
+            destination = %idem_core::log::bounded(event.destination()),
+            "outbox event staged"
+        );
+    }
+}
+
+impl<B: Backend> fmt::Debug for Outbox<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("retention", &self.inner.retention)
+            .field("staged", &self.staged())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> OutboxBuilder<B> {
+    /// How long sent events are kept before the cleanup job deletes them
+    /// (default 24 h). Parked events are never deleted by it.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The most connections the pool opens (default 4: a relay holds one per
+    /// batch, PostgreSQL's listener one of its own outside the pool). Ignored
+    /// by `build`.
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How long a step waits for a connection (default 3 s). Ignored by
+    /// `build`.
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// SQLite: how long a write waits for the file's lock (default 5 s).
+    /// Ignored by `build` and on PostgreSQL.
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// PostgreSQL: whether staging notifies the relays when the transaction
+    /// commits (default `true`). `NOTIFY` serializes the commits that use it
+    /// across the database; without it relays find events by polling.
+    pub fn notify(mut self, notify: bool) -> Self {
+        self.notify = notify;
+        self
+    }
+}
+
+impl<B: Backend> fmt::Debug for OutboxBuilder<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutboxBuilder")
+            .field("retention", &self.retention)
+            .field("max_connections", &self.max_connections)
+            .field("notify", &self.notify)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Publish> Relay<P> {
+    pub(crate) fn new(source: Arc<dyn Source>, publisher: P) -> Self {
+        Self {
+            source,
+            publisher: Arc::new(publisher),
+            batch_size: 100,
+            poll_interval: Duration::from_secs(1),
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(60)),
+            counters: Arc::default(),
+        }
+    }
+
+    /// The most events taken at once (default 100).
+    pub fn batch_size(mut self, size: usize) -> Self {
+        self.batch_size = size.max(1);
+        self
+    }
+
+    /// How often the outbox is looked at when nothing woke the relay
+    /// (default 1 s): the fallback when a notification is lost, and when an
+    /// event's retry falls due.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// The delay before an event the broker did not take is tried again
+    /// (default: full jitter, first retry within 100 ms, at most 60 s).
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// What this relay did so far.
+    pub fn report(&self) -> Relayed {
+        Relayed {
+            published: self.counters.published.load(Ordering::Relaxed),
+            parked: self.counters.parked.load(Ordering::Relaxed),
+            retried: self.counters.retried.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Takes one batch, publishes it and settles it: what [`run`](Self::run)
+    /// does each time it looks.
+    pub async fn run_once(&self) -> Result<Relayed, StoreError> {
+        let batch = self.source.take(self.batch_size).await?;
+        if batch.events().is_empty() {
+            return Ok(Relayed::default());
+        }
+        let settlement = self.publish(batch.events()).await;
+        let relayed = Relayed {
+            published: settlement.sent.len() as u64,
+            parked: settlement.parked.len() as u64,
+            retried: settlement.retried.len() as u64,
+        };
+        batch.settle(settlement).await?;
+        self.counters
+            .published
+            .fetch_add(relayed.published, Ordering::Relaxed);
+        self.counters
+            .parked
+            .fetch_add(relayed.parked, Ordering::Relaxed);
+        self.counters
+            .retried
+            .fetch_add(relayed.retried, Ordering::Relaxed);
+        tracing::debug!(
+            target: "idem",
+            published = relayed.published,
+            parked = relayed.parked,
+            retried = relayed.retried,
+            "outbox batch relayed"
+        );
+        Ok(relayed)
+    }
+
+    /// Publishes staged events until `shutdown` resolves, then finishes the
+    /// batch in hand and answers what it did. A database error is logged and
+    /// the relay looks again at the next poll.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Relayed {
+        let listener = self
+            .source
+            .listen(self.poll_interval)
+            .map(|listen| AbortOnDrop(tokio::spawn(listen)));
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let result = tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                result = self.run_once() => result,
+            };
+            match result {
+                Ok(relayed) if relayed.published + relayed.parked + relayed.retried > 0 => {
+                    continue;
+                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!(
+                    target: "idem",
+                    error = %ErrorChain(&error),
+                    "the outbox relay could not take or settle a batch"
+                ),
+            }
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                () = self.source.woken() => {
+                    if self.source.wakes_early() {
+                        self.after_early_wake(&mut shutdown).await;
+                    }
+                }
+                () = tokio::time::sleep(self.poll_interval) => {}
+            }
+        }
+        drop(listener);
+        self.report()
+    }
+
+    /// After a wake-up that may precede its commit: looks again a few times,
+    /// 5 ms apart and doubling, until something is found.
+    async fn after_early_wake(&self, shutdown: &mut Pin<&mut (impl Future<Output = ()> + Send)>) {
+        let mut delay = Duration::from_millis(5);
+        while delay < self.poll_interval.max(Duration::from_millis(10)) {
+            tokio::select! {
+                biased;
+                () = &mut *shutdown => return,
+                () = tokio::time::sleep(delay) => {}
+            }
+            match self.run_once().await {
+                Ok(relayed) if relayed.published + relayed.parked + relayed.retried > 0 => return,
+                Ok(_) => delay = delay.saturating_mul(2),
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Publishes `events`: the keys concurrently, each key's events in order,
+    /// a key stopping at its first event the broker did not take.
+    async fn publish(&self, events: &[Taken]) -> Settlement {
+        let mut keys: HashMap<(&str, &str), Vec<&Taken>> = HashMap::new();
+        let mut order = Vec::new();
+        for taken in events {
+            let key = (taken.event.destination(), taken.event.key());
+            let queue = keys.entry(key).or_default();
+            if queue.is_empty() {
+                order.push(key);
+            }
+            queue.push(taken);
+        }
+        let runs = order
+            .into_iter()
+            .filter_map(|key| keys.remove(&key))
+            .map(|queue| self.publish_key(queue));
+        let mut settlement = Settlement::default();
+        for part in join_all(runs).await {
+            settlement.sent.extend(part.sent);
+            settlement.parked.extend(part.parked);
+            settlement.retried.extend(part.retried);
+        }
+        settlement
+    }
+
+    async fn publish_key(&self, queue: Vec<&Taken>) -> Settlement {
+        let mut settlement = Settlement::default();
+        for taken in queue {
+            let event = &taken.event;
+            match self.publisher.publish(event).await {
+                Ok(()) => settlement.sent.push(taken.position),
+                Err(PublishError::Refused(reason)) => {
+                    tracing::error!(
+                        target: "idem",
+                        event_id = %Redacted::of(&event.id().to_string()),
+                        destination = %idem_core::log::bounded(event.destination()),
+                        reason = %idem_core::log::bounded(&reason),
+                        "outbox event parked: it can never be published"
+                    );
+                    settlement.parked.push((taken.position, reason));
+                }
+                Err(error) => {
+                    let attempt = taken.attempts.saturating_add(1);
+                    let delay = self.backoff.delay(attempt);
+                    tracing::warn!(
+                        target: "idem",
+                        event_id = %Redacted::of(&event.id().to_string()),
+                        destination = %idem_core::log::bounded(event.destination()),
+                        attempt,
+                        retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        error = %ErrorChain(&error),
+                        "outbox event not published; retrying later"
+                    );
+                    settlement
+                        .retried
+                        .push((taken.position, crate::row::duration_micros(delay)));
+                    // The events behind it in its key wait for it.
+                    break;
+                }
+            }
+        }
+        settlement
+    }
+}
+
+impl<P> fmt::Debug for Relay<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay")
+            .field("batch_size", &self.batch_size)
+            .field("poll_interval", &self.poll_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Aborts the listener task when the relay ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An error and its sources, on one line.
+pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,740 @@
+//! The transactional outbox (`PgOutbox`, `SqliteOutbox`) and its relay, with
+//! a publisher in memory: staging commits or rolls back with the caller's
+//! transaction, each event is published with its id, per key in order (two
+//! relays at once on PostgreSQL), again after a relay dropped mid-batch,
+//! parked without blocking other keys, retried after a failure, and deleted
+//! by the cleanup job once sent and past the retention.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use idem_core::consume::{
+    Attempt, ConsumerPolicy, Decision, HandlerError, HandlerFuture, Message, Protocol, handler,
+};
+use idem_core::outbox::{Event, Publish, PublishError, PublishFuture};
+use idem_core::retry::Backoff;
+use idem_core::{Begin, Engine, Fingerprint, IdempotencyKey, Policy, Scope, StoredResponse};
+use idem_diesel::{
+    AsyncSqliteConnection, PgOutbox, PgTransaction, Relay, SqliteInbox, SqliteOutbox, SweepReport,
+};
+
+use crate::{Databases, TestFn};
+
+pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    (
+        "outbox::postgres_a_rolled_back_transaction_stages_nothing",
+        |d| Box::pin(a_rolled_back_transaction_stages_nothing(d, Kind::Postgres)),
+    ),
+    (
+        "outbox::sqlite_a_rolled_back_transaction_stages_nothing",
+        |d| Box::pin(a_rolled_back_transaction_stages_nothing(d, Kind::Sqlite)),
+    ),
+    (
+        "outbox::postgres_a_committed_event_is_published_with_its_id_as_message_id",
+        |d| {
+            Box::pin(a_committed_event_is_published_with_its_id(
+                d,
+                Kind::Postgres,
+            ))
+        },
+    ),
+    (
+        "outbox::sqlite_a_committed_event_is_published_with_its_id_as_message_id",
+        |d| Box::pin(a_committed_event_is_published_with_its_id(d, Kind::Sqlite)),
+    ),
+    (
+        "outbox::postgres_two_relays_publish_each_event_once_in_order_per_key",
+        |d| Box::pin(postgres_two_relays_publish_each_event_once_in_order_per_key(d)),
+    ),
+    ("outbox::sqlite_a_relay_keeps_the_order_of_each_key", |d| {
+        Box::pin(sqlite_a_relay_keeps_the_order_of_each_key(d))
+    }),
+    (
+        "outbox::postgres_a_relay_dropped_mid_batch_publishes_again_after_restart",
+        |d| Box::pin(a_relay_dropped_mid_batch_publishes_again(d, Kind::Postgres)),
+    ),
+    (
+        "outbox::sqlite_a_relay_dropped_mid_batch_publishes_again_after_restart",
+        |d| Box::pin(a_relay_dropped_mid_batch_publishes_again(d, Kind::Sqlite)),
+    ),
+    ("outbox::postgres_a_parked_event_blocks_no_other_key", |d| {
+        Box::pin(a_parked_event_blocks_no_other_key(d, Kind::Postgres))
+    }),
+    ("outbox::sqlite_a_parked_event_blocks_no_other_key", |d| {
+        Box::pin(a_parked_event_blocks_no_other_key(d, Kind::Sqlite))
+    }),
+    (
+        "outbox::postgres_a_failed_event_is_retried_and_its_key_waits_for_it",
+        |d| {
+            Box::pin(a_failed_event_is_retried_and_its_key_waits(
+                d,
+                Kind::Postgres,
+            ))
+        },
+    ),
+    (
+        "outbox::sqlite_a_failed_event_is_retried_and_its_key_waits_for_it",
+        |d| Box::pin(a_failed_event_is_retried_and_its_key_waits(d, Kind::Sqlite)),
+    ),
+    (
+        "outbox::postgres_cleanup_deletes_sent_events_past_the_retention",
+        |d| {
+            Box::pin(cleanup_deletes_sent_events_past_the_retention(
+                d,
+                Kind::Postgres,
+            ))
+        },
+    ),
+    (
+        "outbox::sqlite_cleanup_deletes_sent_events_past_the_retention",
+        |d| {
+            Box::pin(cleanup_deletes_sent_events_past_the_retention(
+                d,
+                Kind::Sqlite,
+            ))
+        },
+    ),
+    (
+        "outbox::postgres_a_commit_wakes_a_waiting_relay_before_its_poll",
+        |d| Box::pin(a_commit_wakes_a_waiting_relay(d, Kind::Postgres)),
+    ),
+    (
+        "outbox::sqlite_a_commit_wakes_a_waiting_relay_before_its_poll",
+        |d| Box::pin(a_commit_wakes_a_waiting_relay(d, Kind::Sqlite)),
+    ),
+    (
+        "outbox::postgres_an_event_staged_in_transactional_mode_commits_with_the_record",
+        |d| Box::pin(postgres_an_event_staged_in_transactional_mode_commits_with_the_record(d)),
+    ),
+    (
+        "outbox::sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message",
+        |d| Box::pin(sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message(d)),
+    ),
+];
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Postgres,
+    Sqlite,
+}
+
+/// One outbox, on either database, as the tests drive it.
+#[derive(Clone)]
+enum Db {
+    Postgres(PgOutbox),
+    Sqlite(SqliteOutbox),
+}
+
+impl Db {
+    async fn fresh(databases: &Arc<Databases>, kind: Kind, retention: Duration) -> Self {
+        let db = match kind {
+            Kind::Postgres => {
+                let url = databases.fresh_postgres().await;
+                Db::Postgres(
+                    PgOutbox::builder()
+                        .retention(retention)
+                        .max_connections(8)
+                        .connect(&url)
+                        .await
+                        .expect("connect"),
+                )
+            }
+            Kind::Sqlite => Db::Sqlite(
+                SqliteOutbox::builder()
+                    .retention(retention)
+                    .connect(&databases.fresh_sqlite_url())
+                    .await
+                    .expect("connect"),
+            ),
+        };
+        match &db {
+            Db::Postgres(outbox) => outbox.migrate().await.expect("migrate"),
+            Db::Sqlite(outbox) => outbox.migrate().await.expect("migrate"),
+        }
+        // Twice: the migration is idempotent.
+        match &db {
+            Db::Postgres(outbox) => outbox.migrate().await.expect("migrate again"),
+            Db::Sqlite(outbox) => outbox.migrate().await.expect("migrate again"),
+        }
+        db
+    }
+
+    /// Stages `events` in one transaction of the test's own, with a write of
+    /// its own beside them, then commits it or rolls it back.
+    async fn stage(&self, events: &[Event], commit: bool) {
+        match self {
+            Db::Postgres(outbox) => {
+                let mut pooled = outbox.pool().get().await.expect("a connection");
+                let connection: &mut AsyncPgConnection = &mut pooled;
+                <AsyncPgConnection as AsyncConnection>::TransactionManager::begin_transaction(
+                    connection,
+                )
+                .await
+                .expect("BEGIN");
+                diesel::sql_query(
+                    "CREATE TABLE IF NOT EXISTS effects (id bigserial PRIMARY KEY, what text)",
+                )
+                .execute(connection)
+                .await
+                .expect("the effects table");
+                for event in events {
+                    // The effect and the stage, pipelined: sent together.
+                    let shared: &AsyncPgConnection = connection;
+                    let mut for_effect = shared;
+                    let (effect, staged) = tokio::join!(
+                        diesel::sql_query("INSERT INTO effects (what) VALUES ($1)")
+                            .bind::<Text, _>(event.key())
+                            .execute(&mut for_effect),
+                        outbox.stage(shared, event),
+                    );
+                    effect.expect("the effect");
+                    staged.expect("stage");
+                }
+                if commit {
+                    <AsyncPgConnection as AsyncConnection>::TransactionManager::commit_transaction(
+                        connection,
+                    )
+                    .await
+                    .expect("COMMIT");
+                } else {
+                    <AsyncPgConnection as AsyncConnection>::TransactionManager::rollback_transaction(
+                        connection,
+                    )
+                    .await
+                    .expect("ROLLBACK");
+                }
+            }
+            Db::Sqlite(outbox) => {
+                let mut pooled = outbox.pool().get().await.expect("a connection");
+                let connection: &mut AsyncSqliteConnection = &mut pooled;
+                <AsyncSqliteConnection as AsyncConnection>::TransactionManager::begin_transaction(
+                    connection,
+                )
+                .await
+                .expect("BEGIN");
+                diesel::sql_query(
+                    "CREATE TABLE IF NOT EXISTS effects (id INTEGER PRIMARY KEY, what TEXT)",
+                )
+                .execute(connection)
+                .await
+                .expect("the effects table");
+                for event in events {
+                    diesel::sql_query("INSERT INTO effects (what) VALUES (?1)")
+                        .bind::<Text, _>(event.key())
+                        .execute(connection)
+                        .await
+                        .expect("the effect");
+                    outbox.stage(connection, event).await.expect("stage");
+                }
+                if commit {
+                    <AsyncSqliteConnection as AsyncConnection>::TransactionManager::commit_transaction(
+                        connection,
+                    )
+                    .await
+                    .expect("COMMIT");
+                } else {
+                    <AsyncSqliteConnection as AsyncConnection>::TransactionManager::rollback_transaction(
+                        connection,
+                    )
+                    .await
+                    .expect("ROLLBACK");
+                }
+            }
+        }
+    }
+
+    fn relay(&self, publisher: Recorder) -> Relay<Recorder> {
+        let relay = match self {
+            Db::Postgres(outbox) => outbox.relay(publisher),
+            Db::Sqlite(outbox) => outbox.relay(publisher),
+        };
+        relay
+            .poll_interval(Duration::from_millis(50))
+            .backoff(Backoff::new(
+                Duration::from_millis(20),
+                Duration::from_millis(100),
+            ))
+    }
+
+    async fn backlog(&self) -> idem_diesel::Backlog {
+        match self {
+            Db::Postgres(outbox) => outbox.backlog().await,
+            Db::Sqlite(outbox) => outbox.backlog().await,
+        }
+        .expect("backlog")
+    }
+
+    async fn parked(&self) -> Vec<idem_diesel::ParkedEvent> {
+        match self {
+            Db::Postgres(outbox) => outbox.parked().await,
+            Db::Sqlite(outbox) => outbox.parked().await,
+        }
+        .expect("parked")
+    }
+
+    async fn effects(&self) -> i64 {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let sql = "SELECT count(*) AS n FROM effects";
+        match self {
+            Db::Postgres(outbox) => {
+                let mut c = outbox.pool().get().await.expect("a connection");
+                diesel::sql_query(sql).get_result::<N>(&mut *c).await
+            }
+            Db::Sqlite(outbox) => {
+                let mut c = outbox.pool().get().await.expect("a connection");
+                diesel::sql_query(sql).get_result::<N>(&mut *c).await
+            }
+        }
+        .map(|row| row.n)
+        .unwrap_or(0)
+    }
+
+    /// Runs relays until nothing is unsent.
+    async fn drain(&self, relay: &Relay<Recorder>) {
+        let started = Instant::now();
+        loop {
+            relay.run_once().await.expect("a batch");
+            if self.backlog().await.unsent == 0 {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the outbox did not drain: {:?}",
+                self.backlog().await
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// A broker in memory: records what it took, refuses or fails on demand,
+/// and can stop answering after a number of events (a relay that hangs
+/// mid-batch).
+#[derive(Clone, Default)]
+struct Recorder {
+    published: Arc<Mutex<Vec<Event>>>,
+    /// Payloads refused for good.
+    refuse: Arc<Mutex<HashSet<String>>>,
+    /// Payloads failing this many more times.
+    failures: Arc<Mutex<HashMap<String, u32>>>,
+    /// Stop answering once this many were published.
+    hang_after: Option<usize>,
+    /// Publish attempts, failed ones included.
+    attempts: Arc<AtomicUsize>,
+    /// A pause before each publish, so that relays overlap.
+    pause: Duration,
+}
+
+impl Publish for Recorder {
+    fn publish<'a>(&'a self, event: &'a Event) -> PublishFuture<'a> {
+        Box::pin(async move {
+            self.attempts.fetch_add(1, Ordering::SeqCst);
+            if !self.pause.is_zero() {
+                tokio::time::sleep(self.pause).await;
+            }
+            let payload = String::from_utf8_lossy(event.payload()).into_owned();
+            if self.refuse.lock().unwrap().contains(&payload) {
+                return Err(PublishError::Refused("too large".to_owned()));
+            }
+            if let Some(left) = self.failures.lock().unwrap().get_mut(&payload)
+                && *left > 0
+            {
+                *left -= 1;
+                return Err(PublishError::unavailable("the broker is down"));
+            }
+            if let Some(limit) = self.hang_after
+                && self.published.lock().unwrap().len() >= limit
+            {
+                std::future::pending::<()>().await;
+            }
+            self.published.lock().unwrap().push(event.clone());
+            Ok(())
+        })
+    }
+}
+
+impl Recorder {
+    fn published(&self) -> Vec<Event> {
+        self.published.lock().unwrap().clone()
+    }
+
+    fn payloads(&self) -> Vec<String> {
+        self.published()
+            .iter()
+            .map(|event| String::from_utf8_lossy(event.payload()).into_owned())
+            .collect()
+    }
+}
+
+fn event(key: &str, payload: &str) -> Event {
+    Event::new("payments", key, payload.to_owned())
+}
+
+async fn a_rolled_back_transaction_stages_nothing(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    db.stage(&[event("acc_1", "1"), event("acc_2", "2")], false)
+        .await;
+    assert_eq!(db.backlog().await.unsent, 0);
+    assert_eq!(db.effects().await, 0);
+    let recorder = Recorder::default();
+    let relay = db.relay(recorder.clone());
+    assert_eq!(relay.run_once().await.unwrap().published, 0);
+    assert!(recorder.published().is_empty());
+}
+
+async fn a_committed_event_is_published_with_its_id(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let staged = event("acc_1", r#"{"account_id":"acc_1","amount":5}"#)
+        .header("content-type", "application/json");
+    db.stage(std::slice::from_ref(&staged), true).await;
+    let backlog = db.backlog().await;
+    assert_eq!((backlog.unsent, backlog.parked), (1, 0));
+    assert!(backlog.oldest_unsent.is_some());
+    assert_eq!(db.effects().await, 1);
+    let recorder = Recorder::default();
+    let relay = db.relay(recorder.clone());
+    let relayed = relay.run_once().await.unwrap();
+    assert_eq!(relayed.published, 1);
+    assert_eq!(recorder.published(), vec![staged.clone()]);
+    assert_eq!(recorder.published()[0].id(), staged.id());
+    // Marked sent: a second look publishes nothing.
+    assert_eq!(relay.run_once().await.unwrap().published, 0);
+    assert_eq!(recorder.published().len(), 1);
+    let backlog = db.backlog().await;
+    assert_eq!((backlog.unsent, backlog.oldest_unsent), (0, None));
+}
+
+/// 10 keys × 20 events, staged in order, drained by two relays at once whose
+/// publishes take a moment: every event once, each key's in staged order.
+async fn postgres_two_relays_publish_each_event_once_in_order_per_key(databases: Arc<Databases>) {
+    let db = Db::fresh(&databases, Kind::Postgres, Duration::from_secs(3600)).await;
+    let mut events = Vec::new();
+    for n in 0..20 {
+        for key in 0..10 {
+            events.push(event(&format!("acc_{key}"), &format!("{key}:{n}")));
+        }
+    }
+    for chunk in events.chunks(25) {
+        db.stage(chunk, true).await;
+    }
+    let recorder = Recorder {
+        pause: Duration::from_millis(2),
+        ..Recorder::default()
+    };
+    let relays: Vec<_> = (0..2)
+        .map(|_| db.relay(recorder.clone()).batch_size(7))
+        .collect();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let tasks: Vec<_> = relays
+        .into_iter()
+        .map(|relay| {
+            let mut stopped = stopped.clone();
+            tokio::spawn(relay.run(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            }))
+        })
+        .collect();
+    let started = Instant::now();
+    while db.backlog().await.unsent > 0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "not drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(true).unwrap();
+    let mut by_relay = Vec::new();
+    for task in tasks {
+        by_relay.push(task.await.unwrap().published);
+    }
+    assert_eq!(by_relay.iter().sum::<u64>(), 200, "{by_relay:?}");
+    assert!(
+        by_relay.iter().all(|&n| n > 0),
+        "both relays took part: {by_relay:?}"
+    );
+    let published = recorder.published();
+    let ids: HashSet<_> = published.iter().map(Event::id).collect();
+    assert_eq!((published.len(), ids.len()), (200, 200));
+    assert_in_order_per_key(&recorder.payloads());
+}
+
+/// Each key's payloads (`key:n`) appear with `n` increasing by one.
+fn assert_in_order_per_key(payloads: &[String]) {
+    let mut next: HashMap<&str, u32> = HashMap::new();
+    for payload in payloads {
+        let (key, n) = payload.split_once(':').unwrap();
+        let n: u32 = n.parse().unwrap();
+        let expected = next.entry(key).or_insert(0);
+        assert_eq!(n, *expected, "key {key} out of order in {payloads:?}");
+        *expected += 1;
+    }
+}
+
+async fn sqlite_a_relay_keeps_the_order_of_each_key(databases: Arc<Databases>) {
+    let db = Db::fresh(&databases, Kind::Sqlite, Duration::from_secs(3600)).await;
+    let mut events = Vec::new();
+    for n in 0..10 {
+        for key in 0..5 {
+            events.push(event(&format!("acc_{key}"), &format!("{key}:{n}")));
+        }
+    }
+    db.stage(&events, true).await;
+    let recorder = Recorder::default();
+    let relay = db.relay(recorder.clone()).batch_size(7);
+    db.drain(&relay).await;
+    assert_eq!(recorder.published().len(), 50);
+    assert_in_order_per_key(&recorder.payloads());
+}
+
+/// A relay that hangs after 3 publishes is dropped mid-batch (a crash): a new
+/// relay publishes every event, the first 3 again, with the same ids.
+async fn a_relay_dropped_mid_batch_publishes_again(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let events: Vec<_> = (0..6)
+        .map(|n| event(&format!("k{n}"), &format!("{n}")))
+        .collect();
+    db.stage(&events, true).await;
+    let hanging = Recorder {
+        hang_after: Some(3),
+        ..Recorder::default()
+    };
+    let relay = db.relay(hanging.clone()).batch_size(10);
+    let task = tokio::spawn(relay.run(std::future::pending()));
+    let started = Instant::now();
+    while hanging.published().len() < 3 {
+        assert!(started.elapsed() < Duration::from_secs(10), "no publish");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task.abort();
+    let _ = task.await;
+    let first = hanging.published();
+    assert_eq!(first.len(), 3);
+    let recorder = Recorder::default();
+    let relay = db.relay(recorder.clone());
+    db.drain(&relay).await;
+    let again = recorder.published();
+    assert_eq!(again.len(), 6, "every event, the first three again");
+    let ids: HashSet<_> = again.iter().map(Event::id).collect();
+    assert_eq!(ids, events.iter().map(Event::id).collect::<HashSet<_>>());
+    for event in &first {
+        assert!(ids.contains(&event.id()), "republished with the same id");
+    }
+}
+
+/// An event refused for good is parked with its reason; the other keys, and
+/// the events behind it in its own key, go on.
+async fn a_parked_event_blocks_no_other_key(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let refused = event("acc_1", "huge");
+    db.stage(
+        &[
+            refused.clone(),
+            event("acc_2", "acc_2:0"),
+            event("acc_1", "acc_1:after"),
+        ],
+        true,
+    )
+    .await;
+    let recorder = Recorder::default();
+    recorder.refuse.lock().unwrap().insert("huge".to_owned());
+    let relay = db.relay(recorder.clone());
+    db.drain(&relay).await;
+    assert_eq!(relay.report().parked, 1);
+    let mut payloads = recorder.payloads();
+    payloads.sort();
+    assert_eq!(payloads, vec!["acc_1:after", "acc_2:0"]);
+    let parked = db.parked().await;
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].id, parked[0].reason.as_str(), parked[0].attempts),
+        (refused.id(), "too large", 1)
+    );
+    let backlog = db.backlog().await;
+    assert_eq!((backlog.unsent, backlog.parked), (0, 1));
+}
+
+/// An event the broker did not take is tried again after a backoff, and the
+/// event behind it in its key waits for it; other keys do not.
+async fn a_failed_event_is_retried_and_its_key_waits(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    db.stage(
+        &[
+            event("acc_1", "acc_1:0"),
+            event("acc_1", "acc_1:1"),
+            event("acc_2", "acc_2:0"),
+        ],
+        true,
+    )
+    .await;
+    let recorder = Recorder::default();
+    recorder
+        .failures
+        .lock()
+        .unwrap()
+        .insert("acc_1:0".to_owned(), 2);
+    let relay = db.relay(recorder.clone());
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.published, first.retried), (1, 1));
+    assert_eq!(recorder.payloads(), vec!["acc_2:0"]);
+    db.drain(&relay).await;
+    assert_eq!(relay.report().retried, 2);
+    assert_eq!(recorder.payloads(), vec!["acc_2:0", "acc_1:0", "acc_1:1"]);
+}
+
+async fn cleanup_deletes_sent_events_past_the_retention(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_millis(300)).await;
+    db.stage(
+        &[event("a", "sent"), event("b", "huge"), event("c", "later")],
+        true,
+    )
+    .await;
+    let recorder = Recorder::default();
+    recorder.refuse.lock().unwrap().insert("huge".to_owned());
+    recorder
+        .failures
+        .lock()
+        .unwrap()
+        .insert("later".to_owned(), 1_000);
+    let relay = db.relay(recorder.clone());
+    relay.run_once().await.unwrap();
+    let sweep = |db: Db| async move {
+        let report = match db {
+            Db::Postgres(outbox) => outbox.cleanup().sweep().await,
+            Db::Sqlite(outbox) => outbox.cleanup().sweep().await,
+        };
+        match report {
+            SweepReport::Swept(sweep) => sweep.deleted,
+            other => panic!("the sweep did not run: {other:?}"),
+        }
+    };
+    // Within the retention: nothing goes.
+    assert_eq!(sweep(db.clone()).await, 0);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(sweep(db.clone()).await, 1);
+    let backlog = db.backlog().await;
+    assert_eq!(
+        (backlog.unsent, backlog.parked),
+        (1, 1),
+        "unsent and parked stay"
+    );
+}
+
+/// A relay waiting with a long poll interval publishes a committed event
+/// within a fraction of it: woken by `NOTIFY` (PostgreSQL) or by the stage
+/// (SQLite).
+async fn a_commit_wakes_a_waiting_relay(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let recorder = Recorder::default();
+    let relay = db
+        .relay(recorder.clone())
+        .poll_interval(Duration::from_secs(30));
+    let task = tokio::spawn(relay.run(std::future::pending()));
+    // Let it look once and start waiting (and, on PostgreSQL, listen).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    db.stage(&[event("acc_1", "woken")], true).await;
+    while recorder.published().is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the relay was not woken by the commit"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task.abort();
+    let _ = task.await;
+}
+
+/// A transactional-mode handler stages its event on the execution's
+/// transaction: it commits with the record, and a dropped execution (rolled
+/// back) leaves none.
+async fn postgres_an_event_staged_in_transactional_mode_commits_with_the_record(
+    databases: Arc<Databases>,
+) {
+    let store = crate::postgres::fresh_store(&databases).await;
+    let outbox = PgOutbox::new(store.pool().clone());
+    outbox.migrate().await.unwrap();
+    let transactional = store.transactional();
+    let engine = Engine::new(transactional.clone(), Policy::required());
+    let db = Db::Postgres(outbox.clone());
+    for (name, commit) in [("order-1", true), ("order-2", false)] {
+        let key = IdempotencyKey::new(name).unwrap();
+        let Begin::Execute(execution) = engine
+            .begin(Scope::new("alice"), key, Fingerprint::from_bytes([1; 32]))
+            .await
+        else {
+            panic!("a new key executes");
+        };
+        let context = Arc::clone(execution.context().expect("transactional"));
+        let transaction = context
+            .downcast::<PgTransaction>()
+            .expect("a PgTransaction");
+        let response = execution
+            .run(async {
+                let connection = transaction.connection().await.expect("open");
+                outbox
+                    .stage(&connection, &event("acc_1", name))
+                    .await
+                    .expect("stage");
+                StoredResponse::new(201, vec![], "charged")
+            })
+            .await;
+        if commit {
+            let answer = execution.settle(&response).await.answer(response);
+            assert_eq!(answer.status, 201);
+        } else {
+            drop(execution);
+        }
+    }
+    let started = Instant::now();
+    while transactional.open_transactions() > 0 && started.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let recorder = Recorder::default();
+    db.drain(&db.relay(recorder.clone())).await;
+    assert_eq!(recorder.payloads(), vec!["order-1"]);
+}
+
+/// A `SqliteInbox` handler stages its event on the inbox's transaction: it
+/// commits with the message's inbox row, and a failing handler stages none.
+async fn sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message(
+    databases: Arc<Databases>,
+) {
+    let outbox = SqliteOutbox::connect(&databases.fresh_sqlite_url())
+        .await
+        .unwrap();
+    outbox.migrate().await.unwrap();
+    let inbox = SqliteInbox::new(outbox.pool().clone());
+    inbox.migrate().await.unwrap();
+    let protocol = Protocol::new("balances", inbox, ConsumerPolicy::new().max_attempts(1));
+    let staging = outbox.clone();
+    let apply = handler(
+        move |attempt: Attempt<'_>, tx: &mut AsyncSqliteConnection| -> HandlerFuture<'_> {
+            let outbox = staging.clone();
+            Box::pin(async move {
+                let body = std::str::from_utf8(attempt.body()).unwrap().to_owned();
+                outbox.stage(tx, &event("acc_1", &body)).await?;
+                if body == "fails" {
+                    return Err(HandlerError::permanent(std::io::Error::other("no")));
+                }
+                Ok(())
+            })
+        },
+    );
+    let processed = protocol
+        .decide(&Message::new("applied").id("m-1"), &apply)
+        .await;
+    assert!(matches!(processed, Decision::Ack(_)), "{processed:?}");
+    let failed = protocol
+        .decide(&Message::new("fails").id("m-2"), &apply)
+        .await;
+    assert!(!matches!(failed, Decision::Ack(_)), "{failed:?}");
+    let db = Db::Sqlite(outbox);
+    let recorder = Recorder::default();
+    db.drain(&db.relay(recorder.clone())).await;
+    assert_eq!(recorder.payloads(), vec!["applied"]);
+}
