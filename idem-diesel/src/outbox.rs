@@ -427,8 +427,8 @@ impl<P: Publish> Relay<P> {
                 biased;
                 () = &mut shutdown => break,
                 () = self.source.woken() => {
-                    if self.source.wakes_early() {
-                        self.after_early_wake(&mut shutdown).await;
+                    if self.source.wakes_early() && self.after_early_wake(&mut shutdown).await {
+                        break;
                     }
                 }
                 () = tokio::time::sleep(self.poll_interval) => {}
@@ -439,21 +439,28 @@ impl<P: Publish> Relay<P> {
     }
 
     /// After a wake-up that may precede its commit: looks again a few times,
-    /// 5 ms apart and doubling, until something is found.
-    async fn after_early_wake(&self, shutdown: &mut Pin<&mut (impl Future<Output = ()> + Send)>) {
+    /// 5 ms apart and doubling, until something is found. Answers whether
+    /// `shutdown` resolved meanwhile.
+    async fn after_early_wake(
+        &self,
+        shutdown: &mut Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> bool {
         let mut delay = Duration::from_millis(5);
         while delay < self.poll_interval.max(Duration::from_millis(10)) {
             tokio::select! {
                 biased;
-                () = &mut *shutdown => return,
+                () = &mut *shutdown => return true,
                 () = tokio::time::sleep(delay) => {}
             }
             match self.run_once().await {
-                Ok(relayed) if relayed.published + relayed.parked + relayed.retried > 0 => return,
+                Ok(relayed) if relayed.published + relayed.parked + relayed.retried > 0 => {
+                    return false;
+                }
                 Ok(_) => delay = delay.saturating_mul(2),
-                Err(_) => return,
+                Err(_) => return false,
             }
         }
+        false
     }
 
     /// Publishes `events`: the keys concurrently, each key's events in order,

@@ -107,6 +107,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         |d| Box::pin(a_commit_wakes_a_waiting_relay(d, Kind::Sqlite)),
     ),
     (
+        "outbox::sqlite_a_relay_stops_when_told_while_looking_again_after_a_wake",
+        |d| Box::pin(sqlite_a_relay_stops_when_told_while_looking_again_after_a_wake(d)),
+    ),
+    (
         "outbox::postgres_an_event_staged_in_transactional_mode_commits_with_the_record",
         |d| Box::pin(postgres_an_event_staged_in_transactional_mode_commits_with_the_record(d)),
     ),
@@ -737,4 +741,28 @@ async fn sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message(
     let recorder = Recorder::default();
     db.drain(&db.relay(recorder.clone())).await;
     assert_eq!(recorder.payloads(), vec!["applied"]);
+}
+
+/// A stage that rolls back still wakes the SQLite relay, which then looks
+/// again for a while; told to stop meanwhile, it stops at once.
+async fn sqlite_a_relay_stops_when_told_while_looking_again_after_a_wake(
+    databases: Arc<Databases>,
+) {
+    let db = Db::fresh(&databases, Kind::Sqlite, Duration::from_secs(3600)).await;
+    let relay = db
+        .relay(Recorder::default())
+        .poll_interval(Duration::from_secs(30));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run(async move {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    db.stage(&[event("acc_1", "rolled back")], false).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    stop.send(()).unwrap();
+    let relayed = tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .expect("the relay stopped")
+        .expect("the relay ended cleanly");
+    assert_eq!(relayed.published, 0);
 }
