@@ -24,6 +24,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use idem_core::log::error_chain;
 
 mod consume;
 mod handler;
@@ -86,12 +87,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            let mut message = format!("bench-server: {error}");
-            let mut source = error.source();
-            while let Some(cause) = source {
-                message.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
+            let message = format!("bench-server: {}", error_chain(&*error));
             eprintln!("{message}");
             ExitCode::FAILURE
         }

@@ -688,17 +688,7 @@ fn replayed(mut response: StoredResponse) -> StoredResponse {
     response
 }
 
-/// An error and its sources, for logs.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
-}
+pub(crate) use crate::log::error_chain;
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]

@@ -53,6 +53,30 @@ impl fmt::Debug for Bounded<'_> {
     }
 }
 
+/// An error and its sources on one line, `outer: cause: root`: what idem logs
+/// for a failure, and what a dead letter keeps as its reason.
+///
+/// ```
+/// use idem_core::log::error_chain;
+///
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("the ledger failed")]
+/// struct Ledger(#[source] std::io::Error);
+///
+/// let error = Ledger(std::io::Error::other("disk full"));
+/// assert_eq!(error_chain(&error), "the ledger failed: disk full");
+/// ```
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -511,13 +511,7 @@ pub(crate) fn excerpt(bytes: &[u8], max: usize) -> String {
 
 /// An error with its causes: reqwest's own message names only the request.
 fn causes(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    text
+    idem_core::log::error_chain(error)
 }
 
 fn printable(headers: &[(String, Vec<u8>)]) -> Vec<String> {

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use idem_diesel::SqliteStore;
+use idem_diesel::idem_core::log::error_chain;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tracing_subscriber::EnvFilter;
@@ -110,12 +111,7 @@ pub fn exit_code(name: &str, result: Result<(), StartError>) -> ExitCode {
     let Err(error) = result else {
         return ExitCode::SUCCESS;
     };
-    let mut message = format!("{name}: {error}");
-    let mut source = error.source();
-    while let Some(cause) = source {
-        message.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
+    let message = format!("{name}: {}", error_chain(&*error));
     eprintln!("{message}");
     ExitCode::FAILURE
 }

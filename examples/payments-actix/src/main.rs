@@ -4,6 +4,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use actix_web::HttpServer;
+use idem_core::log::error_chain;
 use payments::{Options, Payments, StartError, Storage, init_tracing, listening_line};
 
 /// Why the service stopped.
@@ -21,12 +22,7 @@ fn main() -> ExitCode {
     match actix_web::rt::System::new().block_on(serve(options)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            let mut message = format!("payments-actix: {error}");
-            let mut source = std::error::Error::source(&error);
-            while let Some(cause) = source {
-                message.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
+            let message = format!("payments-actix: {}", error_chain(&error));
             eprintln!("{message}");
             ExitCode::FAILURE
         }

@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
+use idem_core::log::error_chain;
 use payments::{Options, Payments, StartError, Storage, init_tracing, listening_line};
 
 /// Why the service stopped.
@@ -23,12 +24,7 @@ fn main() -> ExitCode {
     match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            let mut message = format!("payments-axum: {error}");
-            let mut source = std::error::Error::source(&error);
-            while let Some(cause) = source {
-                message.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
+            let message = format!("payments-axum: {}", error_chain(&error));
             eprintln!("{message}");
             ExitCode::FAILURE
         }

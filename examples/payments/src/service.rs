@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use idem_core::log::bounded;
+use idem_core::log::{bounded, error_chain};
 use idem_core::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Scope};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -233,17 +233,6 @@ fn log_failure(error: &LedgerError, account_id: &str) {
     if let LedgerError::Unavailable(_) = error {
         tracing::error!(account_id = %bounded(account_id), error = %error_chain(error), "the ledger failed; nothing was applied");
     }
-}
-
-/// An error and its sources, on one line.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut cause = error.to_string();
-    let mut source = error.source();
-    while let Some(next) = source {
-        cause.push_str(&format!(": {next}"));
-        source = next.source();
-    }
-    cause
 }
 
 impl Principal {

@@ -238,14 +238,4 @@ fn panic_message(payload: Box<dyn Any + Send>) -> Failed {
     Failed::from(message)
 }
 
-/// An error and its sources, on one line.
-pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub(crate) use idem_core::log::error_chain;
