@@ -49,6 +49,8 @@ const ENTER_ATTEMPTS: usize = 5;
 /// message makes the insert wait for its transaction: if that rolls back, this
 /// one enters; if it commits, its row is newer than this statement's snapshot,
 /// so no column says why nothing was entered, and the statement runs again.
+/// The fingerprint is looked up only when nothing was entered: a subquery in
+/// a `CASE` branch not taken is not run.
 const ENTER: &str = "WITH dead AS (
         SELECT published FROM idem_consumer_dead_letters
         WHERE consumer = $1 AND message_id = $2
@@ -60,8 +62,9 @@ const ENTER: &str = "WITH dead AS (
     )
     SELECT EXISTS (SELECT 1 FROM entered) AS entered,
            (SELECT published FROM dead) AS dead,
-           (SELECT i.fingerprint FROM idem_consumer_inbox AS i
-            WHERE i.consumer = $1 AND i.message_id = $2) AS fingerprint,
+           CASE WHEN EXISTS (SELECT 1 FROM entered) THEN NULL
+                ELSE (SELECT i.fingerprint FROM idem_consumer_inbox AS i
+                      WHERE i.consumer = $1 AND i.message_id = $2) END AS fingerprint,
            COALESCE((SELECT cardinality(f.attempted_at) FROM idem_consumer_failures AS f
                      WHERE f.consumer = $1 AND f.message_id = $2), 0) AS failures";
 
