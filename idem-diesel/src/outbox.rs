@@ -419,7 +419,7 @@ impl<P: Publish> Relay<P> {
                 Ok(_) => {}
                 Err(error) => tracing::warn!(
                     target: "idem",
-                    error = %ErrorChain(&error),
+                    error = %idem_core::log::error_chain(&error),
                     "the outbox relay could not take or settle a batch"
                 ),
             }
@@ -514,7 +514,7 @@ impl<P: Publish> Relay<P> {
                         destination = %idem_core::log::bounded(event.destination()),
                         attempt,
                         retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                        error = %ErrorChain(&error),
+                        error = %idem_core::log::error_chain(&error),
                         "outbox event not published; retrying later"
                     );
                     settlement
@@ -544,20 +544,5 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
-    }
-}
-
-/// An error and its sources, on one line.
-pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(cause) = source {
-            write!(f, ": {cause}")?;
-            source = cause.source();
-        }
-        Ok(())
     }
 }

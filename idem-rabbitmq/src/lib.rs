@@ -13,6 +13,10 @@
 //!   queue, read without removing anything, and moved back by hand.
 //! - [`Publisher`]: publisher confirms, persistent messages, a stable
 //!   `message_id`.
+//! - [`OutboxPublisher`]: the transactional outbox's publisher
+//!   ([`idem_core::outbox::Publish`]): idem-diesel's relay publishes the
+//!   events staged in the effects' transactions with it, each with its id
+//!   as `message_id`, parking those the broker can never take.
 //!
 //! The consumer protocol's types are re-exported ([`Message`], [`Handler`],
 //! [`handler`], [`ConsumerPolicy`], [`MemoryInbox`]…), and so is
@@ -45,6 +49,7 @@ mod consumer;
 mod dead_letters;
 mod error;
 mod message;
+mod outbox;
 mod publisher;
 mod topology;
 
@@ -54,6 +59,7 @@ pub use consumer::{
 pub use dead_letters::{DeadLetterMessage, Death, dead_letters, redrive, redrive_message};
 pub use error::Error;
 pub use message::{ATTEMPTS_HEADER, QUEUE_HEADER, REASON_HEADER, REDRIVEN_HEADER, rfc3339};
+pub use outbox::OutboxPublisher;
 pub use publisher::Publisher;
 pub use topology::{
     DEFAULT_DELIVERY_LIMIT, MAX_DELAY, MAX_QUEUE_NAME_LEN, QueueType, Topology, ready,

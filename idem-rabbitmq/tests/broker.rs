@@ -18,12 +18,15 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use idem_core::retry::Jitter;
+use idem_diesel::diesel_async::{AsyncConnection, AsyncPgConnection, TransactionManager};
+use idem_diesel::{AsyncSqliteConnection, Event, PgOutbox, Publish, PublishError, SqliteOutbox};
+use idem_rabbitmq::OutboxPublisher;
 use idem_rabbitmq::lapin::{Connection, ConnectionProperties};
 use idem_rabbitmq::{
     Attempt, Backoff, Consumer, ConsumerPolicy, Error, Handler, HandlerError, HandlerFuture, Inbox,
     MemoryInbox, Message, Publisher, QueueType,
 };
-use idem_testkit::TestRabbitMq;
+use idem_testkit::{TestPostgres, TestRabbitMq};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, oneshot, watch};
@@ -89,6 +92,21 @@ const SCENARIOS: &[Scenario] = &[
         name: "concurrency_n_runs_n_handlers_at_once",
         alone: false,
         run: |case| concurrency_n_runs_n_handlers_at_once(case).boxed(),
+    },
+    Scenario {
+        name: "outbox_two_relays_on_postgres_publish_committed_events_once_in_order_per_key",
+        alone: false,
+        run: |case| outbox_two_relays_on_postgres(case).boxed(),
+    },
+    Scenario {
+        name: "outbox_a_relay_dropped_mid_batch_republishes_with_the_same_ids_applied_once",
+        alone: false,
+        run: |case| outbox_a_relay_dropped_mid_batch(case).boxed(),
+    },
+    Scenario {
+        name: "outbox_an_event_the_broker_refuses_is_parked_and_blocks_no_other_key",
+        alone: false,
+        run: |case| outbox_an_event_the_broker_refuses_is_parked(case).boxed(),
     },
 ];
 
@@ -1185,4 +1203,346 @@ async fn no_log_line_carries_a_message_id_a_body_or_the_password(case: Case) -> 
         "{} bytes of TRACE events: no message id, body or password",
         logs.len()
     ))
+}
+
+// --- the outbox's relay, end to end ---
+
+/// `count` payments over `accounts` accounts, as events to `queue`: the
+/// amounts of each account count up from 1, so that order shows.
+fn payment_events(
+    queue: &str,
+    prefix: &str,
+    count: usize,
+    accounts: usize,
+) -> Vec<(Event, Payment)> {
+    (0..count)
+        .map(|i| {
+            let payment = Payment::new(
+                &format!("{prefix}-{}", i % accounts),
+                (i / accounts) as i64 + 1,
+            );
+            let event = Event::new(
+                queue,
+                payment.account_id.clone(),
+                serde_json::to_vec(&payment).unwrap(),
+            )
+            .header("content-type", "application/json");
+            (event, payment)
+        })
+        .collect()
+}
+
+/// The events as the ledger should see them: keyed by their ids.
+fn by_id(events: &[(Event, Payment)]) -> Vec<(String, Payment)> {
+    events
+        .iter()
+        .map(|(event, payment)| (event.id().to_string(), payment.clone()))
+        .collect()
+}
+
+/// A fresh PostgreSQL database with the outbox's table.
+async fn postgres_outbox() -> Result<PgOutbox, Failed> {
+    let url = tokio::task::spawn_blocking(|| {
+        let cluster = TestPostgres::shared().map_err(failed)?;
+        let name = cluster.fresh_database("outbox").map_err(failed)?;
+        Ok::<_, Failed>(cluster.url(&name))
+    })
+    .await
+    .map_err(failed)??;
+    let outbox = PgOutbox::connect(&url).await.map_err(failed)?;
+    outbox.migrate().await.map_err(failed)?;
+    Ok(outbox)
+}
+
+/// Stages each event in a transaction of its own, committed or rolled back.
+async fn stage_on_postgres(
+    outbox: &PgOutbox,
+    events: &[Event],
+    commit: bool,
+) -> Result<(), Failed> {
+    type Manager = <AsyncPgConnection as AsyncConnection>::TransactionManager;
+    let mut pooled = outbox.pool().get().await.map_err(failed)?;
+    let connection: &mut AsyncPgConnection = &mut pooled;
+    for event in events {
+        Manager::begin_transaction(connection)
+            .await
+            .map_err(failed)?;
+        outbox.stage(connection, event).await.map_err(failed)?;
+        if commit {
+            Manager::commit_transaction(connection)
+                .await
+                .map_err(failed)?;
+        } else {
+            Manager::rollback_transaction(connection)
+                .await
+                .map_err(failed)?;
+        }
+    }
+    Ok(())
+}
+
+async fn stage_on_sqlite(outbox: &SqliteOutbox, events: &[Event]) -> Result<(), Failed> {
+    type Manager = <AsyncSqliteConnection as AsyncConnection>::TransactionManager;
+    let mut pooled = outbox.pool().get().await.map_err(failed)?;
+    let connection: &mut AsyncSqliteConnection = &mut pooled;
+    Manager::begin_transaction(connection)
+        .await
+        .map_err(failed)?;
+    for event in events {
+        outbox.stage(connection, event).await.map_err(failed)?;
+    }
+    Manager::commit_transaction(connection)
+        .await
+        .map_err(failed)
+}
+
+/// Fails unless each account's payments were applied with their amounts
+/// counting up: in the order they were staged.
+fn in_order_per_account(apply: &Apply, events: &[(Event, Payment)]) -> Result<(), Failed> {
+    let amounts: HashMap<String, &Payment> = events
+        .iter()
+        .map(|(event, payment)| (event.id().to_string(), payment))
+        .collect();
+    let mut next: HashMap<&str, i64> = HashMap::new();
+    for seen in apply.seen() {
+        let payment = amounts
+            .get(&seen.id)
+            .ok_or_else(|| Failed::from(format!("an unknown message ran: {}", seen.id)))?;
+        let expected = next.entry(&payment.account_id).or_insert(1);
+        ensure(
+            payment.amount == *expected,
+            format!(
+                "{} got amount {} when {} was due",
+                payment.account_id, payment.amount, expected
+            ),
+        )?;
+        *expected += 1;
+    }
+    Ok(())
+}
+
+async fn stop_relays(
+    stop: watch::Sender<bool>,
+    relays: Vec<JoinHandle<idem_diesel::Relayed>>,
+) -> Result<Vec<u64>, Failed> {
+    let _ = stop.send(true);
+    let mut published = Vec::new();
+    for relay in relays {
+        published.push(relay.await.map_err(failed)?.published);
+    }
+    Ok(published)
+}
+
+fn spawn_relay<P: Publish>(
+    relay: idem_diesel::Relay<P>,
+    stop: &watch::Sender<bool>,
+) -> JoinHandle<idem_diesel::Relayed> {
+    let mut stopped = stop.subscribe();
+    tokio::spawn(relay.run(async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    }))
+}
+
+/// 90 events over 3 accounts, each committed in its own transaction (and 5
+/// rolled back), published by two relays at once on PostgreSQL: the
+/// consumer (concurrency 1, so it applies in queue order) applies each
+/// committed event once under its id as `message_id`, each account's in the
+/// order staged, and never a rolled-back one.
+async fn outbox_two_relays_on_postgres(case: Case) -> Outcome {
+    let outbox = postgres_outbox().await?;
+    let ledger = Ledger::default();
+    let apply = Apply::new(&ledger);
+    let consumer = case.consumer(MemoryInbox::new(), apply.clone(), quick(3), 1)?;
+    let running = Running::start(Arc::new(consumer)).await?;
+
+    let events = payment_events(&case.queue, "acc", 90, 3);
+    let rolled_back = payment_events(&case.queue, "rolled", 5, 1);
+    let (stop, _) = watch::channel(false);
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let publisher = OutboxPublisher::connect(&case.url).await.map_err(failed)?;
+        relays.push(spawn_relay(
+            outbox
+                .relay(publisher)
+                .batch_size(8)
+                .poll_interval(Duration::from_millis(200)),
+            &stop,
+        ));
+    }
+    let staged: Vec<Event> = events.iter().map(|(event, _)| event.clone()).collect();
+    for chunk in staged.chunks(10) {
+        stage_on_postgres(&outbox, chunk, true).await?;
+        stage_on_postgres(&outbox, &[rolled_back[0].0.clone()], false).await?;
+    }
+    operations(&ledger, 90, Duration::from_secs(60)).await?;
+    until("the outbox drained", Duration::from_secs(30), || async {
+        match outbox.backlog().await {
+            Ok(backlog) if backlog.unsent == 0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    let published = stop_relays(stop, relays).await?;
+    case.await_ready(&case.queue, 0, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+    ledger.exact(&by_id(&events))?;
+    in_order_per_account(&apply, &events)?;
+    ensure(
+        published.iter().sum::<u64>() == 90,
+        format!("the relays published {published:?}"),
+    )?;
+    Ok(format!(
+        "90 committed events, 9 rolled back: relays published {published:?}, each applied once, in order per account"
+    ))
+}
+
+/// A publisher that stops answering after `limit` confirmed publishes: a
+/// relay that hangs mid-batch, then is dropped (a crash).
+struct Hanging {
+    inner: OutboxPublisher,
+    limit: usize,
+    started: AtomicUsize,
+    done: Arc<AtomicUsize>,
+}
+
+impl Publish for Hanging {
+    fn publish<'a>(
+        &'a self,
+        event: &'a Event,
+    ) -> idem_diesel::idem_core::outbox::PublishFuture<'a> {
+        Box::pin(async move {
+            if self.started.fetch_add(1, Ordering::SeqCst) >= self.limit {
+                std::future::pending::<()>().await;
+            }
+            self.inner.publish(event).await?;
+            self.done.fetch_add(1, Ordering::SeqCst);
+            Ok::<(), PublishError>(())
+        })
+    }
+}
+
+/// On SQLite, a relay publishes 4 of 12 events and is dropped before it marks
+/// any sent; the next relay publishes all 12, the first 4 again under the
+/// same `message_id`s: the consumer's inbox applies each event once.
+async fn outbox_a_relay_dropped_mid_batch(case: Case) -> Outcome {
+    let dir = std::env::temp_dir().join(format!("idem-rabbitmq-outbox-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(failed)?;
+    let path = dir.join(format!("{}.db", case.queue));
+    let _ = std::fs::remove_file(&path);
+    let outbox = SqliteOutbox::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .map_err(failed)?;
+    outbox.migrate().await.map_err(failed)?;
+    let ledger = Ledger::default();
+    let apply = Apply::new(&ledger);
+    let consumer = case.consumer(MemoryInbox::new(), apply.clone(), quick(3), 2)?;
+    let running = Running::start(Arc::new(consumer)).await?;
+
+    let events = payment_events(&case.queue, "crash", 12, 4);
+    let staged: Vec<Event> = events.iter().map(|(event, _)| event.clone()).collect();
+    stage_on_sqlite(&outbox, &staged).await?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let hanging = Hanging {
+        inner: OutboxPublisher::connect(&case.url).await.map_err(failed)?,
+        limit: 4,
+        started: AtomicUsize::new(0),
+        done: done.clone(),
+    };
+    let crashed = tokio::spawn(
+        outbox
+            .relay(hanging)
+            .batch_size(20)
+            .run(std::future::pending()),
+    );
+    until(
+        "4 publishes before the crash",
+        Duration::from_secs(30),
+        || async {
+            match done.load(Ordering::SeqCst) {
+                4 => Ok(()),
+                n => Err(format!("{n} published")),
+            }
+        },
+    )
+    .await?;
+    crashed.abort();
+    let _ = crashed.await;
+    ensure(
+        outbox.backlog().await.map_err(failed)?.unsent == 12,
+        "the crashed relay marked nothing sent",
+    )?;
+
+    let (stop, _) = watch::channel(false);
+    let publisher = OutboxPublisher::connect(&case.url).await.map_err(failed)?;
+    let relay = spawn_relay(outbox.relay(publisher), &stop);
+    operations(&ledger, 12, Duration::from_secs(60)).await?;
+    until("the outbox drained", Duration::from_secs(30), || async {
+        match outbox.backlog().await {
+            Ok(backlog) if backlog.unsent == 0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    let published = stop_relays(stop, vec![relay]).await?;
+    case.await_ready(&case.queue, 0, Duration::from_secs(30))
+        .await?;
+    running.stop().await?;
+    ledger.exact(&by_id(&events))?;
+    ensure(
+        published == [12],
+        format!("the second relay published {published:?}"),
+    )?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok("16 publishes of 12 events (4 twice, same ids): 12 operations".to_owned())
+}
+
+/// The broker refuses an event over its `max_message_size` (1 MiB here):
+/// the relay parks it with the broker's reason, and the events behind it, of
+/// its key and of another, are published.
+async fn outbox_an_event_the_broker_refuses_is_parked(case: Case) -> Outcome {
+    let set_limit = |bytes: u64| {
+        case.broker()
+            .ctl(&[
+                "eval",
+                &format!("application:set_env(rabbit, max_message_size, {bytes})."),
+            ])
+            .map_err(failed)
+    };
+    set_limit(1024 * 1024)?;
+    let outcome = async {
+        let outbox = postgres_outbox().await?;
+        let ledger = Ledger::default();
+        let consumer = case.consumer(MemoryInbox::new(), Apply::new(&ledger), quick(3), 1)?;
+        let running = Running::start(Arc::new(consumer)).await?;
+        let huge = Event::new(&case.queue, "acc-big", vec![b'x'; 2 * 1024 * 1024]);
+        let after = payment_events(&case.queue, "acc", 4, 2);
+        let mut staged = vec![huge.clone()];
+        staged.extend(after.iter().map(|(event, _)| event.clone()));
+        stage_on_postgres(&outbox, &staged, true).await?;
+        let publisher = OutboxPublisher::connect(&case.url).await.map_err(failed)?;
+        let relay = outbox.relay(publisher);
+        until("the outbox drained", Duration::from_secs(30), || async {
+            let _ = relay.run_once().await;
+            match outbox.backlog().await {
+                Ok(backlog) if backlog.unsent == 0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .await?;
+        operations(&ledger, 4, Duration::from_secs(30)).await?;
+        running.stop().await?;
+        ledger.exact(&by_id(&after))?;
+        let parked = outbox.parked().await.map_err(failed)?;
+        ensure(
+            parked.len() == 1 && parked[0].id == huge.id(),
+            format!("parked: {parked:?}"),
+        )?;
+        ensure(relay.report().parked == 1, "one parked, counted")?;
+        Ok::<_, Failed>(format!("parked: {}", parked[0].reason))
+    }
+    .await;
+    // RabbitMQ 3.10's default.
+    set_limit(134_217_728)?;
+    outcome
 }

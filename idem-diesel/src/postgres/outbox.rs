@@ -24,8 +24,8 @@ use super::statements::{
 use super::transactional::{begin, mark_begun};
 use super::{PgPool, SWEEP_LOCK_CLASS, build_pool, roll_back, run_migrations};
 use crate::outbox::{
-    Backlog, Batch, BoxFuture, ErrorChain, OUTBOX_TABLE, Outbox, OutboxBuilder, ParkedEvent,
-    Postgres, Relay, Settlement, Source, Taken,
+    Backlog, Batch, BoxFuture, OUTBOX_TABLE, Outbox, OutboxBuilder, ParkedEvent, Postgres, Relay,
+    Settlement, Source, Taken,
 };
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
@@ -426,7 +426,7 @@ impl Source for PgSource {
                     Ok(()) => {}
                     Err(error) => tracing::debug!(
                         target: "idem",
-                        error = %ErrorChain(&error),
+                        error = %idem_core::log::error_chain(&error),
                         "the outbox relay's LISTEN connection failed; polling meanwhile"
                     ),
                 }
