@@ -36,59 +36,25 @@ mod cluster {
 
 /// The inbox suite, through `StoreInbox`, on one node and on a cluster.
 mod inbox {
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex};
-
     use idem_core::consume::StoreInbox;
-    use idem_core::consume::conformance::{Subject, SubjectFuture};
+    use idem_core::consume::conformance::Untransacted;
     use idem_testkit::TestRedis;
 
     /// A `StoreInbox` over Redis; effects counted here (the inbox has no
     /// transaction).
-    pub(super) struct OverRedis {
-        inbox: StoreInbox,
-        effects: Arc<Mutex<HashMap<String, u64>>>,
-    }
-
-    impl Subject for OverRedis {
-        type Inbox = StoreInbox;
-        fn inbox(&self) -> &StoreInbox {
-            &self.inbox
-        }
-        fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
-            Box::pin(async move {
-                *self
-                    .effects
-                    .lock()
-                    .unwrap()
-                    .entry(name.to_owned())
-                    .or_default() += 1;
-                Ok(())
-            })
-        }
-        fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
-            Box::pin(
-                async move { Ok(self.effects.lock().unwrap().get(name).copied().unwrap_or(0)) },
-            )
-        }
-    }
-
-    pub(super) async fn over(redis: &TestRedis) -> OverRedis {
-        OverRedis {
-            inbox: StoreInbox::new(super::store_on(redis).await),
-            effects: Arc::default(),
-        }
+    pub(super) async fn over(redis: &TestRedis) -> Untransacted<StoreInbox> {
+        Untransacted::new(StoreInbox::new(super::store_on(redis).await))
     }
 
     mod single {
-        async fn fresh() -> super::OverRedis {
+        async fn fresh() -> super::Untransacted<super::StoreInbox> {
             super::over(idem_testkit::TestRedis::shared()).await
         }
         idem_core::inbox_conformance_tests!(fresh);
     }
 
     mod cluster {
-        async fn fresh() -> super::OverRedis {
+        async fn fresh() -> super::Untransacted<super::StoreInbox> {
             super::over(idem_testkit::TestRedis::shared_cluster()).await
         }
         idem_core::inbox_conformance_tests!(fresh);

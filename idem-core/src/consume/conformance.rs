@@ -16,37 +16,27 @@
 //! one test per case:
 //!
 //! ```
-//! use std::collections::HashMap;
-//! use std::sync::{Arc, Mutex};
-//! use idem_core::consume::{MemoryInbox, conformance::{Subject, SubjectFuture}};
+//! use idem_core::consume::MemoryInbox;
+//! use idem_core::consume::conformance::Untransacted;
 //!
-//! #[derive(Default)]
-//! struct Memory { inbox: MemoryInbox, effects: Arc<Mutex<HashMap<String, u64>>> }
-//!
-//! impl Subject for Memory {
-//!     type Inbox = MemoryInbox;
-//!     fn inbox(&self) -> &MemoryInbox { &self.inbox }
-//!     fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
-//!         Box::pin(async move {
-//!             *self.effects.lock().unwrap().entry(name.to_owned()).or_default() += 1;
-//!             Ok(())
-//!         })
-//!     }
-//!     fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
-//!         Box::pin(async move { Ok(self.effects.lock().unwrap().get(name).copied().unwrap_or(0)) })
-//!     }
+//! // An inbox without a transaction: effects are counted in memory.
+//! async fn fresh() -> Untransacted<MemoryInbox> {
+//!     Untransacted::new(MemoryInbox::new())
 //! }
-//!
-//! async fn fresh() -> Memory { Memory::default() }
 //!
 //! idem_core::inbox_conformance_tests!(fresh);
 //! # fn main() {}
 //! ```
+//!
+//! A transactional inbox implements [`Subject`] itself: its handlers write a
+//! row in the transaction they are given, and `count` reads the committed
+//! rows.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use super::{Attempt, Buried, Entered, Entry, Failure, Handler, HandlerError, Inbox, Message};
@@ -70,6 +60,47 @@ pub trait Subject: Send + Sync + 'static {
     ) -> SubjectFuture<'a, ()>;
     /// How many effects named `name` are committed.
     fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64>;
+}
+
+/// The [`Subject`] of an inbox without a transaction (`Tx = ()`:
+/// [`MemoryInbox`](super::MemoryInbox), [`StoreInbox`](super::StoreInbox)):
+/// its effects are counted in memory.
+pub struct Untransacted<I> {
+    inbox: I,
+    effects: Mutex<HashMap<String, u64>>,
+}
+
+impl<I> Untransacted<I> {
+    /// The subject of `inbox`, no effect counted yet.
+    pub fn new(inbox: I) -> Self {
+        Self {
+            inbox,
+            effects: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn effects(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+        self.effects.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<I: Inbox<Tx = ()>> Subject for Untransacted<I> {
+    type Inbox = I;
+
+    fn inbox(&self) -> &I {
+        &self.inbox
+    }
+
+    fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
+        Box::pin(async move {
+            *self.effects().entry(name.to_owned()).or_default() += 1;
+            Ok(())
+        })
+    }
+
+    fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
+        Box::pin(async move { Ok(self.effects().get(name).copied().unwrap_or(0)) })
+    }
 }
 
 /// Writes one effect named after the message id, then fails if told to, and

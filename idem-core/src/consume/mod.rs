@@ -448,45 +448,15 @@ impl<I: Inbox> fmt::Debug for Protocol<I> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
-    use std::collections::HashMap;
     use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
-    use super::conformance::{Subject, SubjectFuture};
+    use super::conformance::Untransacted;
     use super::*;
     use crate::retry::Backoff;
 
-    #[derive(Default)]
-    struct Memory {
-        inbox: MemoryInbox,
-        effects: Arc<Mutex<HashMap<String, u64>>>,
-    }
-
-    impl Subject for Memory {
-        type Inbox = MemoryInbox;
-        fn inbox(&self) -> &MemoryInbox {
-            &self.inbox
-        }
-        fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
-            Box::pin(async move {
-                *self
-                    .effects
-                    .lock()
-                    .unwrap()
-                    .entry(name.to_owned())
-                    .or_default() += 1;
-                Ok(())
-            })
-        }
-        fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
-            Box::pin(
-                async move { Ok(self.effects.lock().unwrap().get(name).copied().unwrap_or(0)) },
-            )
-        }
-    }
-
-    async fn fresh() -> Memory {
-        Memory::default()
+    async fn fresh() -> Untransacted<MemoryInbox> {
+        Untransacted::new(MemoryInbox::new())
     }
 
     mod memory_inbox_conformance {
@@ -495,39 +465,8 @@ mod tests {
     }
 
     /// A [`StoreInbox`] over a [`MemoryStore`](crate::MemoryStore).
-    struct OverStore {
-        inbox: StoreInbox,
-        effects: Arc<Mutex<HashMap<String, u64>>>,
-    }
-
-    impl Subject for OverStore {
-        type Inbox = StoreInbox;
-        fn inbox(&self) -> &StoreInbox {
-            &self.inbox
-        }
-        fn write<'a>(&'a self, _tx: &'a mut (), name: &'a str) -> SubjectFuture<'a, ()> {
-            Box::pin(async move {
-                *self
-                    .effects
-                    .lock()
-                    .unwrap()
-                    .entry(name.to_owned())
-                    .or_default() += 1;
-                Ok(())
-            })
-        }
-        fn count<'a>(&'a self, name: &'a str) -> SubjectFuture<'a, u64> {
-            Box::pin(
-                async move { Ok(self.effects.lock().unwrap().get(name).copied().unwrap_or(0)) },
-            )
-        }
-    }
-
-    async fn fresh_over_store() -> OverStore {
-        OverStore {
-            inbox: StoreInbox::new(crate::MemoryStore::new()),
-            effects: Arc::default(),
-        }
+    async fn fresh_over_store() -> Untransacted<StoreInbox> {
+        Untransacted::new(StoreInbox::new(crate::MemoryStore::new()))
     }
 
     mod store_inbox_conformance {
