@@ -151,27 +151,30 @@ impl Outbox<Sqlite> {
     ) -> diesel::QueryResult<()> {
         let staged = event.clone();
         connection
-            .spawn_blocking(move |c| {
-                diesel::sql_query(format!(
-                    "INSERT INTO idem_outbox
-                         (id, destination, key, payload, headers, staged_at, next_attempt_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, {NOW}, {NOW})"
-                ))
-                .bind::<Text, _>(staged.id().hyphenated().to_string())
-                .bind::<Text, _>(staged.destination())
-                .bind::<Text, _>(staged.key())
-                .bind::<Binary, _>(&staged.payload()[..])
-                .bind::<Binary, _>(staged.encode_headers())
-                .prepared()
-                .execute(c)
-                .map(drop)
-            })
+            .spawn_blocking(move |c| insert(c, &staged))
             .await?;
+        self.staged_now(event);
+        Ok(())
+    }
+
+    /// [`stage`](Self::stage) on diesel's synchronous connection, for code
+    /// that already runs on a blocking thread (inside
+    /// `SqliteConnection::immediate_transaction`, say).
+    pub fn stage_blocking(
+        &self,
+        connection: &mut SqliteConnection,
+        event: &Event,
+    ) -> diesel::QueryResult<()> {
+        insert(connection, event)?;
+        self.staged_now(event);
+        Ok(())
+    }
+
+    fn staged_now(&self, event: &Event) {
         self.count_staged(event);
         // The relay looks a few times over the next moments: the commit is
         // the caller's, and comes after this.
         self.inner.wake.notify_one();
-        Ok(())
     }
 
     /// The relay that publishes this outbox's events with `publisher`. Run
@@ -289,6 +292,23 @@ impl OutboxBuilder<Sqlite> {
     pub fn build(self, pool: SqlitePool) -> SqliteOutbox {
         Outbox::with_pool(pool, None, &self)
     }
+}
+
+/// The stage's one statement.
+fn insert(c: &mut SqliteConnection, event: &Event) -> QueryResult<()> {
+    diesel::sql_query(format!(
+        "INSERT INTO idem_outbox
+             (id, destination, key, payload, headers, staged_at, next_attempt_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, {NOW}, {NOW})"
+    ))
+    .bind::<Text, _>(event.id().hyphenated().to_string())
+    .bind::<Text, _>(event.destination())
+    .bind::<Text, _>(event.key())
+    .bind::<Binary, _>(&event.payload()[..])
+    .bind::<Binary, _>(event.encode_headers())
+    .prepared()
+    .execute(c)
+    .map(drop)
 }
 
 impl Source for SqliteSource {

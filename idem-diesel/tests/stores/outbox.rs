@@ -479,6 +479,8 @@ fn assert_in_order_per_key(payloads: &[String]) {
     }
 }
 
+/// Events staged with `stage_blocking` (on diesel's synchronous connection)
+/// leave in order per key.
 async fn sqlite_a_relay_keeps_the_order_of_each_key(databases: Arc<Databases>) {
     let db = Db::fresh(&databases, Kind::Sqlite, Duration::from_secs(3600)).await;
     let mut events = Vec::new();
@@ -487,7 +489,24 @@ async fn sqlite_a_relay_keeps_the_order_of_each_key(databases: Arc<Databases>) {
             events.push(event(&format!("acc_{key}"), &format!("{key}:{n}")));
         }
     }
-    db.stage(&events, true).await;
+    // Staged from a blocking thread, in an immediate transaction of its own.
+    let Db::Sqlite(outbox) = &db else {
+        unreachable!()
+    };
+    let staging = outbox.clone();
+    let mut pooled = outbox.pool().get().await.unwrap();
+    pooled
+        .spawn_blocking(move |c| {
+            c.immediate_transaction(|c| {
+                for event in &events {
+                    staging.stage_blocking(c, event)?;
+                }
+                Ok::<_, diesel::result::Error>(())
+            })
+        })
+        .await
+        .unwrap();
+    drop(pooled);
     let recorder = Recorder::default();
     let relay = db.relay(recorder.clone()).batch_size(7);
     db.drain(&relay).await;
