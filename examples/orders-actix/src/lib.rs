@@ -33,9 +33,9 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::{StatusCode, header};
 use actix_web::middleware::{Next, from_fn};
 use actix_web::{Error, HttpMessage, HttpResponse, web};
-use idem_actix::Idempotency;
-use idem_actix::idem_core::Policy;
-use idem_diesel::SqliteStore;
+use idem::Policy;
+use idem::actix::Idempotency;
+use idem::diesel::SqliteStore;
 
 pub use orders::{NewOrder, Order, Orders, OrdersError, Principal, problem_body};
 

@@ -34,9 +34,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
-use idem_axum::IdempotencyLayer;
-use idem_axum::idem_core::Policy;
-use idem_diesel::SqliteStore;
+use idem::Policy;
+use idem::axum::IdempotencyLayer;
+use idem::diesel::SqliteStore;
 
 pub use orders::{NewOrder, Order, Orders, OrdersError, Principal, problem_body};
 

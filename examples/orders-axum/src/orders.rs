@@ -10,8 +10,8 @@
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use idem_diesel::SqlitePool;
-use idem_diesel::idem_core::Scope;
+use idem::Scope;
+use idem::diesel::SqlitePool;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 

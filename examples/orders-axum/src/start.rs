@@ -7,8 +7,8 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use idem_diesel::SqliteStore;
-use idem_diesel::idem_core::log::error_chain;
+use idem::diesel::SqliteStore;
+use idem::log::error_chain;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tracing_subscriber::EnvFilter;
