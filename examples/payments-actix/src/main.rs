@@ -4,7 +4,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use actix_web::HttpServer;
-use idem_core::log::error_chain;
+use idem_actix::idem_core::log::error_chain;
 use payments::{Options, Payments, StartError, Storage, init_tracing, listening_line};
 
 /// Why the service stopped.
@@ -24,14 +24,19 @@ fn main() -> ExitCode {
         Err(error) => {
             let message = format!("payments-actix: {}", error_chain(&error));
             eprintln!("{message}");
-            ExitCode::FAILURE
+            match &error {
+                // 2: a command line that can never work (`--publish` without
+                // transactions), as `docs/contract.md` §11 asks.
+                ServeError::Start(start) => ExitCode::from(start.exit_code()),
+                ServeError::Io(_) => ExitCode::FAILURE,
+            }
         }
     }
 }
 
 /// Opens the store, binds, prints the listening line, and serves until Ctrl-C.
 async fn serve(options: Options) -> Result<(), ServeError> {
-    let Storage { guards, ledger } = options.store_url()?.open(options.expiry()).await?;
+    let Storage { guards, ledger } = options.open().await?;
     let listener = options.bind()?;
     let addr = listener.local_addr()?;
     let guards = guards.lease(options.lease());

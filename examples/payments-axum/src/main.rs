@@ -26,13 +26,18 @@ fn main() -> ExitCode {
         Err(error) => {
             let message = format!("payments-axum: {}", error_chain(&error));
             eprintln!("{message}");
-            ExitCode::FAILURE
+            match &error {
+                // 2: a command line that can never work (`--publish` without
+                // transactions), as `docs/contract.md` §11 asks.
+                ServeError::Start(start) => ExitCode::from(start.exit_code()),
+                ServeError::Io(_) => ExitCode::FAILURE,
+            }
         }
     }
 }
 
 async fn serve(options: Options) -> Result<(), ServeError> {
-    let Storage { guards, ledger } = options.store_url()?.open(options.expiry()).await?;
+    let Storage { guards, ledger } = options.open().await?;
     let listener = tokio::net::TcpListener::from_std(options.bind()?)?;
     let guards = guards.lease(options.lease());
     let payments = Payments::with_provider(ledger, options.provider()?);

@@ -104,6 +104,7 @@
 mod guards;
 mod ledger;
 mod provider;
+mod publish;
 mod service;
 mod start;
 #[cfg(feature = "test-util")]
@@ -112,6 +113,7 @@ pub mod testing;
 pub use guards::{Guard, Guards, TRANSACTIONAL_WAIT, charge_policy, deposit_policy};
 pub use ledger::{AccountView, Applied, Attempt, Ledger, LedgerError, Operation, OperationKind};
 pub use provider::{InvalidProviderUrl, PROVIDER_TIMEOUT, Provider, ProviderError, forwarded_key};
+pub use publish::{DEFAULT_PUBLISH_TO, PublishUrl};
 pub use service::{Answer, OperationRequest, PaymentError, Payments, Principal, Receipt};
 pub use start::{
     DEFAULT_STORE, Expiry, Options, StartError, Storage, StoreUrl, init_tracing, listening_line,

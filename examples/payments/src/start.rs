@@ -11,6 +11,7 @@ use idem_core::cleanup::Cleanup;
 use idem_diesel::{PgStore, SetupError, SqliteStore};
 use idem_redis::RedisStore;
 
+use crate::publish::{DEFAULT_PUBLISH_TO, PublishUrl, Publishing};
 use crate::{Guards, InvalidProviderUrl, Ledger, LedgerError, Provider};
 
 /// The store used when neither `--store` nor `DATABASE_URL` names one.
@@ -84,6 +85,15 @@ pub struct Options {
     /// How often the cleanup job deletes expired records, in seconds.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=MAX_CLEANUP_INTERVAL_SECS))]
     pub cleanup_interval_secs: u64,
+    /// Publish an event `{"account_id", "amount"}` for every charge and
+    /// deposit applied, staged in its transaction (the outbox) and sent by
+    /// this process's relay: `amqp://…` (RabbitMQ). Needs `sqlite://…` or
+    /// `postgres://…` as the store.
+    #[arg(long, value_name = "URL")]
+    pub publish: Option<String>,
+    /// The queue (or topic) the events go to.
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_PUBLISH_TO)]
+    pub publish_to: String,
 }
 
 /// How long the keyed routes keep their completed records, and how often the
@@ -194,6 +204,32 @@ pub enum StartError {
     /// The `--provider-url` value is not a provider URL.
     #[error("invalid --provider-url")]
     Provider(#[from] InvalidProviderUrl),
+    /// `--publish` with a store that has no transaction to stage events in.
+    #[error(
+        "--publish needs a store with transactions (sqlite://… or postgres://…): \
+         the {0} store has none to stage events in, so an event could be lost or sent \
+         for an operation that did not happen"
+    )]
+    PublishNeedsTransactions(&'static str),
+    /// A `--publish` URL that is neither `amqp://…` nor `kafka://…` (not
+    /// repeated: it may hold a password).
+    #[error("unknown --publish URL: expected amqp://… or kafka://HOST:PORT")]
+    UnknownPublishUrl,
+    /// `--publish kafka://…` in a build without a Kafka publisher.
+    #[error("--publish kafka://… needs a Kafka publisher, which this build does not have yet")]
+    KafkaUnsupported,
+    /// The outbox's table could not be created.
+    #[error("cannot open the {kind} outbox")]
+    Outbox {
+        /// `SQLite` or `PostgreSQL`.
+        kind: &'static str,
+        /// Why.
+        #[source]
+        source: SetupError,
+    },
+    /// The publisher could not connect to the broker, or declare the queue.
+    #[error("cannot publish to RabbitMQ")]
+    Publisher(#[source] idem_rabbitmq::Error),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
     Listen {
@@ -205,11 +241,57 @@ pub enum StartError {
     },
 }
 
+impl StartError {
+    /// The exit status for this error: 2 for a command line that can never
+    /// work (`--publish` without transactions, or to no known broker), 1
+    /// otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::PublishNeedsTransactions(_)
+            | Self::UnknownPublishUrl
+            | Self::KafkaUnsupported => 2,
+            _ => 1,
+        }
+    }
+}
+
 impl Options {
     /// The options of this process's command line; prints help or an error and
     /// exits when they are wrong.
     pub fn from_command_line() -> Self {
         Self::parse()
+    }
+
+    /// Opens the store and the ledger ([`StoreUrl::open`]) and, with
+    /// `--publish`, the outbox in the ledger's database and its relay
+    /// (`docs/contract.md` §11). `--publish` with the memory or a Redis store
+    /// fails before anything is opened.
+    pub async fn open(&self) -> Result<Storage, StartError> {
+        let store = self.store_url()?;
+        let publish = self.publish.as_deref().map(PublishUrl::parse).transpose()?;
+        if let Some(publish) = &publish {
+            match &store {
+                StoreUrl::Memory => return Err(StartError::PublishNeedsTransactions("memory")),
+                StoreUrl::Redis(_) => return Err(StartError::PublishNeedsTransactions("Redis")),
+                StoreUrl::Sqlite(_) | StoreUrl::Postgres(_) => {}
+            }
+            if matches!(publish, PublishUrl::Kafka(_)) {
+                return Err(StartError::KafkaUnsupported);
+            }
+        }
+        let storage = store.open(self.expiry()).await?;
+        let Some(publish) = publish else {
+            return Ok(storage);
+        };
+        let outbox = storage
+            .ledger
+            .outbox()
+            .ok_or(StartError::PublishNeedsTransactions("this"))?;
+        let publishing = Publishing::start(&publish, &self.publish_to, outbox).await?;
+        Ok(Storage {
+            ledger: storage.ledger.publishing(publishing),
+            ..storage
+        })
     }
 
     /// The store named by `--store` or `DATABASE_URL`; [`DEFAULT_STORE`] when

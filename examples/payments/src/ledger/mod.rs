@@ -16,6 +16,7 @@ use idem_diesel::{PgPool, PgTransaction, SqlitePool};
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::publish::{Publishing, PublishingOutbox};
 use idem_redis::RedisConnection;
 use memory::MemoryLedger;
 use redis::RedisLedger;
@@ -61,6 +62,9 @@ use redis::RedisLedger;
 #[derive(Clone)]
 pub struct Ledger {
     backend: Backend,
+    /// `--publish`: each operation applied stages its event in its own
+    /// transaction.
+    publishing: Option<Publishing>,
 }
 
 #[derive(Clone)]
@@ -161,6 +165,7 @@ impl Ledger {
     pub fn memory() -> Self {
         Self {
             backend: Backend::Memory(MemoryLedger::default()),
+            publishing: None,
         }
     }
 
@@ -169,6 +174,7 @@ impl Ledger {
     pub fn sqlite(pool: SqlitePool) -> Self {
         Self {
             backend: Backend::Sqlite(pool),
+            publishing: None,
         }
     }
 
@@ -177,6 +183,7 @@ impl Ledger {
     pub fn postgres(pool: PgPool) -> Self {
         Self {
             backend: Backend::Postgres(pool),
+            publishing: None,
         }
     }
 
@@ -187,6 +194,24 @@ impl Ledger {
     pub fn redis(connection: RedisConnection, retention: Duration) -> Self {
         Self {
             backend: Backend::Redis(RedisLedger::new(connection, retention)),
+            publishing: None,
+        }
+    }
+
+    /// The outbox in this ledger's database (SQLite and PostgreSQL only).
+    pub(crate) fn outbox(&self) -> Option<PublishingOutbox> {
+        match &self.backend {
+            Backend::Sqlite(pool) => Some(PublishingOutbox::sqlite(pool.clone())),
+            Backend::Postgres(pool) => Some(PublishingOutbox::postgres(pool.clone())),
+            Backend::Memory(_) | Backend::Redis(_) => None,
+        }
+    }
+
+    /// The same ledger, staging an event with every operation it applies.
+    pub(crate) fn publishing(self, publishing: Publishing) -> Self {
+        Self {
+            publishing: Some(publishing),
+            ..self
         }
     }
 
@@ -208,14 +233,27 @@ impl Ledger {
         attempt: &Attempt,
     ) -> Result<Applied, LedgerError> {
         let id = Uuid::new_v4();
+        let staged = self
+            .publishing
+            .as_ref()
+            .map(|publishing| (publishing.outbox.clone(), publishing.event(operation)));
+        let (pg_event, sqlite_event) = match staged {
+            Some((PublishingOutbox::Postgres(outbox), event)) => (Some((outbox, event)), None),
+            Some((PublishingOutbox::Sqlite(outbox), event)) => (None, Some((outbox, event))),
+            None => (None, None),
+        };
         match (&self.backend, attempt.transaction()) {
-            (Backend::Postgres(pool), None) => postgres::apply(pool, id, operation, attempt).await,
+            (Backend::Postgres(pool), None) => {
+                postgres::apply(pool, id, operation, attempt, pg_event).await
+            }
             (Backend::Postgres(_), Some(transaction)) => {
-                postgres::apply_in(transaction, id, operation, attempt).await
+                postgres::apply_in(transaction, id, operation, attempt, pg_event).await
             }
             (_, Some(_)) => Err(LedgerError::Unavailable(ForeignTransaction.into())),
             (Backend::Memory(memory), None) => memory.apply(id, operation),
-            (Backend::Sqlite(pool), None) => sqlite::apply(pool, id, operation, attempt).await,
+            (Backend::Sqlite(pool), None) => {
+                sqlite::apply(pool, id, operation, attempt, sqlite_event).await
+            }
             (Backend::Redis(redis), None) => redis.apply(id, operation, attempt).await,
         }
     }

@@ -2,8 +2,11 @@
 
 use diesel::OptionalExtension;
 use diesel::sql_types::{BigInt, Nullable, Text, Uuid as SqlUuid};
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idem_diesel::{PgPool, PgTransaction};
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
+};
+use idem_diesel::{Event, PgOutbox, PgPool, PgTransaction};
 use uuid::Uuid;
 
 use super::{Applied, Attempt, BALANCE_IN_RANGE, LedgerError, Operation};
@@ -57,15 +60,39 @@ pub(super) async fn migrate(pool: &PgPool) -> Result<(), LedgerError> {
         .map_err(LedgerError::unavailable)
 }
 
-/// Applies the operation on a connection of its own: it commits by itself.
+/// The outbox and the event an operation stages, with `--publish`.
+pub(super) type Staged = Option<(PgOutbox, Event)>;
+
+/// Applies the operation on a connection of its own: it commits by itself
+/// (with its event, in a transaction of its own, when it stages one).
 pub(super) async fn apply(
     pool: &PgPool,
     id: Uuid,
     operation: &Operation,
     attempt: &Attempt,
+    staged: Staged,
 ) -> Result<Applied, LedgerError> {
-    let mut connection = pool.get().await.map_err(LedgerError::unavailable)?;
-    apply_on(&mut connection, id, operation, attempt).await
+    let mut pooled = pool.get().await.map_err(LedgerError::unavailable)?;
+    let connection: &mut AsyncPgConnection = &mut pooled;
+    if staged.is_none() {
+        return apply_on(connection, id, operation, attempt, None).await;
+    }
+    AnsiTransactionManager::begin_transaction(connection)
+        .await
+        .map_err(LedgerError::unavailable)?;
+    match apply_on(connection, id, operation, attempt, staged).await {
+        Ok(applied) => {
+            AnsiTransactionManager::commit_transaction(connection)
+                .await
+                .map_err(LedgerError::unavailable)?;
+            Ok(applied)
+        }
+        Err(error) => {
+            // A failed rollback leaves the connection broken: the pool drops it.
+            let _ = AnsiTransactionManager::rollback_transaction(connection).await;
+            Err(error)
+        }
+    }
 }
 
 /// Applies the operation in the request's transaction: it commits with the
@@ -75,19 +102,23 @@ pub(super) async fn apply_in(
     id: Uuid,
     operation: &Operation,
     attempt: &Attempt,
+    staged: Staged,
 ) -> Result<Applied, LedgerError> {
     let mut connection = transaction
         .connection()
         .await
         .map_err(LedgerError::unavailable)?;
-    apply_on(&mut connection, id, operation, attempt).await
+    apply_on(&mut connection, id, operation, attempt, staged).await
 }
 
+/// The operation, then (only when it applied: an overflow stages nothing)
+/// its event, on the same transaction.
 async fn apply_on(
     connection: &mut AsyncPgConnection,
     id: Uuid,
     operation: &Operation,
     attempt: &Attempt,
+    staged: Staged,
 ) -> Result<Applied, LedgerError> {
     let (scope, key) = attempt.recorded_key();
     let row = diesel::sql_query(apply_statement())
@@ -103,10 +134,18 @@ async fn apply_on(
         .optional()
         .map_err(LedgerError::unavailable)?;
     match row {
-        Some(row) => Ok(Applied {
-            id,
-            balance: row.balance_after,
-        }),
+        Some(row) => {
+            if let Some((outbox, event)) = staged {
+                outbox
+                    .stage(connection, &event)
+                    .await
+                    .map_err(LedgerError::unavailable)?;
+            }
+            Ok(Applied {
+                id,
+                balance: row.balance_after,
+            })
+        }
         None => Err(LedgerError::Overflow {
             account_id: operation.account_id.clone(),
         }),

@@ -3,7 +3,7 @@
 use diesel::connection::SimpleConnection;
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel::{OptionalExtension, QueryResult, RunQueryDsl, SqliteConnection};
-use idem_diesel::SqlitePool;
+use idem_diesel::{Event, SqliteOutbox, SqlitePool};
 use uuid::Uuid;
 
 use super::{Applied, Attempt, BALANCE_IN_RANGE, LedgerError, Operation};
@@ -51,6 +51,8 @@ struct Row {
     operation: Operation,
     scope: Option<String>,
     key: Option<String>,
+    /// With `--publish`: the event staged with the operation.
+    staged: Option<(SqliteOutbox, Event)>,
 }
 
 pub(super) async fn migrate(pool: &SqlitePool) -> Result<(), LedgerError> {
@@ -66,6 +68,7 @@ pub(super) async fn apply(
     id: Uuid,
     operation: &Operation,
     attempt: &Attempt,
+    staged: Option<(SqliteOutbox, Event)>,
 ) -> Result<Applied, LedgerError> {
     let (scope, key) = attempt.recorded_key();
     let row = Row {
@@ -73,6 +76,7 @@ pub(super) async fn apply(
         operation: operation.clone(),
         scope: scope.map(str::to_owned),
         key: key.map(str::to_owned),
+        staged,
     };
     let balance = run(pool, move |c| c.immediate_transaction(|c| insert(c, &row))).await?;
     match balance {
@@ -100,7 +104,8 @@ pub(super) async fn account(
     }))
 }
 
-/// The balance update, then the operation's row; `None` on overflow.
+/// The balance update, then the operation's row and its event; `None` (and
+/// nothing staged) on overflow.
 fn insert(c: &mut SqliteConnection, row: &Row) -> QueryResult<Option<i64>> {
     let operation = &row.operation;
     let updated = diesel::sql_query(update_statement())
@@ -121,6 +126,9 @@ fn insert(c: &mut SqliteConnection, row: &Row) -> QueryResult<Option<i64>> {
         .bind::<Nullable<Text>, _>(row.scope.as_deref())
         .bind::<Nullable<Text>, _>(row.key.as_deref())
         .execute(c)?;
+    if let Some((outbox, event)) = &row.staged {
+        outbox.stage_blocking(c, event)?;
+    }
     Ok(Some(balance))
 }
 

@@ -75,6 +75,7 @@ mod crash;
 mod database;
 mod logs;
 mod provider;
+mod publish;
 mod server;
 mod service;
 mod trials;
@@ -88,7 +89,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use idem_testkit::TestPostgres;
+use idem_testkit::{TestPostgres, TestRabbitMq};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Runs every trial against `binary` (a payments example), as the harness of a
@@ -109,6 +110,7 @@ pub fn run(binary: &str) -> ExitCode {
     let suite = Arc::new(Suite {
         binary: PathBuf::from(binary),
         cluster: OnceLock::new(),
+        broker: OnceLock::new(),
         databases: AtomicUsize::new(0),
     });
     let trials = TRIALS
@@ -161,6 +163,8 @@ const TRIALS: &[(&str, TestFn)] = trials![
     "service" => service::an_invalid_body_is_a_400_problem_and_is_replayed,
     "service" => service::principals_do_not_share_keys,
     "service" => service::parallel_charges_with_one_key_charge_once,
+    "publish" => publish::publish_needs_a_store_with_transactions,
+    "publish" => publish::every_operation_applied_is_published_once,
 ];
 
 /// How long a trial may run before it counts as hung (a guard against a hang,
@@ -171,6 +175,8 @@ const HANG: Duration = Duration::from_secs(600);
 pub(crate) struct Suite {
     binary: PathBuf,
     cluster: OnceLock<Result<TestPostgres, String>>,
+    /// A RabbitMQ node, for `--publish`; started on first use.
+    broker: OnceLock<Result<TestRabbitMq, String>>,
     databases: AtomicUsize,
 }
 
@@ -190,6 +196,22 @@ impl Suite {
             Ok(cluster) => cluster,
             Err(error) => panic!("could not start the PostgreSQL test cluster: {error}"),
         }
+    }
+
+    /// The AMQP URL of the shared RabbitMQ node, started on first use.
+    pub(crate) async fn broker_url(self: &Arc<Self>) -> String {
+        let suite = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let started = suite
+                .broker
+                .get_or_init(|| TestRabbitMq::start().map_err(|error| error_chain(&error)));
+            match started {
+                Ok(broker) => broker.url(),
+                Err(error) => panic!("could not start the RabbitMQ test node: {error}"),
+            }
+        })
+        .await
+        .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))
     }
 
     /// The URL of a new, empty database on the cluster.
