@@ -111,6 +111,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         |d| Box::pin(sqlite_a_relay_stops_when_told_while_looking_again_after_a_wake(d)),
     ),
     (
+        "outbox::postgres_a_stage_is_one_statement_and_a_relay_batch_four",
+        |d| Box::pin(postgres_a_stage_is_one_statement_and_a_relay_batch_four(d)),
+    ),
+    (
         "outbox::postgres_an_event_staged_in_transactional_mode_commits_with_the_record",
         |d| Box::pin(postgres_an_event_staged_in_transactional_mode_commits_with_the_record(d)),
     ),
@@ -784,4 +788,77 @@ async fn sqlite_a_relay_stops_when_told_while_looking_again_after_a_wake(
         .expect("the relay stopped")
         .expect("the relay ended cleanly");
     assert_eq!(relayed.published, 0);
+}
+
+/// What reaches the server, statement by statement (their first words): a
+/// stage is one statement; a relay batch is `BEGIN` with the take, then the
+/// settlement with `COMMIT` (each pair sent together); an empty look is
+/// `BEGIN` with the take, then `ROLLBACK`.
+async fn postgres_a_stage_is_one_statement_and_a_relay_batch_four(databases: Arc<Databases>) {
+    use diesel::connection::InstrumentationEvent;
+    use diesel_async::pooled_connection::{
+        AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
+    };
+
+    let url = databases.fresh_postgres().await;
+    let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut config = ManagerConfig::<AsyncPgConnection>::default();
+    config.recycling_method = RecyclingMethod::Fast;
+    let seen = Arc::clone(&sent);
+    config.custom_setup = Box::new(move |url| {
+        let seen = Arc::clone(&seen);
+        Box::pin(async move {
+            let mut connection = AsyncPgConnection::establish(url).await?;
+            connection.set_instrumentation(move |event: InstrumentationEvent<'_>| {
+                if let InstrumentationEvent::StartQuery { query, .. } = event {
+                    // The statement's first words, never its binds.
+                    let text = query.to_string();
+                    let words: Vec<&str> = text
+                        .split_whitespace()
+                        .take_while(|word| *word != "--")
+                        .take(2)
+                        .collect();
+                    seen.lock().unwrap().push(words.join(" "));
+                }
+            });
+            Ok(connection)
+        })
+    });
+    let pool: idem_diesel::PgPool = bb8::Pool::builder()
+        .max_size(1)
+        .build(AsyncDieselConnectionManager::new_with_config(url, config))
+        .await
+        .expect("a pool");
+    let outbox = PgOutbox::new(pool);
+    outbox.migrate().await.expect("migrate");
+    {
+        let mut connection = outbox.pool().get().await.unwrap();
+        sent.lock().unwrap().clear();
+        outbox
+            .stage(&connection, &event("acc_1", "1"))
+            .await
+            .unwrap();
+        let staged = std::mem::take(&mut *sent.lock().unwrap());
+        assert_eq!(staged, vec!["WITH staged"], "a stage: one statement");
+        diesel::sql_query("SELECT 1")
+            .execute(&mut *connection)
+            .await
+            .unwrap();
+    }
+    let relay = Db::Postgres(outbox.clone()).relay(Recorder::default());
+    sent.lock().unwrap().clear();
+    assert_eq!(relay.run_once().await.unwrap().published, 1);
+    let batch = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(
+        batch,
+        vec!["BEGIN", "WITH heads", "WITH sent", "COMMIT"],
+        "a batch: BEGIN with the take, the settlement with COMMIT"
+    );
+    assert_eq!(relay.run_once().await.unwrap().published, 0);
+    let empty = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(
+        empty,
+        vec!["BEGIN", "WITH heads", "ROLLBACK"],
+        "an empty look"
+    );
 }
