@@ -16,7 +16,20 @@ const STORE_FEATURE_SETS: &[(&[&str], Option<&str>)] = &[
     (&["--no-default-features"], None),
 ];
 
-/// Runs formatting, clippy, each store feature set alone, docs, every test, the
+/// The crates published to crates.io (every other workspace member has
+/// `publish = false`), in no particular order: cargo orders them.
+const PUBLISHED: &[&str] = &[
+    "idem",
+    "idem-core",
+    "idem-axum",
+    "idem-actix",
+    "idem-diesel",
+    "idem-redis",
+    "idem-rabbitmq",
+];
+
+/// Runs formatting, clippy, each store feature set alone, docs, the published
+/// crates' packages, every test, the
 /// end-to-end run of both examples on every store, and the benchmarks' quick
 /// mode; stops at the first failure. `--stress [RUNS]` runs the tests under
 /// load instead ([`crate::stress`]).
@@ -49,6 +62,10 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         cargo(&["doc", "--workspace", "--no-deps", "--all-features"])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
+    shell::run(
+        "cargo package (every published crate, built from its .crate)",
+        &mut package(),
+    )?;
     shell::run("cargo test", &mut test())?;
     crate::e2e("e2e", &["--dev".to_owned()])?;
     crate::bench(&["--quick".to_owned(), "--dev".to_owned()])?;
@@ -64,6 +81,20 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 /// multiply.
 pub(crate) fn test() -> std::process::Command {
     cargo(&["test", "--workspace", "--all-features"])
+}
+
+/// `cargo package` of every published crate at once: cargo packs them in
+/// dependency order and builds each from its `.crate` file against the
+/// others' (a local registry), which proves that a crate's manifest (metadata,
+/// no path-only dependency) and packed files are enough without crates.io
+/// holding its idem dependencies yet. `cargo publish --dry-run -p` one crate
+/// cannot: it looks those up on crates.io. Uncommitted changes are packed too.
+fn package() -> std::process::Command {
+    let mut args = vec!["package", "--allow-dirty"];
+    for name in PUBLISHED {
+        args.extend(["-p", name]);
+    }
+    cargo(&args)
 }
 
 /// Checks idem-diesel under each feature set alone (so a backend's code does not
