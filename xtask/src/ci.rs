@@ -151,7 +151,72 @@ fn depends_on(tree: &str, name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::depends_on;
+    use super::{PUBLISHED, depends_on};
+    use std::path::Path;
+
+    /// Every workspace member is either in [`PUBLISHED`] (and so packed by
+    /// `cargo xtask ci`, with the metadata crates.io shows) or says
+    /// `publish = false`: a new example or tool is never published by mistake.
+    #[test]
+    fn every_member_is_published_or_says_publish_false() -> Result<(), String> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
+        };
+        let workspace = read(&root.join("Cargo.toml"))?;
+        let members = workspace
+            .split_once("members = [")
+            .and_then(|(_, rest)| rest.split_once(']'))
+            .map(|(list, _)| list)
+            .ok_or("no `members = [...]` in the workspace's Cargo.toml")?;
+        let mut published = Vec::new();
+        for member in members.split(',').map(|m| m.trim().trim_matches('"')) {
+            if member.is_empty() {
+                continue;
+            }
+            let manifest = read(&root.join(member).join("Cargo.toml"))?;
+            let name = manifest
+                .lines()
+                .find_map(|line| line.strip_prefix("name = "))
+                .map(|name| name.trim_matches('"'))
+                .ok_or(format!("{member}/Cargo.toml names no package"))?;
+            let unpublished = manifest
+                .lines()
+                .any(|line| line.trim() == "publish = false");
+            match (PUBLISHED.contains(&name), unpublished) {
+                (true, false) => published.push(name.to_owned()),
+                (false, true) => {}
+                (true, true) => {
+                    return Err(format!("{name} is in PUBLISHED but says publish = false"));
+                }
+                (false, false) => {
+                    return Err(format!(
+                        "{member}/Cargo.toml: add `publish = false`, or {name} to PUBLISHED in xtask/src/ci.rs"
+                    ));
+                }
+            }
+            for field in [
+                "description",
+                "documentation",
+                "readme",
+                "keywords",
+                "categories",
+            ] {
+                if !unpublished
+                    && !manifest
+                        .lines()
+                        .any(|line| line.starts_with(&format!("{field} =")))
+                {
+                    return Err(format!("{name} is published without `{field}`"));
+                }
+            }
+        }
+        published.sort();
+        let mut expected: Vec<_> = PUBLISHED.iter().map(|name| (*name).to_owned()).collect();
+        expected.sort();
+        assert_eq!(published, expected, "every published crate is a member");
+        Ok(())
+    }
 
     #[test]
     fn depends_on_matches_whole_package_names() {
