@@ -130,6 +130,7 @@ pub struct Relay<P> {
     batch_size: usize,
     poll_interval: Duration,
     backoff: Backoff,
+    publish_timeout: Duration,
     counters: Arc<RelayCounters>,
 }
 
@@ -330,6 +331,7 @@ impl<P: Publish> Relay<P> {
             batch_size: 100,
             poll_interval: Duration::from_secs(1),
             backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(60)),
+            publish_timeout: Duration::from_secs(30),
             counters: Arc::default(),
         }
     }
@@ -352,6 +354,16 @@ impl<P: Publish> Relay<P> {
     /// (default: full jitter, first retry within 100 ms, at most 60 s).
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
+        self
+    }
+
+    /// How long one publish may wait for the broker's confirmation (default
+    /// 30 s; RabbitMQ holds publishers back under a memory or disk alarm):
+    /// past it the event counts as not taken and is tried again later, so a
+    /// stalled broker does not hold the batch's transaction, and its keys,
+    /// for ever.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
         self
     }
 
@@ -493,7 +505,14 @@ impl<P: Publish> Relay<P> {
         let mut settlement = Settlement::default();
         for taken in queue {
             let event = &taken.event;
-            match self.publisher.publish(event).await {
+            let published =
+                match tokio::time::timeout(self.publish_timeout, self.publisher.publish(event))
+                    .await
+                {
+                    Ok(published) => published,
+                    Err(_) => Err(PublishError::unavailable(Unconfirmed(self.publish_timeout))),
+                };
+            match published {
                 Ok(()) => settlement.sent.push(taken.position),
                 Err(PublishError::Refused(reason)) => {
                     tracing::error!(
@@ -537,6 +556,11 @@ impl<P> fmt::Debug for Relay<P> {
             .finish_non_exhaustive()
     }
 }
+
+/// The broker did not confirm a publish in time.
+#[derive(Debug, thiserror::Error)]
+#[error("the broker did not confirm the event within {0:?}")]
+struct Unconfirmed(Duration);
 
 /// Aborts the listener task when the relay ends.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);

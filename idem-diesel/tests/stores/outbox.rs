@@ -111,6 +111,14 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         |d| Box::pin(sqlite_a_relay_stops_when_told_while_looking_again_after_a_wake(d)),
     ),
     (
+        "outbox::postgres_an_unconfirmed_publish_is_retried_after_the_publish_timeout",
+        |d| Box::pin(an_unconfirmed_publish_is_retried(d, Kind::Postgres)),
+    ),
+    (
+        "outbox::sqlite_an_unconfirmed_publish_is_retried_after_the_publish_timeout",
+        |d| Box::pin(an_unconfirmed_publish_is_retried(d, Kind::Sqlite)),
+    ),
+    (
         "outbox::postgres_a_stage_is_one_statement_and_a_relay_batch_four",
         |d| Box::pin(postgres_a_stage_is_one_statement_and_a_relay_batch_four(d)),
     ),
@@ -861,4 +869,28 @@ async fn postgres_a_stage_is_one_statement_and_a_relay_batch_four(databases: Arc
         vec!["BEGIN", "WITH heads", "ROLLBACK"],
         "an empty look"
     );
+}
+
+/// A broker that never confirms (a publisher that hangs) holds the batch no
+/// longer than the publish timeout: the event is counted as not taken, and a
+/// later relay publishes it.
+async fn an_unconfirmed_publish_is_retried(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    db.stage(&[event("acc_1", "stalled")], true).await;
+    let stalled = Recorder {
+        hang_after: Some(0),
+        ..Recorder::default()
+    };
+    let relay = db
+        .relay(stalled.clone())
+        .publish_timeout(Duration::from_millis(200));
+    let relayed = tokio::time::timeout(Duration::from_secs(10), relay.run_once())
+        .await
+        .expect("the batch ended at the publish timeout")
+        .unwrap();
+    assert_eq!((relayed.published, relayed.retried), (0, 1));
+    assert_eq!(db.backlog().await.unsent, 1);
+    let recorder = Recorder::default();
+    db.drain(&db.relay(recorder.clone())).await;
+    assert_eq!(recorder.payloads(), vec!["stalled"]);
 }
