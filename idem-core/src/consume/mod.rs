@@ -448,8 +448,8 @@ impl<I: Inbox> fmt::Debug for Protocol<I> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
-    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
     use super::conformance::Untransacted;
     use super::*;
