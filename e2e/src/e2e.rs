@@ -12,7 +12,10 @@
 //!
 //! Then payments-consumer against a throwaway RabbitMQ node, on the same
 //! cluster and on SQLite: its scenarios (`payments_consumer::testing`, which
-//! its tests run too) as rows of the same table.
+//! its tests run too) as rows of the same table. Last the outbox's chain
+//! ([`chain`], `--scenario chain`): payments-axum publishing through its
+//! relay to payments-consumer on that node, under SIGKILLs, on PostgreSQL
+//! (two API instances) and on SQLite (one).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,6 +35,7 @@ use self::scenarios::{CATALOG, Scenario};
 use self::site::{Deployment, StoreKind, help_text};
 
 mod api;
+mod chain;
 mod consumer;
 mod postgres;
 mod report;
@@ -46,7 +50,8 @@ usage: cargo xtask e2e [--example axum|actix|consumer]... [--store memory|sqlite
 --all-features` compiles their libraries; what CI runs), not release builds.
 
 Without options: every example, every store, every scenario that is built
-(the consumer's run on RabbitMQ with PostgreSQL and with SQLite).";
+(the consumer's run on RabbitMQ with PostgreSQL and with SQLite; the chain,
+axum → outbox → RabbitMQ → consumer, on both, with --example axum).";
 
 /// Scenarios at once: 2 cores, and each scenario has servers of its own.
 const SLOTS: u32 = 4;
@@ -126,7 +131,7 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         .copied()
         .filter(|e| *e != Example::Consumer)
         .collect();
-    if options.runs_consumer() {
+    if options.runs_consumer() || options.runs_chain() {
         examples.push(Example::Consumer);
     }
     let profile = options.profile;
@@ -146,6 +151,9 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         .map(|&example| (example, binary(example)))
         .collect();
     let consumer = options.runs_consumer().then(|| binary(Example::Consumer));
+    let chain = options
+        .runs_chain()
+        .then(|| (binary(Example::Axum), binary(Example::Consumer)));
     let built = started.elapsed();
     let cluster: Result<Arc<Cluster>, String> = match starting {
         Some(starting) => match starting.await {
@@ -161,7 +169,11 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         match build {
             Ok(binary) => {
                 let help = help_text(&binary);
+                // A store none of the selected scenarios runs on is not probed.
                 for &store in &options.stores {
+                    if options.selected(store).next().is_none() {
+                        continue;
+                    }
                     deployments.push(Arc::new(Deployment::new(
                         example,
                         store,
@@ -184,10 +196,37 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         }
     }
     rows.extend(run_all(&deployments, options).await);
-    if let Some(binary) = consumer {
+    // One RabbitMQ node for the consumer's scenarios and the chain.
+    let broker = if consumer.is_some() || chain.is_some() {
+        Some(consumer::broker().await)
+    } else {
+        None
+    };
+    if let (Some(binary), Some(broker)) = (consumer, &broker) {
         let scenarios = options.consumer_scenarios();
-        rows.extend(consumer::rows(binary, cluster, root, &scenarios, &options.stores).await);
+        rows.extend(
+            consumer::rows(
+                binary,
+                broker.clone(),
+                cluster.clone(),
+                root,
+                &scenarios,
+                &options.stores,
+            )
+            .await,
+        );
     }
+    if let (Some((api, consumer)), Some(broker)) = (chain, &broker) {
+        let setup = chain::Setup {
+            api,
+            consumer,
+            broker: broker.clone(),
+            cluster: cluster.clone(),
+        };
+        rows.extend(chain::rows(setup, root, &options.stores).await);
+    }
+    // `rabbitmqctl stop` and the wait for the node, off the async workers.
+    let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
     (rows, built)
 }
 
@@ -380,11 +419,15 @@ impl Options {
                     args.next();
                 }
                 ("--scenario", Some(name)) => {
-                    if !CATALOG.iter().any(|s| s.name == name) && !consumer::has(name) {
+                    if !CATALOG.iter().any(|s| s.name == name)
+                        && !consumer::has(name)
+                        && !chain::has(name)
+                    {
                         let names: Vec<&str> = CATALOG
                             .iter()
                             .map(|s| s.name)
                             .chain(consumer::names())
+                            .chain([chain::NAME])
                             .collect();
                         return Err(format!(
                             "no scenario {name:?}; there are {}",
@@ -414,6 +457,14 @@ impl Options {
         self.examples.contains(&Example::Consumer)
             && !consumer::backends(&self.stores).is_empty()
             && (self.scenarios.is_empty() || self.scenarios.iter().any(|n| consumer::has(n)))
+    }
+
+    /// Whether the chain runs: axum selected (the consumer is built for it),
+    /// PostgreSQL or SQLite, and `--scenario chain` (or no scenario at all).
+    fn runs_chain(&self) -> bool {
+        self.examples.contains(&Example::Axum)
+            && !chain::backends(&self.stores).is_empty()
+            && (self.scenarios.is_empty() || self.scenarios.iter().any(|n| chain::has(n)))
     }
 
     /// The consumer scenarios named on the command line (none: all of them).

@@ -39,12 +39,23 @@ pub(crate) fn backends(stores: &[StoreKind]) -> Vec<StoreKind> {
         .collect()
 }
 
+/// Starts the RabbitMQ node the consumer's scenarios and the chain share,
+/// off the async workers.
+pub(crate) async fn broker() -> Result<Arc<TestRabbitMq>, String> {
+    match tokio::task::spawn_blocking(TestRabbitMq::start).await {
+        Ok(Ok(broker)) => Ok(Arc::new(broker)),
+        Ok(Err(why)) => Err(format!("no RabbitMQ node: {why}")),
+        Err(why) => Err(format!("the RabbitMQ node's start failed: {why}")),
+    }
+}
+
 /// Runs the selected scenarios on each of the consumer's databases among
 /// `stores`, one after the other (the crash test's timing wants the machine
 /// to itself), and answers their rows; `binary` is the built consumer, or why
-/// it is not there.
+/// it is not there; `broker` the node ([`broker`]), or why there is none.
 pub(crate) async fn rows(
     binary: Result<PathBuf, String>,
+    broker: Result<Arc<TestRabbitMq>, String>,
     cluster: Result<Arc<Cluster>, String>,
     root: &Path,
     selected: &[String],
@@ -65,12 +76,10 @@ pub(crate) async fn rows(
     if chosen.is_empty() {
         return Vec::new();
     }
-    let broker = tokio::task::spawn_blocking(TestRabbitMq::start).await;
     let setup = match (binary, broker) {
-        (Ok(binary), Ok(Ok(broker))) => Ok((binary, Arc::new(broker))),
+        (Ok(binary), Ok(broker)) => Ok((binary, broker)),
         (Err(why), _) => Err(format!("payments-consumer did not build: {why}")),
-        (_, Ok(Err(why))) => Err(format!("no RabbitMQ node: {why}")),
-        (_, Err(why)) => Err(format!("the RabbitMQ node's start failed: {why}")),
+        (_, Err(why)) => Err(why),
     };
     let (binary, broker) = match setup {
         Ok(setup) => setup,
@@ -102,8 +111,6 @@ pub(crate) async fn rows(
             outcome.map_err(|why| format!("{why}\n(consumer logs: {})", logs.display())),
         ));
     }
-    // `rabbitmqctl stop` and the wait for the node, off the async workers.
-    let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
     rows
 }
 

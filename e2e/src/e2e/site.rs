@@ -209,40 +209,47 @@ impl Site {
             let keys = listed.iter().flat_map(|keys| keys.lines()).count();
             return Ok(Some(i64::try_from(keys).unwrap_or(i64::MAX)));
         }
-        let text = if let Some(cluster) = self.cluster.clone() {
-            let url = self.url.clone();
-            blocking(move || cluster.query(&url, COUNT).map(Some)).await?
-        } else if self.url.starts_with("sqlite://") {
-            let file = self.dir.join("payments.db");
-            blocking(move || {
-                let out = match Command::new("sqlite3")
-                    .args(["-cmd", ".timeout 5000"])
-                    .arg(&file)
-                    .arg(COUNT)
-                    .stdin(Stdio::null())
-                    .output()
-                {
-                    Ok(out) => out,
-                    // Without the CLI the records cannot be counted, only their effects seen.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-                    Err(e) => return Err(format!("sqlite3: {e}")),
-                };
-                if out.status.success() {
-                    Ok(Some(String::from_utf8_lossy(&out.stdout).trim().to_owned()))
-                } else {
-                    Err(format!("sqlite3: {}", String::from_utf8_lossy(&out.stderr)))
-                }
-            })
-            .await?
-        } else {
-            None
-        };
-        let Some(text) = text else {
+        let Some(text) = self.query(COUNT).await? else {
             return Ok(None);
         };
         text.parse()
             .map(Some)
             .map_err(|_| Failure::new("unreadable count", format!("{COUNT} answered {text:?}")))
+    }
+
+    /// Runs `sql` in the site's SQL database (psql or the `sqlite3` CLI) and
+    /// answers the output, columns separated by `|`; `None` without such a
+    /// database or without the `sqlite3` CLI.
+    pub(crate) async fn query(&self, sql: &str) -> Result<Option<String>, Failure> {
+        let sql = sql.to_owned();
+        if let Some(cluster) = self.cluster.clone() {
+            let url = self.url.clone();
+            return blocking(move || cluster.query(&url, &sql).map(Some)).await;
+        }
+        if !self.url.starts_with("sqlite://") {
+            return Ok(None);
+        }
+        let file = self.dir.join("payments.db");
+        blocking(move || {
+            let out = match Command::new("sqlite3")
+                .args(["-cmd", ".timeout 5000"])
+                .arg(&file)
+                .arg(&sql)
+                .stdin(Stdio::null())
+                .output()
+            {
+                Ok(out) => out,
+                // Without the CLI the rows cannot be counted, only their effects seen.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(format!("sqlite3: {e}")),
+            };
+            if out.status.success() {
+                Ok(Some(String::from_utf8_lossy(&out.stdout).trim().to_owned()))
+            } else {
+                Err(format!("sqlite3: {}", String::from_utf8_lossy(&out.stderr)))
+            }
+        })
+        .await
     }
 }
 
