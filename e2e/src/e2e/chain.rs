@@ -333,7 +333,7 @@ async fn run(
     drop(consumer);
     drop(running);
     let (deliveries, duplicates) = inbox_outcomes(&consumer_logs);
-    let published = outbox.map_or_else(|| "? (no sqlite3)".to_owned(), |o| o.sent.to_string());
+    let published = outbox.map_or_else(|| "?".to_owned(), |o| o.sent.to_string());
     Ok(format!(
         "{CHARGES} charges applied once in {} s ({} attempts, {} timeouts, {} broken, {} waits); \
          {published} events published, {deliveries} deliveries, {duplicates} duplicates absorbed \
@@ -398,9 +398,10 @@ async fn wait_unsent(site: &Site, count: i64) -> Result<(), Failure> {
     let started = Instant::now();
     loop {
         let Some(outbox) = outbox(site).await? else {
-            // No sqlite3 CLI: give the relay's batch a moment to form.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            return Ok(());
+            return Err(Failure::new(
+                "no outbox",
+                "the API's store has no SQL database to read the outbox from",
+            ));
         };
         if outbox.unsent >= count {
             return Ok(());
@@ -455,8 +456,7 @@ struct Outbox {
     parked: i64,
 }
 
-/// Reads the API's `idem_outbox`; `None` where the harness cannot (SQLite
-/// without the `sqlite3` CLI).
+/// Reads the API's `idem_outbox`; `None` for a store without SQL.
 async fn outbox(site: &Site) -> Result<Option<Outbox>, Failure> {
     const COUNTS: &str = "SELECT \
         (SELECT count(*) FROM idem_outbox WHERE sent_at IS NOT NULL), \

@@ -219,7 +219,7 @@ impl Site {
 
     /// Runs `sql` in the site's SQL database (psql or the `sqlite3` CLI) and
     /// answers the output, columns separated by `|`; `None` without such a
-    /// database or without the `sqlite3` CLI.
+    /// database.
     pub(crate) async fn query(&self, sql: &str) -> Result<Option<String>, Failure> {
         let sql = sql.to_owned();
         if let Some(cluster) = self.cluster.clone() {
@@ -239,8 +239,13 @@ impl Site {
                 .output()
             {
                 Ok(out) => out,
-                // Without the CLI the rows cannot be counted, only their effects seen.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(
+                        "the sqlite3 command is missing: install it (`apt-get install sqlite3`; \
+                         .ci/run does) so that the SQLite rows can read the API's tables"
+                            .to_owned(),
+                    );
+                }
                 Err(e) => return Err(format!("sqlite3: {e}")),
             };
             if out.status.success() {
