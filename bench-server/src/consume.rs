@@ -319,20 +319,20 @@ impl Progress {
 }
 
 /// The measured window: the clock and the CPU readings at its start.
-struct Window {
+pub(crate) struct Window {
     postgres_port: Option<u16>,
     started: Option<(Instant, Option<f64>, Option<f64>)>,
 }
 
 /// What the window measured.
-struct Drained {
-    seconds: f64,
-    cpu_seconds: Option<f64>,
-    database_cpu_seconds: Option<f64>,
+pub(crate) struct Drained {
+    pub(crate) seconds: f64,
+    pub(crate) cpu_seconds: Option<f64>,
+    pub(crate) database_cpu_seconds: Option<f64>,
 }
 
 impl Window {
-    fn new(postgres_port: Option<u16>) -> Self {
+    pub(crate) fn new(postgres_port: Option<u16>) -> Self {
         Self {
             postgres_port,
             started: None,
@@ -341,7 +341,7 @@ impl Window {
 
     /// Starts the window (once: a second subscription, after a reconnection,
     /// does not restart it).
-    fn start(&mut self) {
+    pub(crate) fn start(&mut self) {
         if self.started.is_none() {
             let cpu = cpu_seconds(std::process::id());
             let database = self.postgres_port.and_then(postgres_cpu_seconds);
@@ -349,7 +349,7 @@ impl Window {
         }
     }
 
-    fn end(&self) -> Result<Drained, BoxError> {
+    pub(crate) fn end(&self) -> Result<Drained, BoxError> {
         let (started, cpu, database) = self.started.ok_or("the consumer never subscribed")?;
         let seconds = started.elapsed().as_secs_f64();
         let after = |before: Option<f64>, now: Option<f64>| before.zip(now).map(|(b, a)| a - b);
@@ -650,19 +650,25 @@ async fn clean_up(options: &Options, queues: &[&str]) -> Result<(), BoxError> {
         return Err(format!("{ready} messages left in the queue after the drain").into());
     }
     for queue in queues {
-        let topology = Topology::new(*queue);
-        for name in [
-            queue.to_string(),
-            topology.dead_letter_hop(),
-            topology.dead_letter_queue(),
-        ] {
-            channel
-                .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
-                .await?;
-        }
+        delete_queue(&channel, queue).await?;
     }
     channel.close(200, "bye".into()).await?;
     connection.close(200, "bye".into()).await?;
+    Ok(())
+}
+
+/// Deletes `queue` and the dead-letter queues its [`Topology`] declared.
+pub(crate) async fn delete_queue(channel: &Channel, queue: &str) -> Result<(), BoxError> {
+    let topology = Topology::new(queue);
+    for name in [
+        queue.to_owned(),
+        topology.dead_letter_hop(),
+        topology.dead_letter_queue(),
+    ] {
+        channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+    }
     Ok(())
 }
 
@@ -692,7 +698,7 @@ fn payment_body(id: &str, n: usize, accounts: usize) -> String {
 }
 
 /// The port of a `postgres://user@host:port/db` URL.
-fn port_of(url: &str) -> Option<u16> {
+pub(crate) fn port_of(url: &str) -> Option<u16> {
     let authority = url.split_once("://")?.1.split('/').next()?;
     let host = authority
         .rsplit_once('@')

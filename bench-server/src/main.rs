@@ -18,6 +18,9 @@
 //! - `consume`: one drain of pre-published payments from RabbitMQ, through
 //!   idem-rabbitmq with the PostgreSQL or SQLite inbox, or through a bare
 //!   lapin consumer applying the same transaction (see `consume`).
+//! - `outbox-drain`, `outbox-lag`: idem-diesel's outbox relay publishing to
+//!   RabbitMQ: a drain of staged events, and the lag from commit to confirm
+//!   under a fixed rate of charges (see `outbox`).
 //!
 //! Helpers that answer print one JSON object on stdout.
 
@@ -30,6 +33,7 @@ mod consume;
 mod handler;
 mod load;
 mod memory;
+mod outbox;
 mod postgres;
 mod profile;
 mod redis;
@@ -68,6 +72,11 @@ enum Command {
     /// Publishes payments to a fresh queue, drains them through a consumer and
     /// prints the drain's time and CPU.
     Consume(consume::Options),
+    /// Stages events, then measures a relay draining them to RabbitMQ.
+    OutboxDrain(outbox::DrainOptions),
+    /// Charges at a fixed rate, each staging an event, and measures the lag
+    /// from commit to the broker's confirm.
+    OutboxLag(outbox::LagOptions),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +92,8 @@ fn main() -> ExitCode {
         Command::RedisLoad(options) => redis::load(options),
         Command::Profile(options) => profile::run(&options),
         Command::Consume(options) => consume::run(options),
+        Command::OutboxDrain(options) => outbox::drain(options),
+        Command::OutboxLag(options) => outbox::lag(options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken, ReplayCache};
 use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Policy, Scope, Store};
-use idem_diesel::PgStore;
+use idem_diesel::{PgOutbox, PgStore, PgTransaction};
 
 use crate::BoxError;
 use crate::handler::{self, CONTENT_TYPE, SCOPE};
@@ -36,6 +36,12 @@ pub(crate) struct Options {
     /// the completion in one transaction).
     #[arg(long)]
     transactional: bool,
+    /// With `--transactional`: the layered route's handler stages one outbox
+    /// event (`PgOutbox::stage`, `{"account_id", "amount"}` keyed by the
+    /// account) in the request's transaction, as a charge that announces
+    /// itself does.
+    #[arg(long, requires = "transactional")]
+    outbox: bool,
     /// Completed records put in the in-memory store before serving.
     #[arg(long, default_value_t = 0)]
     prefill: usize,
@@ -65,9 +71,13 @@ pub(crate) fn run(options: Options) -> Result<(), BoxError> {
             .build()?
             .block_on(async {
                 let store = open(&options).await?;
-                axum_server(listener, store).await
+                let outbox = staging_outbox(&options).await?;
+                axum_server(listener, store, outbox).await
             }),
         Framework::Actix => actix_web::rt::System::new().block_on(async {
+            if options.outbox {
+                return Err("--outbox is served by axum only".into());
+            }
             let store = open(&options).await?;
             actix_server(listener, store, options.workers).await
         }),
@@ -82,6 +92,23 @@ async fn open(options: &Options) -> Result<Arc<dyn Store>, BoxError> {
         return Ok(store);
     }
     Ok(Arc::new(ReplayCache::new(store, options.replay_cache)))
+}
+
+/// With `--outbox`: the outbox, migrated. Its own pool (one connection) only
+/// migrates: events are staged on the request's transaction.
+async fn staging_outbox(options: &Options) -> Result<Option<PgOutbox>, BoxError> {
+    if !options.outbox {
+        return Ok(None);
+    }
+    if !options.store.starts_with("postgres") {
+        return Err("--outbox needs a PostgreSQL store".into());
+    }
+    let outbox = PgOutbox::builder()
+        .max_connections(1)
+        .connect(&options.store)
+        .await?;
+    outbox.migrate().await?;
+    Ok(Some(outbox))
 }
 
 /// The store the options name, migrated or prefilled.
@@ -144,11 +171,16 @@ fn announce(listener: &TcpListener) -> Result<(), BoxError> {
     Ok(())
 }
 
-async fn axum_server(listener: TcpListener, store: Arc<dyn Store>) -> Result<(), BoxError> {
+async fn axum_server(
+    listener: TcpListener,
+    store: Arc<dyn Store>,
+    outbox: Option<PgOutbox>,
+) -> Result<(), BoxError> {
     use axum::Router;
     use axum::http::{StatusCode, header};
+    use axum::response::IntoResponse;
     use axum::routing::{get, post};
-    use idem_axum::IdempotencyLayer;
+    use idem_axum::{ExecutionInfo, IdempotencyLayer};
 
     async fn charge(body: bytes::Bytes) -> impl axum::response::IntoResponse {
         handler::executed();
@@ -164,11 +196,41 @@ async fn axum_server(listener: TcpListener, store: Arc<dyn Store>) -> Result<(),
         charge(body).await
     }
 
+    /// The charge, after staging its event in the request's transaction.
+    async fn staging_charge(
+        outbox: PgOutbox,
+        execution: Option<ExecutionInfo>,
+        body: bytes::Bytes,
+    ) -> axum::response::Response {
+        let Some(transaction) = execution.and_then(|e| e.context::<PgTransaction>()) else {
+            return (StatusCode::INTERNAL_SERVER_ERROR, "no transaction").into_response();
+        };
+        let staged = match transaction.connection().await {
+            Ok(connection) => outbox
+                .stage(&connection, &crate::outbox::charge_event())
+                .await
+                .map_err(|e| e.to_string()),
+            Err(ended) => Err(ended.to_string()),
+        };
+        match staged {
+            Ok(()) => charge(body).await.into_response(),
+            Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
+        }
+    }
+
     let layer =
         IdempotencyLayer::new(store, Policy::required()).scope_with(|_| Some(Scope::new(SCOPE)));
+    let layered = match outbox {
+        None => post(charge),
+        Some(outbox) => post(
+            move |execution: Option<ExecutionInfo>, body: bytes::Bytes| {
+                staging_charge(outbox.clone(), execution, body)
+            },
+        ),
+    };
     let app = Router::new()
         .route("/bare", post(charge))
-        .route("/layered", post(charge).route_layer(layer.clone()))
+        .route("/layered", layered.route_layer(layer.clone()))
         .route("/layered-slow", post(slow_charge).route_layer(layer))
         .route(
             "/executions",

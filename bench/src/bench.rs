@@ -18,6 +18,12 @@
 //!   consumer applying the same transaction without an inbox (same prefetch,
 //!   concurrency 1 and 32), draining pre-published payments on a throwaway
 //!   RabbitMQ node; the consumer's and PostgreSQL's CPU time per message.
+//! - **Outbox** ([`outbox`]): transactional first executions on `PgStore`
+//!   with and without staging one outbox event in the request's transaction;
+//!   one relay's events per second draining pre-staged events to a throwaway
+//!   RabbitMQ node with idem-rabbitmq's `OutboxPublisher`; and the lag p99
+//!   from a charge's commit to its event's broker confirm under a fixed rate
+//!   of transactional charges.
 //! - **Memory**: bytes per record of the in-memory store; peak RSS of
 //!   payments-axum (`--store memory`) under a storm of charges.
 //! - **Cleanup**: rows deleted per second with the database otherwise idle,
@@ -45,6 +51,7 @@
 mod consumer;
 mod load;
 mod memory;
+mod outbox;
 mod overhead;
 mod peers;
 mod pgbench;
@@ -89,6 +96,12 @@ struct Settings {
     consumer_messages: usize,
     /// Messages each consumer run drains first, unmeasured.
     consumer_warmup: usize,
+    /// Events the outbox's relay drains (the outbox section).
+    outbox_events: usize,
+    /// Transactional charges a second while the outbox's lag is measured.
+    outbox_lag_rate: u32,
+    /// How long the outbox's lag is measured.
+    outbox_lag: Duration,
 }
 
 impl Settings {
@@ -109,6 +122,9 @@ impl Settings {
             consumer_concurrencies: vec![1, 32],
             consumer_messages: 10_000,
             consumer_warmup: 256,
+            outbox_events: 20_000,
+            outbox_lag_rate: 200,
+            outbox_lag: Duration::from_secs(10),
         }
     }
 
@@ -129,6 +145,9 @@ impl Settings {
             consumer_concurrencies: vec![1, 32],
             consumer_messages: 300,
             consumer_warmup: 64,
+            outbox_events: 2_000,
+            outbox_lag_rate: 200,
+            outbox_lag: Duration::from_secs(2),
         }
     }
 }
@@ -203,7 +222,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 8] = [
+    let sections: [(&str, Section); 9] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
@@ -211,6 +230,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         ("postgres", postgres::postgres),
         ("redis", redis::redis),
         ("consumer", consumer::consumer),
+        ("outbox", outbox::outbox),
         ("peers", peers::peers),
     ];
     if let Some(only) = &only

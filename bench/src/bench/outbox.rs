@@ -1,0 +1,190 @@
+//! The outbox section (idem-diesel's `PgOutbox`, its relay and idem-rabbitmq's
+//! `OutboxPublisher`), on a throwaway PostgreSQL cluster and RabbitMQ node:
+//!
+//! - **Staging**: the layered route on `PgStore` in transactional mode, as the
+//!   PostgreSQL rows measure it, against the same route whose handler stages
+//!   one event (`PgOutbox::stage`, with its `NOTIFY`) in the request's
+//!   transaction (`bench-server serve --outbox`), first executions at the
+//!   PostgreSQL rows' concurrencies, interleaved in rounds. No relay runs
+//!   meanwhile: the row is the cost of staging.
+//! - **Relay**: events per second of one relay (`Relay::run`, default batch
+//!   of 100) draining pre-staged events to RabbitMQ (`bench-server
+//!   outbox-drain`): from its start until every event is confirmed and marked
+//!   sent; its process's CPU and PostgreSQL's per event.
+//! - **Lag**: while the relay runs in the same process, transactional
+//!   charges at a fixed rate each stage one event (`bench-server
+//!   outbox-lag`, in process, without HTTP); the lag is from a charge's
+//!   commit to its event's broker confirm.
+//!
+//! Nothing is pinned, as in the PostgreSQL section.
+
+use std::process::Command;
+use std::time::Duration;
+
+use idem_testkit::TestRabbitMq;
+
+use super::load::{Expect, Measured};
+use super::postgres::{cluster, url};
+use super::process::helper_json;
+use super::report::{Figure, Ratio, Report, Row, Target};
+use super::{Bench, Framework, KeySource, Workload, short_id};
+
+/// Starts the broker and the cluster; runs every row; stops them.
+pub(super) fn outbox(bench: &Bench, report: &mut Report) -> Result<(), String> {
+    let broker = TestRabbitMq::start().map_err(|e| e.to_string())?;
+    let (cluster, port) = cluster(bench, "outbox,relay")?;
+    let amqp = broker.url();
+    let outcome = staging(bench, report, &url(port, "outbox")).and_then(|staged| {
+        relay(bench, report, &amqp, &url(port, "relay"), staged)?;
+        lag(bench, report, &amqp, &url(port, "relay"))
+    });
+    cluster.finish(Duration::from_secs(30));
+    drop(broker);
+    outcome
+}
+
+/// Transactional first executions without and with an event staged, at each
+/// concurrency; answers the slowest rate with an event staged.
+fn staging(bench: &Bench, report: &mut Report, url: &str) -> Result<f64, String> {
+    let mut slowest = f64::INFINITY;
+    for &c in &bench.settings.pg_concurrencies {
+        let pool = c.to_string();
+        let transactional = ["--store", url, "--pool", &pool, "--transactional"];
+        let plain = bench.serve(Framework::Axum, &transactional, None)?;
+        let staging = bench.serve(
+            Framework::Axum,
+            &[&transactional[..], &["--outbox"]].concat(),
+            None,
+        )?;
+        let first = |server| Workload {
+            server,
+            path: "/layered",
+            keys: KeySource::Fresh,
+            expect: Expect::Executed,
+        };
+        let pooled = bench.interleaved(&[first(&plain), first(&staging)], c, None)?;
+        drop(plain);
+        drop(staging);
+        let [without, with] = <[Measured; 2]>::try_from(pooled)
+            .map_err(|_| "two workloads, two results".to_owned())?;
+        for (what, measured) in [("", &without), (" + one outbox event staged", &with)] {
+            report.rows.push(Row::from_load(
+                "outbox",
+                format!("axum layered on PgStore transactional{what}, first execution"),
+                c,
+                measured,
+            ));
+        }
+        report.ratios.push(Ratio::new(
+            format!("transactional first executions with / without an outbox event, req/s (c={c})"),
+            with.rps() / without.rps(),
+            Target::AtLeast(0.9),
+        ));
+        slowest = slowest.min(with.rps());
+    }
+    Ok(slowest)
+}
+
+/// One relay draining pre-staged events; its rate against the charges'.
+fn relay(
+    bench: &Bench,
+    report: &mut Report,
+    amqp: &str,
+    database: &str,
+    charges: f64,
+) -> Result<(), String> {
+    let events = bench.settings.outbox_events;
+    let mut command = outbox_command(bench, "outbox-drain", amqp, database);
+    command.args(["--events", &events.to_string()]);
+    let json = helper_json(command, Duration::from_secs(900))?;
+    let seconds = json["seconds"]
+        .as_f64()
+        .ok_or_else(|| format!("outbox-drain answered no seconds: {json}"))?;
+    let drained = Measured {
+        requests: events as u64,
+        answered: events as u64,
+        seconds,
+        run_seconds: seconds,
+        server_cpu_seconds: json["cpu_seconds"].as_f64(),
+        database_cpu_seconds: json["database_cpu_seconds"].as_f64(),
+        ..Measured::default()
+    };
+    report.notes.push(format!(
+        "outbox relay row: req/s is events/s, one relay (batches of 100, keys over 1,000 \
+         accounts) draining {events} pre-staged events to RabbitMQ until all are confirmed \
+         and marked sent; srv is the relay's process"
+    ));
+    report.rows.push(
+        Row::from_load(
+            "outbox",
+            "relay (PgOutbox + OutboxPublisher) to RabbitMQ",
+            1,
+            &drained,
+        )
+        .without_latency(),
+    );
+    if charges.is_finite() {
+        report.ratios.push(Ratio::new(
+            "one relay's events/s / transactional charges staging an event, req/s (slowest c)",
+            drained.rps() / charges,
+            Target::AtLeast(1.0),
+        ));
+    }
+    Ok(())
+}
+
+/// The lag from commit to confirm under a fixed rate of charges.
+fn lag(bench: &Bench, report: &mut Report, amqp: &str, database: &str) -> Result<(), String> {
+    let settings = &bench.settings;
+    let rate = settings.outbox_lag_rate;
+    let mut command = outbox_command(bench, "outbox-lag", amqp, database);
+    command
+        .args(["--rate", &rate.to_string()])
+        .args(["--warmup-ms", &settings.warmup.as_millis().to_string()])
+        .args([
+            "--duration-ms",
+            &settings.outbox_lag.as_millis().to_string(),
+        ]);
+    let json = helper_json(command, Duration::from_secs(900))?;
+    let events = json["events"].as_u64().unwrap_or_default();
+    let seconds = json["seconds"].as_f64().unwrap_or_default();
+    let measured = Measured {
+        requests: events,
+        answered: events,
+        seconds,
+        run_seconds: seconds,
+        p50_ms: json["p50_ms"].as_f64().unwrap_or_default(),
+        p99_ms: json["p99_ms"].as_f64().unwrap_or_default(),
+        ..Measured::default()
+    };
+    report.rows.push(Row::from_load(
+        "outbox",
+        format!("lag from commit to broker confirm, {rate} charges/s, relay running"),
+        1,
+        &measured,
+    ));
+    report.figures.push(Figure {
+        section: "outbox",
+        what: format!("outbox lag p99, commit to broker confirm, {rate} transactional charges/s"),
+        value: json["p99_ms"].as_f64().map(|ms| ms * 1e3),
+        unit: "us",
+        note: format!(
+            "{events} events; p50 {:.2} ms, max {:.2} ms; {} publish(es) retried; \
+             relay woken by NOTIFY",
+            measured.p50_ms,
+            json["max_ms"].as_f64().unwrap_or_default(),
+            json["retried"],
+        ),
+    });
+    Ok(())
+}
+
+/// `bench-server SUBCOMMAND` on a fresh queue.
+fn outbox_command(bench: &Bench, subcommand: &str, amqp: &str, database: &str) -> Command {
+    let mut command = Command::new(&bench.binaries.server);
+    command
+        .arg(subcommand)
+        .args(["--amqp", amqp, "--database", database])
+        .args(["--queue", &format!("bench-outbox-{}", short_id())]);
+    command
+}
