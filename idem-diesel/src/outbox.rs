@@ -409,9 +409,12 @@ impl<P: Publish> Relay<P> {
         Ok(relayed)
     }
 
-    /// Publishes staged events until `shutdown` resolves, then finishes the
-    /// batch in hand and answers what it did. A database error is logged and
-    /// the relay looks again at the next poll.
+    /// Publishes staged events until `shutdown` resolves, then answers what
+    /// it did. A batch in hand when `shutdown` resolves is dropped: its
+    /// transaction rolls back, nothing of it is marked sent, and the next
+    /// relay publishes those events again, with the same ids (so an inbox
+    /// applies each once). A database error is logged and the relay looks
+    /// again at the next poll.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Relayed {
         let listener = self
             .source
