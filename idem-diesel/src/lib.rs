@@ -9,6 +9,7 @@
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod consume;
 mod error;
+mod metrics;
 mod outbox;
 mod pool;
 mod prepared;

@@ -188,6 +188,11 @@ pub(crate) trait Source: Send + Sync + 'static {
     /// A task that turns the database's notifications into wake-ups, if the
     /// backend has them.
     fn listen(&self, poll_interval: Duration) -> Option<BoxFuture<'static, ()>>;
+
+    /// How long the oldest unsent, unparked event has waited: one query on
+    /// the unsent events' index, for the gauge (feature `metrics`).
+    #[cfg(feature = "metrics")]
+    fn oldest_unsent(&self) -> BoxFuture<'_, Result<Option<Duration>, StoreError>>;
 }
 
 /// A batch taken by a relay.
@@ -256,6 +261,7 @@ impl<B: Backend> Outbox<B> {
 
     pub(crate) fn count_staged(&self, event: &Event) {
         self.inner.staged.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::staged();
         tracing::trace!(
             target: "idem",
             event_id = %Redacted::of(&event.id().to_string()),
@@ -381,6 +387,8 @@ impl<P: Publish> Relay<P> {
     pub async fn run_once(&self) -> Result<Relayed, StoreError> {
         let batch = self.source.take(self.batch_size).await?;
         if batch.events().is_empty() {
+            drop(batch);
+            self.gauge_oldest_unsent().await;
             return Ok(Relayed::default());
         }
         let settlement = self.publish(batch.events()).await;
@@ -399,6 +407,8 @@ impl<P: Publish> Relay<P> {
         self.counters
             .retried
             .fetch_add(relayed.retried, Ordering::Relaxed);
+        crate::metrics::relayed(relayed.published, relayed.parked, relayed.retried);
+        self.gauge_oldest_unsent().await;
         tracing::debug!(
             target: "idem",
             published = relayed.published,
@@ -407,6 +417,22 @@ impl<P: Publish> Relay<P> {
             "outbox batch relayed"
         );
         Ok(relayed)
+    }
+
+    /// Sets the oldest unsent event's gauge, once the look's transaction has
+    /// ended (feature `metrics`; nothing without it). A failure is logged
+    /// and leaves the gauge as it was.
+    #[inline]
+    async fn gauge_oldest_unsent(&self) {
+        #[cfg(feature = "metrics")]
+        match self.source.oldest_unsent().await {
+            Ok(age) => crate::metrics::oldest_unsent(age),
+            Err(error) => tracing::debug!(
+                target: "idem",
+                error = %idem_core::log::error_chain(&error),
+                "the outbox relay could not measure its oldest unsent event"
+            ),
+        }
     }
 
     /// Publishes staged events until `shutdown` resolves, then answers what

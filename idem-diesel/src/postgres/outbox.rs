@@ -116,6 +116,21 @@ struct EventRow {
     attempts: i32,
 }
 
+/// The age of the oldest unsent, unparked event (µs), for the relay's gauge:
+/// the first row of the `idem_outbox_unsent` index.
+#[cfg(feature = "metrics")]
+const OLDEST_UNSENT: &str = "SELECT (
+        SELECT (extract(epoch FROM clock_timestamp() - staged_at) * 1000000)::bigint
+        FROM idem_outbox WHERE sent_at IS NULL AND parked_at IS NULL
+        ORDER BY position LIMIT 1) AS oldest_us";
+
+#[cfg(feature = "metrics")]
+#[derive(QueryableByName)]
+struct OldestRow {
+    #[diesel(sql_type = Nullable<BigInt>)]
+    oldest_us: Option<i64>,
+}
+
 #[derive(QueryableByName)]
 struct BacklogRow {
     #[diesel(sql_type = BigInt)]
@@ -413,6 +428,21 @@ impl Source for PgSource {
 
     fn wakes_early(&self) -> bool {
         false
+    }
+
+    #[cfg(feature = "metrics")]
+    fn oldest_unsent(&self) -> BoxFuture<'_, Result<Option<Duration>, StoreError>> {
+        Box::pin(async move {
+            let mut connection = self.outbox.connection().await?;
+            let row = diesel::sql_query(OLDEST_UNSENT)
+                .prepared()
+                .get_result::<OldestRow>(&mut *connection)
+                .await
+                .map_err(StoreError::unavailable)?;
+            Ok(row
+                .oldest_us
+                .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
+        })
     }
 
     fn listen(&self, poll_interval: Duration) -> Option<BoxFuture<'static, ()>> {

@@ -69,6 +69,15 @@ struct EventRow {
     attempts: i32,
 }
 
+/// The age of the oldest unsent, unparked event (µs), for the relay's gauge:
+/// the first row of the `idem_outbox_unsent` index.
+#[cfg(feature = "metrics")]
+#[derive(QueryableByName)]
+struct OldestRow {
+    #[diesel(sql_type = Nullable<BigInt>)]
+    oldest_us: Option<i64>,
+}
+
 #[derive(QueryableByName)]
 struct BacklogRow {
     #[diesel(sql_type = BigInt)]
@@ -349,6 +358,27 @@ impl Source for SqliteSource {
 
     fn wakes_early(&self) -> bool {
         true
+    }
+
+    #[cfg(feature = "metrics")]
+    fn oldest_unsent(&self) -> BoxFuture<'_, Result<Option<Duration>, StoreError>> {
+        Box::pin(async move {
+            let row = self
+                .outbox
+                .run(|c| {
+                    diesel::sql_query(format!(
+                        "SELECT (SELECT {NOW} - staged_at FROM idem_outbox
+                                 WHERE sent_at IS NULL AND parked_at IS NULL
+                                 ORDER BY position LIMIT 1) AS oldest_us"
+                    ))
+                    .prepared()
+                    .get_result::<OldestRow>(c)
+                })
+                .await?;
+            Ok(row
+                .oldest_us
+                .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
+        })
     }
 
     fn listen(&self, _poll_interval: Duration) -> Option<BoxFuture<'static, ()>> {

@@ -2,8 +2,9 @@
 //! a publisher in memory: staging commits or rolls back with the caller's
 //! transaction, each event is published with its id, per key in order (two
 //! relays at once on PostgreSQL), again after a relay dropped mid-batch,
-//! parked without blocking other keys, retried after a failure, and deleted
-//! by the cleanup job once sent and past the retention.
+//! parked without blocking other keys, retried after a failure, deleted by
+//! the cleanup job once sent and past the retention, and (feature `metrics`)
+//! counted.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -130,6 +131,14 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         "outbox::sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message",
         |d| Box::pin(sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message(d)),
     ),
+    #[cfg(feature = "metrics")]
+    ("outbox::postgres_the_relay_records_its_metrics", |d| {
+        Box::pin(the_relay_records_its_metrics(d, Kind::Postgres))
+    }),
+    #[cfg(feature = "metrics")]
+    ("outbox::sqlite_the_relay_records_its_metrics", |d| {
+        Box::pin(the_relay_records_its_metrics(d, Kind::Sqlite))
+    }),
 ];
 
 #[derive(Clone, Copy, Debug)]
@@ -855,18 +864,24 @@ async fn postgres_a_stage_is_one_statement_and_a_relay_batch_four(databases: Arc
     }
     let relay = Db::Postgres(outbox.clone()).relay(Recorder::default());
     sent.lock().unwrap().clear();
+    // With `metrics`, each look ends with the oldest unsent event's age.
+    let gauge: &[&str] = if cfg!(feature = "metrics") {
+        &["SELECT ("]
+    } else {
+        &[]
+    };
     assert_eq!(relay.run_once().await.unwrap().published, 1);
     let batch = std::mem::take(&mut *sent.lock().unwrap());
     assert_eq!(
         batch,
-        vec!["BEGIN", "WITH heads", "WITH sent", "COMMIT"],
+        [&["BEGIN", "WITH heads", "WITH sent", "COMMIT"][..], gauge].concat(),
         "a batch: BEGIN with the take, the settlement with COMMIT"
     );
     assert_eq!(relay.run_once().await.unwrap().published, 0);
     let empty = std::mem::take(&mut *sent.lock().unwrap());
     assert_eq!(
         empty,
-        vec!["BEGIN", "WITH heads", "ROLLBACK"],
+        [&["BEGIN", "WITH heads", "ROLLBACK"][..], gauge].concat(),
         "an empty look"
     );
 }
@@ -893,4 +908,83 @@ async fn an_unconfirmed_publish_is_retried(databases: Arc<Databases>, kind: Kind
     let recorder = Recorder::default();
     db.drain(&db.relay(recorder.clone())).await;
     assert_eq!(recorder.payloads(), vec!["stalled"]);
+}
+
+/// With `metrics`, the outbox counts what it staged, published, retried and
+/// parked, and the relay sets the oldest unsent event's age at each look: read
+/// back from a recorder installed on this thread for the test's duration.
+#[cfg(feature = "metrics")]
+async fn the_relay_records_its_metrics(databases: Arc<Databases>, kind: Kind) {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+    fn value(snapshotter: &Snapshotter, name: &str) -> Option<DebugValue> {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .find(|(key, ..)| key.key().name() == name)
+            .map(|(.., value)| value)
+    }
+    fn counter(snapshotter: &Snapshotter, name: &str) -> u64 {
+        match value(snapshotter, name) {
+            Some(DebugValue::Counter(n)) => n,
+            None => 0,
+            other => panic!("{name}: not a counter: {other:?}"),
+        }
+    }
+    fn gauge(snapshotter: &Snapshotter, name: &str) -> f64 {
+        match value(snapshotter, name) {
+            Some(DebugValue::Gauge(value)) => value.into_inner(),
+            other => panic!("{name}: not set as a gauge: {other:?}"),
+        }
+    }
+
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let handle = tokio::runtime::Handle::current();
+    // The recorder is this thread's: the code under test runs on it.
+    tokio::task::block_in_place(|| {
+        metrics::with_local_recorder(&recorder, || {
+            handle.block_on(async {
+                db.stage(
+                    &[
+                        event("acc_1", "1"),
+                        event("acc_2", "2"),
+                        event("acc_3", "3"),
+                    ],
+                    true,
+                )
+                .await;
+                assert_eq!(counter(&snapshotter, "idem_outbox_staged_total"), 3);
+                // One fails once: it waits, unsent, and the gauge says since when.
+                let recorder = Recorder::default();
+                recorder.failures.lock().unwrap().insert("2".to_owned(), 1);
+                let relay = db.relay(recorder.clone());
+                assert_eq!(relay.run_once().await.expect("a batch").published, 2);
+                assert!(gauge(&snapshotter, "idem_outbox_oldest_unsent_seconds") > 0.0);
+                db.drain(&relay).await;
+                assert_eq!(counter(&snapshotter, "idem_outbox_published_total"), 3);
+                assert_eq!(counter(&snapshotter, "idem_outbox_retried_total"), 1);
+                assert_eq!(counter(&snapshotter, "idem_outbox_parked_total"), 0);
+                assert_eq!(
+                    gauge(&snapshotter, "idem_outbox_oldest_unsent_seconds"),
+                    0.0,
+                    "nothing unsent"
+                );
+
+                db.stage(&[event("acc_4", "huge")], true).await;
+                recorder.refuse.lock().unwrap().insert("huge".to_owned());
+                db.drain(&relay).await;
+                assert_eq!(counter(&snapshotter, "idem_outbox_staged_total"), 4);
+                assert_eq!(counter(&snapshotter, "idem_outbox_parked_total"), 1);
+                assert_eq!(counter(&snapshotter, "idem_outbox_published_total"), 3);
+                assert_eq!(
+                    gauge(&snapshotter, "idem_outbox_oldest_unsent_seconds"),
+                    0.0,
+                    "a parked event is not unsent"
+                );
+            });
+        });
+    });
 }
