@@ -42,6 +42,16 @@ pub(crate) struct Options {
     /// itself does.
     #[arg(long, requires = "transactional")]
     outbox: bool,
+    /// With `--transactional`: the layered route's handler writes a row of
+    /// its own (`INSERT INTO bench_charges`) in the request's transaction, as
+    /// a charge does; with `--outbox` too, the event is staged pipelined with
+    /// that write (one round trip for both).
+    #[arg(long, requires = "transactional")]
+    write: bool,
+    /// With `--outbox`: stage without `NOTIFY` (`PgOutboxBuilder::notify(false)`;
+    /// a relay then finds the events by polling).
+    #[arg(long, requires = "outbox")]
+    quiet: bool,
     /// Completed records put in the in-memory store before serving.
     #[arg(long, default_value_t = 0)]
     prefill: usize,
@@ -72,11 +82,14 @@ pub(crate) fn run(options: Options) -> Result<(), BoxError> {
             .block_on(async {
                 let store = open(&options).await?;
                 let outbox = staging_outbox(&options).await?;
-                axum_server(listener, store, outbox).await
+                if options.write {
+                    create_charges(&options.store).await?;
+                }
+                axum_server(listener, store, outbox, options.write).await
             }),
         Framework::Actix => actix_web::rt::System::new().block_on(async {
-            if options.outbox {
-                return Err("--outbox is served by axum only".into());
+            if options.outbox || options.write {
+                return Err("--outbox and --write are served by axum only".into());
             }
             let store = open(&options).await?;
             actix_server(listener, store, options.workers).await
@@ -104,11 +117,24 @@ async fn staging_outbox(options: &Options) -> Result<Option<PgOutbox>, BoxError>
         return Err("--outbox needs a PostgreSQL store".into());
     }
     let outbox = PgOutbox::builder()
+        .notify(!options.quiet)
         .max_connections(1)
         .connect(&options.store)
         .await?;
     outbox.migrate().await?;
     Ok(Some(outbox))
+}
+
+/// With `--write`: the table the handler writes its row in.
+async fn create_charges(url: &str) -> Result<(), BoxError> {
+    use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+    let mut connection = AsyncPgConnection::establish(url).await?;
+    diesel::sql_query(
+        "CREATE TABLE IF NOT EXISTS bench_charges (id bigserial PRIMARY KEY, amount bigint NOT NULL)",
+    )
+    .execute(&mut connection)
+    .await?;
+    Ok(())
 }
 
 /// The store the options name, migrated or prefilled.
@@ -175,6 +201,7 @@ async fn axum_server(
     listener: TcpListener,
     store: Arc<dyn Store>,
     outbox: Option<PgOutbox>,
+    write: bool,
 ) -> Result<(), BoxError> {
     use axum::Router;
     use axum::http::{StatusCode, header};
@@ -196,37 +223,62 @@ async fn axum_server(
         charge(body).await
     }
 
-    /// The charge, after staging its event in the request's transaction.
-    async fn staging_charge(
-        outbox: PgOutbox,
+    /// The charge, after its own row (`write`) and its event (`outbox`) in
+    /// the request's transaction: both pipelined when there are both.
+    async fn transactional_charge(
+        outbox: Option<PgOutbox>,
+        write: bool,
         execution: Option<ExecutionInfo>,
         body: bytes::Bytes,
     ) -> axum::response::Response {
+        use diesel::sql_types::BigInt;
+        use diesel_async::RunQueryDsl;
+
         let Some(transaction) = execution.and_then(|e| e.context::<PgTransaction>()) else {
             return (StatusCode::INTERNAL_SERVER_ERROR, "no transaction").into_response();
         };
-        let staged = match transaction.connection().await {
-            Ok(connection) => outbox
-                .stage(&connection, &crate::outbox::charge_event())
-                .await
-                .map_err(|e| e.to_string()),
-            Err(ended) => Err(ended.to_string()),
+        let connection = match transaction.connection().await {
+            Ok(connection) => connection,
+            Err(ended) => {
+                return (StatusCode::INTERNAL_SERVER_ERROR, ended.to_string()).into_response();
+            }
         };
-        match staged {
-            Ok(()) => charge(body).await.into_response(),
-            Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
+        let event = crate::outbox::charge_event();
+        let mut shared = &*connection;
+        let insert = async {
+            if !write {
+                return Ok(());
+            }
+            diesel::sql_query("INSERT INTO bench_charges (amount) VALUES ($1)")
+                .bind::<BigInt, _>(100)
+                .execute(&mut shared)
+                .await
+                .map(drop)
+        };
+        let stage = async {
+            match &outbox {
+                Some(outbox) => outbox.stage(&connection, &event).await,
+                None => Ok(()),
+            }
+        };
+        match tokio::join!(insert, stage) {
+            (Ok(()), Ok(())) => charge(body).await.into_response(),
+            (Err(error), _) | (_, Err(error)) => {
+                (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
+            }
         }
     }
 
     let layer =
         IdempotencyLayer::new(store, Policy::required()).scope_with(|_| Some(Scope::new(SCOPE)));
-    let layered = match outbox {
-        None => post(charge),
-        Some(outbox) => post(
+    let layered = if outbox.is_none() && !write {
+        post(charge)
+    } else {
+        post(
             move |execution: Option<ExecutionInfo>, body: bytes::Bytes| {
-                staging_charge(outbox.clone(), execution, body)
+                transactional_charge(outbox.clone(), write, execution, body)
             },
-        ),
+        )
     };
     let app = Router::new()
         .route("/bare", post(charge))
