@@ -1,6 +1,6 @@
 //! What a broker delivered, and what a handler is given of it.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::ops::Deref;
 
 use bytes::Bytes;
@@ -240,7 +240,7 @@ pub(crate) fn digest_key(bytes: &[u8]) -> String {
     let mut key = String::with_capacity(7 + 64);
     key.push_str("sha256:");
     for byte in digest {
-        key.push_str(&format!("{byte:02x}"));
+        let _ = write!(key, "{byte:02x}");
     }
     key
 }
