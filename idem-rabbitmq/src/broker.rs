@@ -1,6 +1,7 @@
 //! Connecting and publishing with confirms: what every part of the crate
 //! shares.
 
+use idem_core::log::bounded;
 use std::fmt;
 use std::str::FromStr;
 
@@ -95,10 +96,11 @@ pub(crate) async fn publish_confirmed(
             properties,
         )
         .await
-        .map_err(Error::broker(format!("publish to {queue:?}")))?
+        .map_err(Error::broker(format!("publish to {}", bounded(queue))))?
         .await
         .map_err(Error::broker(format!(
-            "have a message to {queue:?} confirmed"
+            "have a message to {} confirmed",
+            bounded(queue)
         )))?;
     let why = match confirmation {
         Confirmation::Ack(None) => return Ok(()),
@@ -107,7 +109,7 @@ pub(crate) async fn publish_confirmed(
         Confirmation::NotRequested => "the channel is not in confirm mode",
     };
     Err(Error::NotConfirmed {
-        destination: queue.to_owned(),
+        destination: bounded(queue).to_string(),
         why,
     })
 }

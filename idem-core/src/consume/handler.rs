@@ -133,7 +133,7 @@ impl HandlerError {
 
     /// The error and its sources on one line: the dead letter's reason.
     pub fn reason(&self) -> String {
-        crate::engine::error_chain(&*self.source)
+        crate::log::error_chain(&*self.source)
     }
 }
 

@@ -372,7 +372,7 @@ impl<I: Inbox> Protocol<I> {
         let after = self.policy().unavailable_pause;
         match error {
             Some(error) => {
-                tracing::error!(target: "idem", outcome = "requeued", error = %crate::engine::error_chain(&error), "the inbox is unavailable: the delivery goes back to the broker, uncounted");
+                tracing::error!(target: "idem", outcome = "requeued", error = %crate::log::error_chain(&error), "the inbox is unavailable: the delivery goes back to the broker, uncounted");
             }
             None => {
                 tracing::info!(target: "idem", outcome = "requeued", "the delivery goes back to the broker")
@@ -392,7 +392,7 @@ impl<I: Inbox> Protocol<I> {
             .published(self.consumer(), &letter.message_id)
             .await
         {
-            tracing::warn!(target: "idem", message_id = %Redacted::of(&letter.message_id), error = %crate::engine::error_chain(&error), "could not mark the dead letter published; a redelivery publishes it again");
+            tracing::warn!(target: "idem", message_id = %Redacted::of(&letter.message_id), error = %crate::log::error_chain(&error), "could not mark the dead letter published; a redelivery publishes it again");
         }
     }
 

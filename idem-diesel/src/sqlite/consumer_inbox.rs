@@ -332,7 +332,7 @@ impl SqliteInbox {
             // file is busy or broken: rolled back, counted as the attempt's
             // failure.
             Err(error) => {
-                tracing::debug!(target: "idem", message_id = %Redacted::of(entry.message_id), %error, "the inbox transaction did not commit");
+                tracing::debug!(target: "idem", message_id = %Redacted::of(entry.message_id), error = %idem_core::log::error_chain(&error), "the inbox transaction did not commit");
                 Ok(Entered::Failed {
                     attempt,
                     error: HandlerError::from(error),
@@ -779,7 +779,7 @@ fn roll_back_all(c: &mut SqliteConnection) -> QueryResult<()> {
 /// Rolls the processing transaction back after the handler failed.
 async fn roll_back(connection: &mut AsyncSqliteConnection) {
     if let Err(error) = connection.spawn_blocking(roll_back_all).await {
-        tracing::debug!(target: "idem", %error, "rollback failed; the connection will be closed instead");
+        tracing::debug!(target: "idem", error = %idem_core::log::error_chain(&error), "rollback failed; the connection will be closed instead");
     }
 }
 

@@ -680,8 +680,15 @@ async fn a_commit_wakes_a_waiting_relay(databases: Arc<Databases>, kind: Kind) {
         .relay(recorder.clone())
         .poll_interval(Duration::from_secs(30));
     let task = tokio::spawn(relay.run(std::future::pending()));
-    // Let it look once and start waiting (and, on PostgreSQL, listen).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    match &db {
+        // Once its LISTEN is in place, an event committed after it can only
+        // reach the relay by NOTIFY (or the 30 s poll).
+        Db::Postgres(outbox) => listening(outbox).await,
+        // The stage's wake-up is kept until the relay waits for it: there is
+        // nothing to wait for. (A relay that has not looked yet finds the
+        // event by its first look, which proves less, not something false.)
+        Db::Sqlite(_) => {}
+    }
     let started = Instant::now();
     db.stage(&[event("acc_1", "woken")], true).await;
     while recorder.published().is_empty() {
@@ -693,6 +700,36 @@ async fn a_commit_wakes_a_waiting_relay(databases: Arc<Databases>, kind: Kind) {
     }
     task.abort();
     let _ = task.await;
+}
+
+/// Waits (bounded) until a backend of the outbox's database is listening:
+/// the relay's `LISTEN` is in place.
+async fn listening(outbox: &PgOutbox) {
+    #[derive(diesel::QueryableByName)]
+    struct Listeners {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let started = Instant::now();
+    loop {
+        let mut connection = outbox.pool().get().await.expect("a connection");
+        let listeners = diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_stat_activity \
+             WHERE datname = current_database() AND query LIKE 'LISTEN %'",
+        )
+        .get_result::<Listeners>(&mut *connection)
+        .await
+        .expect("pg_stat_activity");
+        if listeners.n > 0 {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the relay did not LISTEN within 10 s"
+        );
+        drop(connection);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// A transactional-mode handler stages its event on the execution's

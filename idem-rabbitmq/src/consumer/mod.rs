@@ -463,7 +463,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         )
         .await
         {
-            tracing::warn!(queue, error = %error, "could not cancel the subscription; closing");
+            tracing::warn!(queue, error = %error_chain(&error), "could not cancel the subscription; closing");
         }
         drop(deliveries);
         if tokio::time::timeout(self.shutdown_timeout, drain(&mut running))
