@@ -467,7 +467,7 @@ mod tests {
             let url = format!("sqlite://{}", self.0.join("payments.db").display());
             let store = SqliteStore::connect(&url).await.unwrap();
             store.migrate().await.unwrap();
-            let ledger = Ledger::sqlite(store.pool().clone());
+            let ledger = Ledger::sqlite(store.pool().clone(), Duration::from_secs(60));
             ledger.migrate().await.unwrap();
             ledger
         }
@@ -510,6 +510,32 @@ mod tests {
     async fn every_charge_applies_its_amount_on_sqlite() {
         let file = SqliteFile::new();
         every_charge_applies_its_amount(file.ledger().await).await;
+    }
+
+    /// A retry that runs the handler again after a crash between the ledger's
+    /// commit and the record's completion (SQLite has no transactional mode)
+    /// gets the key's operation back, not a second one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_keys_operation_is_applied_once_on_sqlite() {
+        let file = SqliteFile::new();
+        let payments = Payments::new(file.ledger().await, Duration::ZERO);
+        let body = br#"{"amount": 100, "currency": "EUR"}"#;
+        let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("k-1").unwrap());
+        let first = payments.charge("a1", body, &keyed).await.unwrap();
+        let again = payments.charge("a1", body, &keyed).await.unwrap();
+        assert_eq!((again.id, again.balance), (first.id, 100));
+        // Another scope's key of the same name, or an unkeyed charge, applies.
+        let bob = Attempt::keyed(Scope::new("bob"), IdempotencyKey::new("k-1").unwrap());
+        assert_eq!(
+            payments.charge("a1", body, &bob).await.unwrap().balance,
+            200
+        );
+        let unkeyed = Attempt::unkeyed();
+        assert_eq!(
+            payments.charge("a1", body, &unkeyed).await.unwrap().balance,
+            300
+        );
+        assert_eq!(payments.account("a1").await.unwrap().operations, 3);
     }
 
     #[tokio::test]

@@ -394,7 +394,7 @@ impl StoreUrl {
                 let failed = |source| StartError::Store { kind, source };
                 let store = SqliteStore::connect(path).await.map_err(failed)?;
                 store.migrate().await.map_err(failed)?;
-                let ledger = Ledger::sqlite(store.pool().clone());
+                let ledger = Ledger::sqlite(store.pool().clone(), expiry.retention);
                 ledger
                     .migrate()
                     .await

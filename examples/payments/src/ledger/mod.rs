@@ -25,7 +25,8 @@ use redis::RedisLedger;
 /// share the accounts.
 ///
 /// - [`Ledger::memory`]: in this process, lost on exit (`--store memory`).
-/// - [`Ledger::sqlite`]: tables in the SQLite store's file, through its pool.
+/// - [`Ledger::sqlite`]: tables in the SQLite store's file, through its pool;
+///   a keyed request's operation is found again by its key, as on Redis.
 /// - [`Ledger::postgres`]: tables in the PostgreSQL store's database, through
 ///   its pool; an operation whose [`Attempt`] carries the request's
 ///   [`PgTransaction`] is written in that transaction, so it commits with the
@@ -70,7 +71,7 @@ pub struct Ledger {
 #[derive(Clone)]
 enum Backend {
     Memory(MemoryLedger),
-    Sqlite(SqlitePool),
+    Sqlite(SqlitePool, Duration),
     Postgres(PgPool),
     Redis(RedisLedger),
 }
@@ -170,10 +171,13 @@ impl Ledger {
     }
 
     /// The ledger in the SQLite file of `pool` (the SQLite store's:
-    /// `SqliteStore::pool`). Call [`migrate`](Self::migrate) before use.
-    pub fn sqlite(pool: SqlitePool) -> Self {
+    /// `SqliteStore::pool`). Call [`migrate`](Self::migrate) before use. A
+    /// keyed request's operation is found again for `retention` (the
+    /// records'), so that a retry that runs the handler again within it does
+    /// not apply it twice (`src/ledger/sqlite.rs` says why).
+    pub fn sqlite(pool: SqlitePool, retention: Duration) -> Self {
         Self {
-            backend: Backend::Sqlite(pool),
+            backend: Backend::Sqlite(pool, retention),
             publishing: None,
         }
     }
@@ -201,7 +205,7 @@ impl Ledger {
     /// The outbox in this ledger's database (SQLite and PostgreSQL only).
     pub(crate) fn outbox(&self) -> Option<PublishingOutbox> {
         match &self.backend {
-            Backend::Sqlite(pool) => Some(PublishingOutbox::sqlite(pool.clone())),
+            Backend::Sqlite(pool, _) => Some(PublishingOutbox::sqlite(pool.clone())),
             Backend::Postgres(pool) => Some(PublishingOutbox::postgres(pool.clone())),
             Backend::Memory(_) | Backend::Redis(_) => None,
         }
@@ -219,7 +223,7 @@ impl Ledger {
     pub async fn migrate(&self) -> Result<(), LedgerError> {
         match &self.backend {
             Backend::Memory(_) | Backend::Redis(_) => Ok(()),
-            Backend::Sqlite(pool) => sqlite::migrate(pool).await,
+            Backend::Sqlite(pool, _) => sqlite::migrate(pool).await,
             Backend::Postgres(pool) => postgres::migrate(pool).await,
         }
     }
@@ -251,8 +255,8 @@ impl Ledger {
             }
             (_, Some(_)) => Err(LedgerError::Unavailable(ForeignTransaction.into())),
             (Backend::Memory(memory), None) => memory.apply(id, operation),
-            (Backend::Sqlite(pool), None) => {
-                sqlite::apply(pool, id, operation, attempt, sqlite_event).await
+            (Backend::Sqlite(pool, retention), None) => {
+                sqlite::apply(pool, *retention, id, operation, attempt, sqlite_event).await
             }
             (Backend::Redis(redis), None) => redis.apply(id, operation, attempt).await,
         }
@@ -262,7 +266,7 @@ impl Ledger {
     pub async fn account(&self, account_id: &str) -> Result<AccountView, LedgerError> {
         let (balance, operations) = match &self.backend {
             Backend::Memory(memory) => memory.account(account_id),
-            Backend::Sqlite(pool) => sqlite::account(pool, account_id).await?,
+            Backend::Sqlite(pool, _) => sqlite::account(pool, account_id).await?,
             Backend::Postgres(pool) => postgres::account(pool, account_id).await?,
             Backend::Redis(redis) => redis.account(account_id).await?,
         };
@@ -277,7 +281,7 @@ impl Ledger {
     pub fn kind(&self) -> &'static str {
         match self.backend {
             Backend::Memory(_) => "memory",
-            Backend::Sqlite(_) => "SQLite",
+            Backend::Sqlite(..) => "SQLite",
             Backend::Postgres(_) => "PostgreSQL",
             Backend::Redis(_) => "Redis",
         }

@@ -1,4 +1,15 @@
 //! The ledger in the SQLite store's file.
+//!
+//! A keyed request's operation is found again by its scope and key, within
+//! the records' retention. SQLite has no transactional mode: the idempotency
+//! record completes in a transaction of its own, after the ledger's. A
+//! process that dies between the two leaves the key in progress; once its
+//! lease lapses, the retry runs the handler again, and the ledger answers the
+//! operation the key already applied instead of applying it a second time (and
+//! stages no second event): one effect, and the same receipt. The Redis ledger
+//! does the same with a marker key (`src/ledger/redis.rs`).
+
+use std::time::Duration;
 
 use diesel::connection::SimpleConnection;
 use diesel::sql_types::{BigInt, Nullable, Text};
@@ -16,6 +27,13 @@ const INSERT_OPERATION: &str = "INSERT INTO payment_operations
      VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
 
 const ACCOUNT: &str = "SELECT balance, operations FROM payment_accounts WHERE account_id = ?";
+
+/// The operation a key applied within the retention (`?` account, scope, key,
+/// and the oldest time as a `strftime` modifier such as `-86400 seconds`).
+const EARLIER: &str = "SELECT id, balance_after AS balance FROM payment_operations
+     WHERE account_id = ? AND idempotency_scope = ? AND idempotency_key = ?
+       AND created_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)
+     LIMIT 1";
 
 /// The balance update (`?` account, `?` amount); an overflow updates nothing
 /// and returns no row.
@@ -38,6 +56,14 @@ struct BalanceRow {
 }
 
 #[derive(diesel::QueryableByName)]
+struct EarlierRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = BigInt)]
+    balance: i64,
+}
+
+#[derive(diesel::QueryableByName)]
 struct AccountRow {
     #[diesel(sql_type = BigInt)]
     balance: i64,
@@ -51,6 +77,8 @@ struct Row {
     operation: Operation,
     scope: Option<String>,
     key: Option<String>,
+    /// How far back a key's operation is found again (the records' retention).
+    retention: Duration,
     /// With `--publish`: the event staged with the operation.
     staged: Option<(SqliteOutbox, Event)>,
 }
@@ -62,9 +90,11 @@ pub(super) async fn migrate(pool: &SqlitePool) -> Result<(), LedgerError> {
     .await
 }
 
-/// Applies the operation in an immediate transaction of its own.
+/// Applies the operation in an immediate transaction of its own, unless its
+/// key applied one within `retention`: then answers that one.
 pub(super) async fn apply(
     pool: &SqlitePool,
+    retention: Duration,
     id: Uuid,
     operation: &Operation,
     attempt: &Attempt,
@@ -76,15 +106,30 @@ pub(super) async fn apply(
         operation: operation.clone(),
         scope: scope.map(str::to_owned),
         key: key.map(str::to_owned),
+        retention,
         staged,
     };
-    let balance = run(pool, move |c| c.immediate_transaction(|c| insert(c, &row))).await?;
-    match balance {
-        Some(balance) => Ok(Applied { id, balance }),
-        None => Err(LedgerError::Overflow {
+    let outcome = run(pool, move |c| c.immediate_transaction(|c| insert(c, &row))).await?;
+    match outcome {
+        Outcome::Applied(balance) => Ok(Applied { id, balance }),
+        Outcome::Earlier(EarlierRow { id, balance }) => Ok(Applied {
+            id: Uuid::parse_str(&id).map_err(LedgerError::unavailable)?,
+            balance,
+        }),
+        Outcome::Overflow => Err(LedgerError::Overflow {
             account_id: operation.account_id.clone(),
         }),
     }
+}
+
+/// What one apply did.
+enum Outcome {
+    /// Applied now; the balance after it.
+    Applied(i64),
+    /// The key's operation, applied before.
+    Earlier(EarlierRow),
+    /// Nothing: the balance would leave 64 bits.
+    Overflow,
 }
 
 pub(super) async fn account(
@@ -104,17 +149,29 @@ pub(super) async fn account(
     }))
 }
 
-/// The balance update, then the operation's row and its event; `None` (and
-/// nothing staged) on overflow.
-fn insert(c: &mut SqliteConnection, row: &Row) -> QueryResult<Option<i64>> {
+/// The key's earlier operation if there is one; else the balance update,
+/// then the operation's row and its event (nothing staged on overflow).
+fn insert(c: &mut SqliteConnection, row: &Row) -> QueryResult<Outcome> {
     let operation = &row.operation;
+    if let (Some(scope), Some(key)) = (&row.scope, &row.key) {
+        let earlier = diesel::sql_query(EARLIER)
+            .bind::<Text, _>(&operation.account_id)
+            .bind::<Text, _>(scope)
+            .bind::<Text, _>(key)
+            .bind::<Text, _>(format!("-{} seconds", row.retention.as_secs()))
+            .get_result::<EarlierRow>(c)
+            .optional()?;
+        if let Some(earlier) = earlier {
+            return Ok(Outcome::Earlier(earlier));
+        }
+    }
     let updated = diesel::sql_query(update_statement())
         .bind::<Text, _>(&operation.account_id)
         .bind::<BigInt, _>(operation.amount)
         .get_result::<BalanceRow>(c)
         .optional()?;
     let Some(BalanceRow { balance }) = updated else {
-        return Ok(None);
+        return Ok(Outcome::Overflow);
     };
     diesel::sql_query(INSERT_OPERATION)
         .bind::<Text, _>(&row.id)
@@ -129,7 +186,7 @@ fn insert(c: &mut SqliteConnection, row: &Row) -> QueryResult<Option<i64>> {
     if let Some((outbox, event)) = &row.staged {
         outbox.stage_blocking(c, event)?;
     }
-    Ok(Some(balance))
+    Ok(Outcome::Applied(balance))
 }
 
 /// Runs `task` on a pooled connection, on a blocking thread, as a Tokio task of

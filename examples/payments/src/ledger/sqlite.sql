@@ -9,9 +9,10 @@ CREATE TABLE IF NOT EXISTS payment_accounts (
     operations INTEGER NOT NULL
 );
 
--- One row per operation applied. No unique constraint on the idempotency key:
--- the idempotency layer is what makes a charge take effect once, and this table
--- records what happened, so a second effect would show here.
+-- One row per operation applied. A keyed request's operation is looked up by
+-- its scope and key before applying (src/ledger/sqlite.rs says why), within
+-- the records' retention; no unique constraint, so a key reused after its
+-- retention applies again, as the idempotency layer allows.
 CREATE TABLE IF NOT EXISTS payment_operations (
     id TEXT PRIMARY KEY NOT NULL,
     account_id TEXT NOT NULL REFERENCES payment_accounts (account_id),
@@ -27,3 +28,7 @@ CREATE TABLE IF NOT EXISTS payment_operations (
 
 CREATE INDEX IF NOT EXISTS payment_operations_account
     ON payment_operations (account_id, created_at);
+
+CREATE INDEX IF NOT EXISTS payment_operations_key
+    ON payment_operations (idempotency_scope, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
