@@ -16,15 +16,22 @@ use crate::payment::Payment;
 /// No retry waits longer than this (the cap of `Backoff::for_consumers`).
 pub const RETRY_CAP: Duration = Duration::from_secs(300);
 
-/// What `run` needs: `run`'s flags.
+/// What `run` needs on RabbitMQ: the queue, and the flags every broker shares.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
     /// The broker, `amqp://user:password@host:port/vhost`.
     pub amqp: String,
-    /// The database, `postgres://…` or `sqlite://PATH`.
-    pub database: String,
     /// The work queue.
     pub queue: String,
+    /// The flags every broker shares.
+    pub settings: Settings,
+}
+
+/// `run`'s flags that every broker shares.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The database, `postgres://…` or `sqlite://PATH`.
+    pub database: String,
     /// How many failed attempts make a message a dead letter.
     pub max_attempts: u32,
     /// The first retry comes within this delay (full jitter), each later one
@@ -36,6 +43,39 @@ pub struct RunOptions {
     pub concurrency: usize,
     /// Every payment to this account fails (a deliberate bug).
     pub fail_account: Option<String>,
+    /// Each effect waits this long inside its transaction (to show a slow
+    /// handler); zero by default.
+    pub handler_latency: Duration,
+}
+
+impl Settings {
+    /// The consumer policy these flags ask for.
+    pub fn policy(&self) -> ConsumerPolicy {
+        ConsumerPolicy::new()
+            .max_attempts(self.max_attempts)
+            .backoff(Backoff::new(
+                self.retry_base,
+                RETRY_CAP.max(self.retry_base),
+            ))
+            .dead_letter_threshold(self.dead_letter_alert_threshold)
+    }
+
+    /// The handler these flags ask for.
+    pub fn handler(&self) -> ApplyPayment {
+        ApplyPayment {
+            failing: self.fail_account.clone(),
+            latency: self.handler_latency,
+        }
+    }
+
+    /// Opens the database (migrating it) with a connection per running
+    /// handler and one for the cleanup job.
+    pub async fn open(&self) -> Result<Database, ConsumerError> {
+        let connections = u32::try_from(self.concurrency)
+            .unwrap_or(u32::MAX)
+            .saturating_add(1);
+        Database::open(&self.database, connections).await
+    }
 }
 
 /// The consumer's name in the inbox: `payments-consumer/<queue>`.
@@ -49,12 +89,7 @@ pub fn inbox_name(queue: &str) -> String {
 /// deliveries, finishes and acknowledges those it is processing, and
 /// answers `Ok`.
 pub async fn run(options: RunOptions, subscribed: impl FnOnce(&str)) -> Result<(), ConsumerError> {
-    // A connection per running handler, and one for the cleanup job.
-    let connections = u32::try_from(options.concurrency)
-        .unwrap_or(u32::MAX)
-        .saturating_add(1);
-    let database = Database::open(&options.database, connections).await?;
-    match database {
+    match options.settings.open().await? {
         Database::Postgres(inbox) => {
             consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
         }
@@ -76,38 +111,41 @@ where
     I::Tx: Ledger,
 {
     let stop = stop_signal()?;
-    let policy = ConsumerPolicy::new()
-        .max_attempts(options.max_attempts)
-        .backoff(Backoff::new(
-            options.retry_base,
-            RETRY_CAP.max(options.retry_base),
-        ))
-        .dead_letter_threshold(options.dead_letter_alert_threshold);
+    let settings = &options.settings;
     let consumer = Consumer::builder(&options.amqp, &options.queue)
         .name(inbox_name(&options.queue))
         .inbox(inbox)
-        .policy(policy)
-        .concurrency(options.concurrency)
-        .handler(ApplyPayment {
-            failing: options.fail_account,
-        })
+        .policy(settings.policy())
+        .concurrency(settings.concurrency)
+        .handler(settings.handler())
         .build()?;
+    let mut subscribed = Some(subscribed);
+    let consumed = beside_cleanup(
+        cleanup,
+        consumer.run(stop, |subscription| {
+            if let Some(subscribed) = subscribed.take() {
+                subscribed(&subscription.queue);
+            }
+        }),
+    )
+    .await;
+    Ok(consumed?)
+}
 
+/// Runs `consumer` with the inbox's `cleanup` job beside it; the job stops
+/// when the consumer does.
+pub async fn beside_cleanup<I: ExpiredRows, T>(
+    cleanup: Cleanup<I>,
+    consumer: impl Future<Output = T>,
+) -> T {
     let (stop_cleanup, cleanup_stopped) = tokio::sync::oneshot::channel::<()>();
     let cleanup = tokio::spawn(cleanup.run(async {
         let _ = cleanup_stopped.await;
     }));
-    let mut subscribed = Some(subscribed);
-    let consumed = consumer
-        .run(stop, |subscription| {
-            if let Some(subscribed) = subscribed.take() {
-                subscribed(&subscription.queue);
-            }
-        })
-        .await;
+    let consumed = consumer.await;
     let _ = stop_cleanup.send(());
     let _ = cleanup.await;
-    Ok(consumed?)
+    consumed
 }
 
 /// The handler: reads the payment and adds it to its account, on the
@@ -119,8 +157,12 @@ where
 /// | the balance would pass `i64::MAX` ([`Ledger::add`] writes nothing) | permanent | dead-lettered at once |
 /// | `--fail-account` names the account | transient | retried, dead-lettered after `--max-attempts` |
 /// | the database refuses the write | as the inbox classifies it: a constraint or data error is permanent, anything else transient | |
-struct ApplyPayment {
+///
+/// With `--handler-latency-ms` the effect waits that long inside its
+/// transaction, after the write.
+pub struct ApplyPayment {
     failing: Option<String>,
+    latency: Duration,
 }
 
 /// Why the handler failed. Its text is the dead letter's reason and is
@@ -143,7 +185,12 @@ impl<Tx: Ledger + ?Sized> Handler<Tx> for ApplyPayment {
                 return Err(HandlerError::transient(ApplyError::FailingAccount));
             }
             match tx.add(&payment).await {
-                Ok(true) => Ok(()),
+                Ok(true) => {
+                    if !self.latency.is_zero() {
+                        tokio::time::sleep(self.latency).await;
+                    }
+                    Ok(())
+                }
                 Ok(false) => Err(HandlerError::permanent(ApplyError::Overflow)),
                 // Unclassified: the inbox knows its database's permanent errors.
                 Err(error) => Err(ApplyError::Database(error).into()),
@@ -153,7 +200,7 @@ impl<Tx: Ledger + ?Sized> Handler<Tx> for ApplyPayment {
 }
 
 /// Resolves on SIGTERM or Ctrl-C; the handlers are installed at once.
-fn stop_signal() -> Result<impl Future<Output = ()>, ConsumerError> {
+pub fn stop_signal() -> Result<impl Future<Output = ()>, ConsumerError> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = signal(SignalKind::terminate()).map_err(ConsumerError::Signal)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(ConsumerError::Signal)?;

@@ -7,8 +7,9 @@ use serde_json::Value;
 /// A dead letter as `dead-letters` prints it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DeadLetterLine {
-    /// The work queue it failed in.
-    pub queue: String,
+    /// Where it failed: `"queue"` (RabbitMQ, SQS) or `"topic"` (Kafka).
+    #[serde(flatten)]
+    pub source: Source,
     /// Its `message_id` (`null` when it had none: one reason to be here).
     pub message_id: Option<String>,
     /// When each failed attempt started, RFC 3339.
@@ -19,15 +20,46 @@ pub struct DeadLetterLine {
     pub body: Value,
 }
 
+/// Where a dead letter failed, as its line names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum Source {
+    /// A queue (RabbitMQ's work queue, SQS's source queue): `"queue"`.
+    #[serde(rename = "queue")]
+    Queue(String),
+    /// A Kafka topic: `"topic"`.
+    #[serde(rename = "topic")]
+    Topic(String),
+}
+
+impl DeadLetterLine {
+    /// The line of a dead letter from `source`, its body shown as JSON, or as
+    /// text when it is not JSON.
+    pub fn new(
+        source: Source,
+        message_id: Option<String>,
+        attempted_at: &[std::time::SystemTime],
+        reason: String,
+        body: &[u8],
+    ) -> Self {
+        Self {
+            source,
+            message_id,
+            attempts: attempted_at.iter().copied().map(rfc3339).collect(),
+            reason,
+            body: serde_json::from_slice(body)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into())),
+        }
+    }
+}
+
 impl From<&DeadLetterMessage> for DeadLetterLine {
     fn from(letter: &DeadLetterMessage) -> Self {
-        Self {
-            queue: letter.queue.clone(),
-            message_id: letter.message_id.clone(),
-            attempts: letter.attempted_at.iter().copied().map(rfc3339).collect(),
-            reason: letter.reason.clone(),
-            body: serde_json::from_slice(&letter.body)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&letter.body).into())),
-        }
+        Self::new(
+            Source::Queue(letter.queue.clone()),
+            letter.message_id.clone(),
+            &letter.attempted_at,
+            letter.reason.clone(),
+            &letter.body,
+        )
     }
 }

@@ -52,12 +52,14 @@
 pub mod consume;
 pub mod database;
 pub mod dead_letters;
+pub mod kafka;
 pub mod ledger;
 pub mod payment;
+pub mod sqs;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
-pub use consume::{RunOptions, run};
+pub use consume::{RunOptions, Settings, run};
 
 use idem_diesel::idem_core::store::BoxError;
 
@@ -81,6 +83,14 @@ pub enum ConsumerError {
     /// `dead-letters` or `redrive` could not reach it.
     #[error("the broker failed")]
     Broker(#[from] idem_rabbitmq::Error),
+    /// The Kafka broker failed in a way retrying cannot help, or a
+    /// `dead-letters` or `redrive` could not reach it.
+    #[error("the Kafka broker failed")]
+    Kafka(#[from] idem_kafka::Error),
+    /// SQS failed in a way retrying cannot help, or a `dead-letters` or
+    /// `redrive` could not reach it.
+    #[error("SQS failed")]
+    Sqs(#[from] idem_sqs::Error),
     /// No signal handler could be installed.
     #[error("no signal handler")]
     Signal(#[source] std::io::Error),
