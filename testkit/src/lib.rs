@@ -3,7 +3,8 @@
 //!
 //! - [`TestPostgres`]: a PostgreSQL cluster (`initdb` + `pg_ctl`);
 //! - [`TestRedis`]: a Redis node, or a Redis Cluster, with replicas or not;
-//! - [`TestRabbitMq`]: a RabbitMQ node of its own (name, ports, `epmd`).
+//! - [`TestRabbitMq`]: a RabbitMQ node of its own (name, ports, `epmd`);
+//! - [`TestKafka`]: a Kafka-compatible broker (`tansu`, in memory).
 //!
 //! Every server keeps the same rules:
 //!
@@ -40,6 +41,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod cpu;
+pub mod kafka;
 pub mod postgres;
 mod process;
 pub mod rabbitmq;
@@ -50,6 +52,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use kafka::TestKafka;
 pub use postgres::TestPostgres;
 pub use rabbitmq::TestRabbitMq;
 pub use redis::TestRedis;

@@ -1,0 +1,40 @@
+//! Why a consumer, a listing or a redrive stopped.
+
+use idem_core::consume::InboxError;
+use rdkafka::error::KafkaError;
+
+/// Why a consumer, a listing or a redrive stopped. Retrying cannot help the
+/// consumer's errors: it rides out a broker or a database away by itself.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The broker refused or failed an operation this crate cannot go on
+    /// without (creating the client, subscribing, reading a topic).
+    #[error("Kafka: could not {doing}")]
+    Kafka {
+        /// What was being done.
+        doing: &'static str,
+        /// librdkafka's error.
+        #[source]
+        source: KafkaError,
+    },
+    /// The offsets table could not be created.
+    #[error("the offsets table could not be created")]
+    Offsets(#[source] InboxError),
+    /// The inbox failed during a redrive.
+    #[error("the inbox is unavailable")]
+    Inbox(#[source] InboxError),
+    /// The polling thread could not be started.
+    #[error("the polling thread could not be started")]
+    Thread(#[source] std::io::Error),
+    /// A read of the topic took longer than its bound.
+    #[error("reading {0} timed out")]
+    TimedOut(&'static str),
+}
+
+impl Error {
+    /// Maps a librdkafka error met while `doing`.
+    pub(crate) fn kafka(doing: &'static str) -> impl FnOnce(KafkaError) -> Self {
+        move |source| Self::Kafka { doing, source }
+    }
+}

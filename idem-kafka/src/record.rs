@@ -1,0 +1,118 @@
+//! Records as the protocol sees them, and the headers of dead letters.
+
+use std::time::SystemTime;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use idem_core::consume::{Letter, Message};
+use rdkafka::Message as _;
+use rdkafka::message::{Header, Headers, OwnedHeaders, OwnedMessage};
+
+/// The record header that carries a message's idempotency key (UTF-8).
+pub const MESSAGE_ID_HEADER: &str = "message_id";
+/// A dead letter's reason.
+pub const REASON_HEADER: &str = "idem-reason";
+/// A dead letter's attempts: their times, RFC 3339, comma-separated.
+pub const ATTEMPTS_HEADER: &str = "idem-attempts";
+/// The topic a dead letter failed in.
+pub const TOPIC_HEADER: &str = "idem-topic";
+/// The partition a dead letter failed in.
+pub const PARTITION_HEADER: &str = "idem-partition";
+/// A dead letter's offset in its partition.
+pub const OFFSET_HEADER: &str = "idem-offset";
+/// Set on a record re-driven from the dead-letter topic: its dead letter is
+/// forgotten, and it runs again from attempt 1.
+pub const REDRIVEN_HEADER: &str = "idem-redriven";
+
+/// Whether `name` is one of the headers this crate writes on a dead letter or
+/// a re-driven record (they are not carried over).
+pub(crate) fn is_own_header(name: &str) -> bool {
+    matches!(
+        name,
+        REASON_HEADER
+            | ATTEMPTS_HEADER
+            | TOPIC_HEADER
+            | PARTITION_HEADER
+            | OFFSET_HEADER
+            | REDRIVEN_HEADER
+    ) || name == crate::dead_letters::REDRIVEN_THROUGH_HEADER
+}
+
+/// The protocol's message for a record: its value, its headers, its id from
+/// the `message_id` header (a value that is not UTF-8 counts as no id).
+pub(crate) fn message_of(record: &OwnedMessage) -> Message {
+    let mut message = Message::new(bytes::Bytes::copy_from_slice(
+        record.payload().unwrap_or_default(),
+    ));
+    if let Some(headers) = record.headers() {
+        for header in headers.iter() {
+            let value = header.value.unwrap_or_default();
+            if header.key == MESSAGE_ID_HEADER
+                && let Ok(id) = std::str::from_utf8(value)
+            {
+                message = message.id(id);
+            }
+            if header.key == REDRIVEN_HEADER {
+                message = message.redriven(value == b"true");
+            }
+            message = message.header(header.key, bytes::Bytes::copy_from_slice(value));
+        }
+    }
+    message
+}
+
+/// The headers of a record's dead letter: its own (but this crate's), then
+/// the reason, the attempts' times, and where it failed.
+pub(crate) fn dead_letter_headers(record: &OwnedMessage, letter: &Letter) -> OwnedHeaders {
+    let mut headers = carried_headers(record);
+    let attempts: Vec<String> = letter.attempted_at.iter().copied().map(rfc3339).collect();
+    let partition = record.partition().to_string();
+    let offset = record.offset().to_string();
+    for (key, value) in [
+        (REASON_HEADER, letter.reason.as_str()),
+        (ATTEMPTS_HEADER, attempts.join(",").as_str()),
+        (TOPIC_HEADER, record.topic()),
+        (PARTITION_HEADER, partition.as_str()),
+        (OFFSET_HEADER, offset.as_str()),
+    ] {
+        headers = headers.insert(Header {
+            key,
+            value: Some(value),
+        });
+    }
+    headers
+}
+
+/// A record's headers but this crate's.
+pub(crate) fn carried_headers(record: &OwnedMessage) -> OwnedHeaders {
+    let mut headers = OwnedHeaders::new();
+    if let Some(own) = record.headers() {
+        for header in own.iter().filter(|h| !is_own_header(h.key)) {
+            headers = headers.insert(Header {
+                key: header.key,
+                value: header.value,
+            });
+        }
+    }
+    headers
+}
+
+/// The header `name` of `record`, as text.
+pub(crate) fn header_str<'r>(record: &'r OwnedMessage, name: &str) -> Option<&'r str> {
+    record
+        .headers()?
+        .iter()
+        .find(|header| header.key == name)
+        .and_then(|header| std::str::from_utf8(header.value?).ok())
+}
+
+/// `time` in RFC 3339, UTC, to the microsecond.
+pub fn rfc3339(time: SystemTime) -> String {
+    DateTime::<Utc>::from(time).to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// A time written by [`rfc3339`].
+pub(crate) fn parse_rfc3339(text: &str) -> Option<SystemTime> {
+    DateTime::parse_from_rfc3339(text)
+        .ok()
+        .map(|time| SystemTime::from(time.with_timezone(&Utc)))
+}

@@ -1,0 +1,630 @@
+//! idem-kafka against a real Kafka-compatible broker (`tansu`, in memory): one
+//! throwaway broker for the binary (stopped when the trials end), a topic
+//! and a consumer group per case, a SQLite file (or a PostgreSQL database of
+//! one shared throwaway cluster) per case as the inbox, the positions and
+//! the effect.
+//!
+//! Every wait is bounded and fails loudly with what it waited for and what
+//! it last saw.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem_diesel::diesel::sql_types::{BigInt, Text};
+use idem_diesel::diesel::{self, QueryableByName};
+use idem_diesel::diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idem_diesel::{AsyncSqliteConnection, PgInbox, SqliteInbox};
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idem_kafka::rdkafka::client::DefaultClientContext;
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_kafka::{
+    Advance, Attempt, Backoff, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture,
+    Offsets, OffsetsTx, Subscription,
+};
+use idem_testkit::{TestKafka, TestPostgres};
+use libtest_mimic::{Arguments, Failed, Trial};
+use tokio::sync::oneshot;
+
+type Outcome = Result<(), Failed>;
+
+fn main() -> ExitCode {
+    let args = Arguments::from_args();
+    tracing_subscriber_init();
+    let trials = vec![
+        trial(
+            "records_are_applied_once_and_positions_come_from_the_database_sqlite",
+            || applied_once(Db::Sqlite),
+        ),
+        trial(
+            "records_are_applied_once_and_positions_come_from_the_database_postgres",
+            || applied_once(Db::Postgres),
+        ),
+        trial(
+            "a_failing_record_is_dead_lettered_after_exactly_three_attempts_in_order",
+            dead_lettered_in_order,
+        ),
+        trial("a_member_leaving_hands_its_partitions_over", handover),
+        trial("a_stale_owner_is_fenced", fenced),
+    ];
+    let conclusion = libtest_mimic::run(&args, trials);
+    conclusion.exit_code()
+}
+
+fn tracing_subscriber_init() {}
+
+fn trial<F>(name: &'static str, case: fn() -> F) -> Trial
+where
+    F: std::future::Future<Output = Outcome> + Send + 'static,
+{
+    Trial::test(name, move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| Failed::from(format!("no runtime: {e}")))?;
+        runtime.block_on(case())
+    })
+}
+
+/// Which database a case keeps its inbox, positions and effect in.
+#[derive(Clone, Copy, Debug)]
+enum Db {
+    Sqlite,
+    Postgres,
+}
+
+/// The case's database, as the consumer's inbox.
+#[derive(Clone)]
+enum Inboxes {
+    /// The file's directory lives as long as the inbox.
+    Sqlite {
+        inbox: SqliteInbox,
+        _dir: tempdir::Dir,
+    },
+    Postgres(PgInbox),
+}
+
+mod tempdir {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    /// A fresh directory, removed when the last clone is dropped.
+    #[derive(Clone)]
+    pub(super) struct Dir(Arc<PathBuf>);
+
+    impl Dir {
+        pub(super) fn new() -> Self {
+            let dir = std::env::temp_dir().join(format!(
+                "idem-kafka-test-{}-{}",
+                std::process::id(),
+                uuid()
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            Self(Arc::new(dir))
+        }
+
+        pub(super) fn path(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    fn uuid() -> u128 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            if Arc::strong_count(&self.0) == 1 {
+                let _ = std::fs::remove_dir_all(&*self.0);
+            }
+        }
+    }
+}
+
+async fn database(db: Db) -> Inboxes {
+    match db {
+        Db::Sqlite => {
+            let dir = tempdir::Dir::new();
+            let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+            let inbox = SqliteInbox::builder()
+                .max_connections(4)
+                .connect(&url)
+                .await
+                .unwrap();
+            inbox.migrate().await.unwrap();
+            let mut connection = inbox.pool().get().await.unwrap();
+            connection.batch_execute(SCHEMA).await.unwrap();
+            drop(connection);
+            Inboxes::Sqlite { inbox, _dir: dir }
+        }
+        Db::Postgres => {
+            let cluster = TestPostgres::shared().expect("a PostgreSQL cluster (initdb, pg_ctl)");
+            let name = cluster.fresh_database("kafka").unwrap();
+            let inbox = PgInbox::builder()
+                .max_connections(4)
+                .connect(&cluster.url(&name))
+                .await
+                .unwrap();
+            inbox.migrate().await.unwrap();
+            let mut connection = inbox.pool().get().await.unwrap();
+            connection.batch_execute(SCHEMA).await.unwrap();
+            drop(connection);
+            Inboxes::Postgres(inbox)
+        }
+    }
+}
+
+/// The effect: one row per record applied.
+const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS applied (value TEXT NOT NULL)";
+const INSERT: &str = "INSERT INTO applied (value) VALUES ($1)";
+const COUNT: &str =
+    "SELECT COUNT(*) AS count, COUNT(DISTINCT value) AS distinct_values FROM applied";
+const VALUES: &str = "SELECT value FROM applied ORDER BY value";
+
+#[derive(QueryableByName)]
+struct Counted {
+    #[diesel(sql_type = BigInt)]
+    count: i64,
+    #[diesel(sql_type = BigInt)]
+    distinct_values: i64,
+}
+
+#[derive(QueryableByName)]
+struct Value {
+    #[diesel(sql_type = Text)]
+    value: String,
+}
+
+/// The effect's statement on either connection.
+trait Effect: OffsetsTx {
+    fn insert<'a>(&'a mut self, value: &'a str) -> HandlerFuture<'a>;
+}
+
+macro_rules! effect_on {
+    ($connection:ty) => {
+        impl Effect for $connection {
+            fn insert<'a>(&'a mut self, value: &'a str) -> HandlerFuture<'a> {
+                Box::pin(async move {
+                    diesel::sql_query(INSERT)
+                        .bind::<Text, _>(value)
+                        .execute(self)
+                        .await
+                        .map(drop)
+                        .map_err(HandlerError::from)
+                })
+            }
+        }
+    };
+}
+effect_on!(AsyncPgConnection);
+effect_on!(AsyncSqliteConnection);
+
+impl Inboxes {
+    /// (rows applied, distinct values applied).
+    async fn applied(&self) -> (i64, i64) {
+        let counted: Counted = match self {
+            Self::Sqlite { inbox, .. } => {
+                let mut c = inbox.pool().get().await.unwrap();
+                diesel::sql_query(COUNT).get_result(&mut *c).await.unwrap()
+            }
+            Self::Postgres(inbox) => {
+                let mut c = inbox.pool().get().await.unwrap();
+                diesel::sql_query(COUNT).get_result(&mut *c).await.unwrap()
+            }
+        };
+        (counted.count, counted.distinct_values)
+    }
+
+    async fn values(&self) -> Vec<String> {
+        let rows: Vec<Value> = match self {
+            Self::Sqlite { inbox, .. } => {
+                let mut c = inbox.pool().get().await.unwrap();
+                diesel::sql_query(VALUES)
+                    .get_results(&mut *c)
+                    .await
+                    .unwrap()
+            }
+            Self::Postgres(inbox) => {
+                let mut c = inbox.pool().get().await.unwrap();
+                diesel::sql_query(VALUES)
+                    .get_results(&mut *c)
+                    .await
+                    .unwrap()
+            }
+        };
+        rows.into_iter().map(|r| r.value).collect()
+    }
+
+    /// Runs a consumer of `topic` in `group` until the returned sender is
+    /// sent to (or dropped); answers when it has joined.
+    async fn consume(&self, topic: &str, group: &str, handler: Apply) -> Running {
+        match self {
+            Self::Sqlite { inbox, .. } => run(inbox.clone(), topic, group, handler).await,
+            Self::Postgres(inbox) => run(inbox.clone(), topic, group, handler).await,
+        }
+    }
+}
+
+/// The test's handler: applies the record's value, or fails on a value
+/// starting with `fail` until healed; logs what it did.
+#[derive(Clone, Default)]
+struct Apply {
+    healed: Arc<AtomicBool>,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl<Tx: Effect + ?Sized> Handler<Tx> for Apply {
+    fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            let value = String::from_utf8_lossy(attempt.body()).into_owned();
+            self.log.lock().unwrap().push(value.clone());
+            if value.starts_with("fail") && !AtomicBool::load(&self.healed, Ordering::SeqCst) {
+                return Err(HandlerError::transient("a failing record"));
+            }
+            tx.insert(&value).await
+        })
+    }
+}
+
+/// A running consumer.
+struct Running {
+    stop: oneshot::Sender<()>,
+    done: tokio::task::JoinHandle<Result<(), idem_kafka::Error>>,
+    subscription: Subscription,
+}
+
+impl Running {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(60), self.done)
+            .await
+            .expect("the consumer stops within 60 s")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+async fn run<I>(inbox: I, topic: &str, group: &str, handler: Apply) -> Running
+where
+    I: Offsets + Clone,
+    I::Tx: Effect,
+{
+    let consumer = Consumer::builder(TestKafka::shared().servers(), topic)
+        .group(group)
+        .inbox(inbox)
+        .policy(ConsumerPolicy::new().max_attempts(3).backoff(Backoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(100),
+        )))
+        .config("session.timeout.ms", "6000")
+        .config("heartbeat.interval.ms", "500")
+        .handler(handler)
+        .build();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let (joined, on_join) = oneshot::channel();
+    let done = tokio::spawn(consumer.run(
+        async {
+            let _ = stopped.await;
+        },
+        move |subscription| {
+            let _ = joined.send(subscription.clone());
+        },
+    ));
+    let subscription = tokio::time::timeout(Duration::from_secs(60), on_join)
+        .await
+        .expect("the consumer joins its group within 60 s")
+        .expect("the consumer runs until it joins");
+    Running {
+        stop,
+        done,
+        subscription,
+    }
+}
+
+async fn create_topic(topic: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", TestKafka::shared().servers())
+        .create()
+        .unwrap();
+    let created = admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
+    for result in created {
+        result.unwrap();
+    }
+}
+
+fn producer() -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", TestKafka::shared().servers())
+        .create()
+        .unwrap()
+}
+
+/// Produces `value` with `message_id` and `key`, to `partition`.
+async fn produce(producer: &FutureProducer, topic: &str, partition: i32, id: &str, value: &str) {
+    let record = FutureRecord::to(topic)
+        .partition(partition)
+        .key(id)
+        .payload(value)
+        .headers(OwnedHeaders::new().insert(Header {
+            key: "message_id",
+            value: Some(id),
+        }));
+    producer
+        .send(record, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+}
+
+/// Waits (bounded) until `check` holds.
+async fn eventually<F, Fut>(what: &str, mut check: F) -> Outcome
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let started = Instant::now();
+    loop {
+        match check().await {
+            Ok(()) => return Ok(()),
+            Err(last) if started.elapsed() > Duration::from_secs(60) => {
+                return Err(format!("{what}: not so after 60 s; last seen: {last}").into());
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+async fn positions(inboxes: &Inboxes, group: &str, topic: &str) -> Vec<(i32, i64)> {
+    let map = match inboxes {
+        Inboxes::Sqlite { inbox, .. } => inbox.positions(group, topic).await.unwrap(),
+        Inboxes::Postgres(inbox) => inbox.positions(group, topic).await.unwrap(),
+    };
+    let mut positions: Vec<(i32, i64)> = map.into_iter().collect();
+    positions.sort_unstable();
+    positions
+}
+
+/// 20 records and 5 producer duplicates over 2 partitions: 20 applied, the
+/// positions stored; a restarted consumer applies only what is new.
+async fn applied_once(db: Db) -> Outcome {
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("once");
+    create_topic(&topic, 2).await;
+    let inboxes = database(db).await;
+    let producer = producer();
+    for i in 0..20 {
+        produce(
+            &producer,
+            &topic,
+            i % 2,
+            &format!("m{i:02}"),
+            &format!("v{i:02}"),
+        )
+        .await;
+    }
+    for i in 0..5 {
+        // A producer's resend: the same id and value, later in the partition.
+        produce(
+            &producer,
+            &topic,
+            i % 2,
+            &format!("m{i:02}"),
+            &format!("v{i:02}"),
+        )
+        .await;
+    }
+    let running = inboxes.consume(&topic, &topic, Apply::default()).await;
+    if running.subscription.partitions.len() != 2 {
+        return Err(format!("assigned {:?}, expected 2 partitions", running.subscription).into());
+    }
+    eventually("every record consumed, positions at the ends", || async {
+        let positions = positions(&inboxes, &topic, &topic).await;
+        if positions == [(0, 13), (1, 12)] {
+            Ok(())
+        } else {
+            Err(format!("{positions:?}"))
+        }
+    })
+    .await?;
+    let applied = inboxes.applied().await;
+    if applied != (20, 20) {
+        return Err(format!("applied {applied:?}, expected 20 rows of 20 values").into());
+    }
+    running.stop().await;
+
+    // Restarted: the positions come from the database; only the new record runs.
+    produce(&producer, &topic, 1, "m20", "v20").await;
+    let running = inboxes.consume(&topic, &topic, Apply::default()).await;
+    eventually("the new record applied", || async {
+        match inboxes.applied().await {
+            (21, 21) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    running.stop().await;
+    let positions = positions(&inboxes, &topic, &topic).await;
+    if positions != [(0, 13), (1, 13)] {
+        return Err(format!("positions {positions:?}, expected [(0, 13), (1, 13)]").into());
+    }
+    Ok(())
+}
+
+/// a, fail, b on one partition: a applied, fail tried 3 times then in the
+/// dead-letter topic with its headers, then b; a redrive applies it once.
+async fn dead_lettered_in_order() -> Outcome {
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("dlq");
+    create_topic(&topic, 1).await;
+    let inboxes = database(Db::Sqlite).await;
+    let producer = producer();
+    for (id, value) in [("a", "a"), ("f", "fail-1"), ("b", "b")] {
+        produce(&producer, &topic, 0, id, value).await;
+    }
+    let apply = Apply::default();
+    let running = inboxes.consume(&topic, &topic, apply.clone()).await;
+    eventually("b applied", || async {
+        match inboxes.applied().await {
+            (2, 2) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    let log = apply.log.lock().unwrap().clone();
+    if log != ["a", "fail-1", "fail-1", "fail-1", "b"] {
+        return Err(format!("handler runs {log:?}, expected a, fail-1 ×3, b").into());
+    }
+    let letters = idem_kafka::dead_letters(&broker.servers(), &topic)
+        .await
+        .unwrap();
+    let [letter] = letters.as_slice() else {
+        return Err(format!("dead letters {letters:?}, expected one").into());
+    };
+    let expected = (
+        topic.as_str(),
+        Some("f"),
+        3,
+        "a failing record",
+        &b"fail-1"[..],
+        0,
+    );
+    let got = (
+        letter.topic.as_str(),
+        letter.message_id.as_deref(),
+        letter.attempted_at.len(),
+        letter.reason.as_str(),
+        letter.body.as_ref(),
+        letter.offset,
+    );
+    if got != expected {
+        return Err(format!("dead letter {got:?}, expected {expected:?}").into());
+    }
+
+    // Fixed, then re-driven: applied once; a second redrive moves nothing.
+    apply.healed.store(true, Ordering::SeqCst);
+    let moved = idem_kafka::redrive(&broker.servers(), &topic)
+        .await
+        .unwrap();
+    if moved != 1 {
+        return Err(format!("redrive moved {moved}, expected 1").into());
+    }
+    eventually("the re-driven record applied", || async {
+        match inboxes.applied().await {
+            (3, 3) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    let again = idem_kafka::redrive(&broker.servers(), &topic)
+        .await
+        .unwrap();
+    let left = idem_kafka::dead_letters(&broker.servers(), &topic)
+        .await
+        .unwrap();
+    if again != 0 || !left.is_empty() {
+        return Err(format!(
+            "a second redrive moved {again}, {} letters listed",
+            left.len()
+        )
+        .into());
+    }
+    running.stop().await;
+    let values = inboxes.values().await;
+    if values != ["a", "b", "fail-1"] {
+        return Err(format!("applied {values:?}").into());
+    }
+    Ok(())
+}
+
+/// Member A applies the first half; member B joins; A leaves; B applies the
+/// rest: each record once.
+async fn handover() -> Outcome {
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("handover");
+    create_topic(&topic, 2).await;
+    let inboxes = database(Db::Sqlite).await;
+    let producer = producer();
+    for i in 0..10 {
+        produce(
+            &producer,
+            &topic,
+            i % 2,
+            &format!("m{i:02}"),
+            &format!("v{i:02}"),
+        )
+        .await;
+    }
+    let a = inboxes.consume(&topic, &topic, Apply::default()).await;
+    eventually("the first half applied", || async {
+        match inboxes.applied().await {
+            (10, 10) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    let b = inboxes.consume(&topic, &topic, Apply::default()).await;
+    a.stop().await;
+    for i in 10..20 {
+        produce(
+            &producer,
+            &topic,
+            i % 2,
+            &format!("m{i:02}"),
+            &format!("v{i:02}"),
+        )
+        .await;
+    }
+    eventually("every record applied once, by the member left", || async {
+        match inboxes.applied().await {
+            (20, 20) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    b.stop().await;
+    Ok(())
+}
+
+/// The fence: a move from an offset the row no longer holds writes nothing.
+async fn fenced() -> Outcome {
+    let inboxes = database(Db::Sqlite).await;
+    let Inboxes::Sqlite { inbox, .. } = &inboxes else {
+        unreachable!()
+    };
+    inbox.migrate_offsets().await.unwrap();
+    let step = |from, to| Advance {
+        consumer: "c",
+        topic: "t",
+        partition: 0,
+        from,
+        to,
+    };
+    let moves = [
+        (step(None, 5), true),
+        (step(None, 6), false),
+        (step(Some(4), 6), false),
+        (step(Some(5), 6), true),
+    ];
+    for (advance, expected) in moves {
+        let written = inbox.advance_alone(&advance).await.unwrap();
+        if written != expected {
+            return Err(format!("{advance:?} wrote {written}, expected {expected}").into());
+        }
+    }
+    Ok(())
+}
