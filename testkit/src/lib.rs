@@ -4,7 +4,8 @@
 //! - [`TestPostgres`]: a PostgreSQL cluster (`initdb` + `pg_ctl`);
 //! - [`TestRedis`]: a Redis node, or a Redis Cluster, with replicas or not;
 //! - [`TestRabbitMq`]: a RabbitMQ node of its own (name, ports, `epmd`);
-//! - [`TestKafka`]: a Kafka-compatible broker (`tansu`, in memory).
+//! - [`TestKafka`]: a Kafka-compatible broker (`tansu`, in memory);
+//! - [`TestSqs`]: a local SQS (moto's server, from PyPI's `moto[server]`).
 //!
 //! Every server keeps the same rules:
 //!
@@ -47,6 +48,7 @@ mod process;
 pub mod rabbitmq;
 pub mod redis;
 pub mod shell;
+pub mod sqs;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -56,6 +58,7 @@ pub use kafka::TestKafka;
 pub use postgres::TestPostgres;
 pub use rabbitmq::TestRabbitMq;
 pub use redis::TestRedis;
+pub use sqs::TestSqs;
 
 /// How long a server may take to report that it is ready. Generous on
 /// purpose: a loaded or cold machine is slow, and waiting costs nothing when

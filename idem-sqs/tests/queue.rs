@@ -1,0 +1,3 @@
+//! idem-sqs against moto's SQS server (the cases follow).
+
+fn main() {}
