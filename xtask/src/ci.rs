@@ -26,6 +26,7 @@ const PUBLISHED: &[&str] = &[
     "idem-diesel",
     "idem-redis",
     "idem-rabbitmq",
+    "idem-sqs",
 ];
 
 /// Runs formatting, clippy, each store feature set alone, docs, the published
