@@ -26,6 +26,7 @@ const PUBLISHED: &[&str] = &[
     "idem-diesel",
     "idem-redis",
     "idem-rabbitmq",
+    "idem-kafka",
     "idem-sqs",
 ];
 
@@ -67,6 +68,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         "cargo package (every published crate, built from its .crate)",
         &mut package(),
     )?;
+    kafka_broker()?;
     shell::run("cargo test", &mut test())?;
     crate::e2e("e2e", &["--dev".to_owned()])?;
     crate::bench(&["--quick".to_owned(), "--dev".to_owned()])?;
@@ -75,6 +77,26 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Builds the Kafka-compatible broker the tests start (`tansu`, pinned) into
+/// the target directory, unless it is there already (or `IDEM_TANSU` names
+/// one): about 400 crates, once per machine.
+pub(crate) fn kafka_broker() -> Result<(), String> {
+    use idem_testkit::kafka;
+    if let Ok(tansu) = kafka::binary() {
+        eprintln!("==> kafka broker: {}", tansu.display());
+        return Ok(());
+    }
+    let args = kafka::install_command();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let build_dir = shell::target_dir().join("tansu-build");
+    let mut install = cargo(&args);
+    install.arg("--target-dir").arg(build_dir);
+    shell::run(
+        &format!("kafka broker: cargo install tansu {}", kafka::TANSU_VERSION),
+        &mut install,
+    )
 }
 
 /// Every test of the workspace. `cargo test`, not nextest: the database tests

@@ -20,6 +20,7 @@ tasks:
           (--stress [RUNS]: instead, every test RUNS times (3) with the CPUs loaded)
   demo    the experiment that motivates idem, against payments-axum
   e2e     both examples on every store as real processes, every scenario; a table
+  kafka-broker  builds the Kafka-compatible broker the tests start (tansu, once)
 ";
 
 fn main() -> ExitCode {
@@ -30,6 +31,7 @@ fn main() -> ExitCode {
         Some("ci") => ci::run(rest),
         Some("demo") => e2e("demo", rest),
         Some("e2e") => e2e("e2e", rest),
+        Some("kafka-broker") => ci::kafka_broker(),
         Some("-h" | "--help" | "help") => {
             print!("{USAGE}");
             Ok(())

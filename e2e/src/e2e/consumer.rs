@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_testkit::TestRabbitMq;
-use payments_consumer::testing::{Case, SCENARIOS, Scenario};
+use idem_testkit::{TestKafka, TestRabbitMq};
+use payments_consumer::testing::{Case, KAFKA_SCENARIOS, SCENARIOS, Scenario};
 
 use crate::example::Example;
 
@@ -22,12 +22,32 @@ const LIMIT: Duration = Duration::from_secs(150);
 
 /// Whether `name` is a consumer scenario.
 pub(crate) fn has(name: &str) -> bool {
-    SCENARIOS.iter().any(|scenario| scenario.name == name)
+    every().any(|scenario| scenario.name == name)
+}
+
+/// Every consumer scenario: on RabbitMQ, then on Kafka.
+fn every() -> impl Iterator<Item = &'static Scenario> {
+    SCENARIOS.iter().chain(KAFKA_SCENARIOS)
+}
+
+/// Whether `scenario` runs on Kafka.
+fn on_kafka(scenario: &Scenario) -> bool {
+    KAFKA_SCENARIOS.iter().any(|s| s.name == scenario.name)
+}
+
+/// Starts the Kafka-compatible broker the Kafka scenarios share, off the
+/// async workers.
+async fn kafka() -> Result<Arc<TestKafka>, String> {
+    match tokio::task::spawn_blocking(TestKafka::start).await {
+        Ok(Ok(broker)) => Ok(Arc::new(broker)),
+        Ok(Err(why)) => Err(format!("no Kafka broker: {why}")),
+        Err(why) => Err(format!("the Kafka broker's start failed: {why}")),
+    }
 }
 
 /// The names of the consumer scenarios.
 pub(crate) fn names() -> impl Iterator<Item = &'static str> {
-    SCENARIOS.iter().map(|scenario| scenario.name)
+    every().map(|scenario| scenario.name)
 }
 
 /// The consumer's databases among `stores`: PostgreSQL (a fresh database of
@@ -64,8 +84,7 @@ pub(crate) async fn rows(
     let chosen: Vec<(usize, &'static Scenario, StoreKind)> = backends(stores)
         .into_iter()
         .flat_map(|store| {
-            SCENARIOS
-                .iter()
+            every()
                 .enumerate()
                 .map(move |(i, scenario)| (i, scenario, store))
         })
@@ -92,12 +111,31 @@ pub(crate) async fn rows(
     };
     let logs = root.join("consumer");
     let mut rows = Vec::new();
+    let mut kafka_broker: Option<Result<Arc<TestKafka>, String>> = None;
     for (i, scenario, store) in chosen {
         let queue = format!("{}_{}", scenario.name, store.name());
+        let on_kafka = if on_kafka(scenario) {
+            if kafka_broker.is_none() {
+                kafka_broker = Some(kafka().await);
+            }
+            match kafka_broker.as_ref() {
+                Some(Ok(broker)) => Some(broker.servers()),
+                Some(Err(why)) => {
+                    rows.push(row(i, scenario, store, Err(why.clone())));
+                    continue;
+                }
+                None => None,
+            }
+        } else {
+            None
+        };
         let outcome = match database(store, &cluster, &logs, &queue).await {
             Ok(database) => {
-                let case = Case::new(&binary, broker.url(), database, queue, &logs)
+                let mut case = Case::new(&binary, broker.url(), database, queue, &logs)
                     .with_broker(broker.clone());
+                if let Some(servers) = on_kafka {
+                    case = case.with_kafka(servers);
+                }
                 tokio::time::timeout(LIMIT, (scenario.run)(case))
                     .await
                     .unwrap_or_else(|_| Err(format!("ran past {} s", LIMIT.as_secs())))
@@ -111,6 +149,8 @@ pub(crate) async fn rows(
             outcome.map_err(|why| format!("{why}\n(consumer logs: {})", logs.display())),
         ));
     }
+    // The Kafka broker stops here, off the async workers.
+    let _ = tokio::task::spawn_blocking(move || drop(kafka_broker)).await;
     rows
 }
 

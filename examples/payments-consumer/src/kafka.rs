@@ -1,8 +1,21 @@
-//! `run --kafka`, `dead-letters --kafka`, `redrive --kafka` (`docs/contract.md` §10).
+//! `run --kafka`, `dead-letters --kafka`, `redrive --kafka`
+//! (`docs/contract.md` §10), on idem-kafka: the payment, the inbox row and the
+//! partition's next offset commit in one transaction of `--database`.
+
+use std::time::Duration;
+
+use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
+use idem_kafka::{Consumer, Offsets};
 
 use crate::ConsumerError;
-use crate::consume::Settings;
-use crate::dead_letters::DeadLetterLine;
+use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal};
+use crate::database::Database;
+use crate::dead_letters::{DeadLetterLine, Source};
+use crate::ledger::Ledger;
+
+/// How long the group waits for a member that stopped answering (killed, cut
+/// off) before its partitions go to the others: librdkafka's default is 45 s.
+pub const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What `run --kafka` needs.
 #[derive(Clone, Debug)]
@@ -13,30 +26,84 @@ pub struct KafkaOptions {
     pub topic: String,
     /// The consumer group.
     pub group: String,
-    /// The flags every broker shares.
+    /// The flags every broker shares (`--concurrency` is not one of them on
+    /// Kafka: each assigned partition is applied by a worker of its own, in
+    /// order).
     pub settings: Settings,
 }
 
-/// Consumes from the topic until SIGTERM.
+/// Opens the database (migrating it), then consumes from the topic until
+/// SIGTERM or Ctrl-C; calls `subscribed` with the topic once the consumer
+/// has joined its group. On the signal the records being applied finish and
+/// commit, and the consumer leaves its group.
 pub async fn run(
     options: KafkaOptions,
     subscribed: impl FnOnce(&str),
 ) -> Result<(), ConsumerError> {
-    let _ = (options, subscribed);
-    Err(idem_kafka::Error::NotBuilt.into())
+    match options.settings.open().await? {
+        Database::Postgres(inbox) => {
+            consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
+        }
+        Database::Sqlite(inbox) => {
+            consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
+        }
+    }
 }
 
-/// The topic's dead letters, without removing them.
+async fn consume<I>(
+    inbox: I,
+    cleanup: Cleanup<I>,
+    options: KafkaOptions,
+    subscribed: impl FnOnce(&str),
+) -> Result<(), ConsumerError>
+where
+    I: Offsets + ExpiredRows,
+    I::Tx: Ledger,
+{
+    let stop = stop_signal()?;
+    let settings = &options.settings;
+    let consumer = Consumer::builder(&options.servers, &options.topic)
+        .group(&options.group)
+        .name(inbox_name(&options.topic))
+        .inbox(inbox)
+        .policy(settings.policy())
+        .config(
+            "session.timeout.ms",
+            SESSION_TIMEOUT.as_millis().to_string(),
+        )
+        .handler(settings.handler())
+        .build();
+    let consumed = beside_cleanup(
+        cleanup,
+        consumer.run(stop, |subscription| subscribed(&subscription.topic)),
+    )
+    .await;
+    Ok(consumed?)
+}
+
+/// The topic's dead letters (in `<topic>.dlq`), not re-driven yet; nothing
+/// is consumed.
 pub async fn dead_letters(
     servers: &str,
     topic: &str,
 ) -> Result<Vec<DeadLetterLine>, ConsumerError> {
-    let _ = (servers, topic);
-    Err(idem_kafka::Error::NotBuilt.into())
+    Ok(idem_kafka::dead_letters(servers, topic)
+        .await?
+        .into_iter()
+        .map(|letter| {
+            DeadLetterLine::new(
+                Source::Topic(letter.topic),
+                letter.message_id,
+                &letter.attempted_at,
+                letter.reason,
+                &letter.body,
+            )
+        })
+        .collect())
 }
 
-/// Moves the dead letters back; answers how many.
+/// Republishes to the topic every dead letter not re-driven before; answers
+/// how many.
 pub async fn redrive(servers: &str, topic: &str) -> Result<usize, ConsumerError> {
-    let _ = (servers, topic);
-    Err(idem_kafka::Error::NotBuilt.into())
+    Ok(idem_kafka::redrive(servers, topic).await?)
 }

@@ -43,8 +43,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod demo;
+mod kafka;
 mod process;
 mod scenarios;
 
+pub use kafka::KAFKA_SCENARIOS;
 pub use process::{Case, Client, ConsumerProcess};
 pub use scenarios::{SCENARIOS, Scenario};

@@ -38,6 +38,9 @@ pub struct Case {
     pub dir: PathBuf,
     /// The broker's node, for the scenarios that stop and start it.
     broker: Option<Arc<TestRabbitMq>>,
+    /// On Kafka: the bootstrap servers (the queue's name is the topic's and
+    /// the group's).
+    pub kafka: Option<String>,
     started: Arc<AtomicUsize>,
 }
 
@@ -80,6 +83,7 @@ impl Case {
             queue: queue.into(),
             dir: dir.into(),
             broker: None,
+            kafka: None,
             started: Arc::new(AtomicUsize::new(0)),
         }
     }
@@ -91,6 +95,14 @@ impl Case {
     #[must_use]
     pub fn with_broker(mut self, broker: Arc<TestRabbitMq>) -> Self {
         self.broker = Some(broker);
+        self
+    }
+
+    /// The case on Kafka (`run --kafka SERVERS --topic QUEUE --group
+    /// QUEUE`) instead of RabbitMQ.
+    #[must_use]
+    pub fn with_kafka(mut self, servers: impl Into<String>) -> Self {
+        self.kafka = Some(servers.into());
         self
     }
 
@@ -112,9 +124,17 @@ impl Case {
         let log = self.dir.join(format!("{}-consumer-{n}.log", self.queue));
         let stderr = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
         let mut command = Command::new(&self.binary);
-        command
-            .args(["run", "--amqp", &self.amqp, "--database", &self.database])
-            .args(["--queue", &self.queue]);
+        command.args(["run", "--database", &self.database]);
+        match &self.kafka {
+            Some(servers) => {
+                command.args(["--kafka", servers, "--topic", &self.queue]);
+                if !extra.contains(&"--group") {
+                    command.args(["--group", &self.queue]);
+                }
+                &mut command
+            }
+            None => command.args(["--amqp", &self.amqp, "--queue", &self.queue]),
+        };
         if !extra.contains(&"--retry-base-ms") {
             command.args(["--retry-base-ms", "20"]);
         }

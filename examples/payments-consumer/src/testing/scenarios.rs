@@ -109,7 +109,7 @@ macro_rules! ensure {
     };
 }
 
-fn payment(account: &str, amount: i64) -> Vec<u8> {
+pub(super) fn payment(account: &str, amount: i64) -> Vec<u8> {
     json!({"account_id": account, "amount": amount})
         .to_string()
         .into_bytes()
@@ -137,15 +137,15 @@ pub(crate) async fn wait_operations(
 
 /// Messages to publish, with the balances they make when each is applied
 /// once.
-struct Stream {
-    messages: Vec<(String, Vec<u8>)>,
-    expected: BTreeMap<String, (i64, i64)>,
-    unique: usize,
+pub(super) struct Stream {
+    pub(super) messages: Vec<(String, Vec<u8>)>,
+    pub(super) expected: BTreeMap<String, (i64, i64)>,
+    pub(super) unique: usize,
 }
 
 /// `unique` payments of 1 to 1000 to `accounts` accounts, ids
 /// `<prefix>-<n>`, and `duplicates` copies, each after its original.
-fn stream(
+pub(super) fn stream(
     rng: &mut StdRng,
     prefix: &str,
     unique: usize,
@@ -177,7 +177,7 @@ fn stream(
 
 /// A random generator, seeded from `PAYMENTS_CONSUMER_SEED` when set; and
 /// the seed, to name in a failure.
-fn seeded() -> (StdRng, u64) {
+pub(super) fn seeded() -> (StdRng, u64) {
     let seed = std::env::var("PAYMENTS_CONSUMER_SEED")
         .ok()
         .and_then(|seed| seed.parse().ok())
@@ -195,7 +195,7 @@ impl Stream {
 
     /// Every account's balance and operations are the expected ones; answers
     /// how many effects.
-    async fn exact(&self, database: &Database) -> Result<i64, String> {
+    pub(super) async fn exact(&self, database: &Database) -> Result<i64, String> {
         let found: BTreeMap<String, (i64, i64)> = accounts(database)
             .await?
             .into_iter()
@@ -211,7 +211,11 @@ impl Stream {
 }
 
 /// Waits until the inbox holds `count` messages of the case's consumer.
-async fn wait_processed(case: &Case, database: &Database, count: i64) -> Result<i64, String> {
+pub(super) async fn wait_processed(
+    case: &Case,
+    database: &Database,
+    count: i64,
+) -> Result<i64, String> {
     let consumer = case.inbox_consumer();
     let started = Instant::now();
     loop {

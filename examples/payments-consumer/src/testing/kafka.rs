@@ -1,0 +1,477 @@
+//! The scenarios on Kafka (`run --kafka`, `docs/contract.md` §10), against
+//! a throwaway Kafka-compatible broker: each case's queue name is its topic
+//! and its group ([`Case::with_kafka`]).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use idem_diesel::diesel;
+use idem_diesel::diesel_async::RunQueryDsl;
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idem_kafka::rdkafka::client::DefaultClientContext;
+use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_kafka::rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rand::seq::SliceRandom;
+
+use super::process::{Case, PATIENCE, processed};
+use super::scenarios::{Scenario, Stream, payment, seeded, stream, wait_processed};
+use crate::database::{Database, with_connection};
+
+/// Every scenario on Kafka.
+pub const KAFKA_SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "kafka_sigkill",
+        check: "consumer on Kafka: SIGKILL x5 after commits, 500 records (100 duplicates), balances exact",
+        alone: false,
+        run: |case| sigkill_after_commits(case).boxed(),
+    },
+    Scenario {
+        name: "kafka_join_leave",
+        check: "consumer on Kafka: a member joins, the first leaves, mid-stream; balances exact",
+        alone: false,
+        run: |case| a_member_joins_and_one_leaves(case).boxed(),
+    },
+    Scenario {
+        name: "kafka_dead_letter",
+        check: "consumer on Kafka: failing record in <topic>.dlq after 3 attempts, the partition goes on",
+        alone: false,
+        run: |case| a_failing_record_is_dead_lettered_in_order(case).boxed(),
+    },
+    Scenario {
+        name: "kafka_redrive",
+        check: "consumer on Kafka: redrive after the fix, applied once; a second redrive moves nothing",
+        alone: false,
+        run: |case| a_redrive_is_applied_once(case).boxed(),
+    },
+];
+
+/// Fails the scenario with `message` unless `condition` holds.
+macro_rules! ensure {
+    ($condition:expr, $($message:tt)+) => {
+        if !$condition {
+            return Err(format!($($message)+));
+        }
+    };
+}
+
+fn servers(case: &Case) -> Result<&str, String> {
+    case.kafka
+        .as_deref()
+        .ok_or_else(|| "a Kafka case needs Case::with_kafka".to_owned())
+}
+
+/// Creates the case's topic with `partitions` partitions.
+async fn create_topic(case: &Case, partitions: i32) -> Result<(), String> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", servers(case)?)
+        .create()
+        .map_err(|e| e.to_string())?;
+    let created = admin
+        .create_topics(
+            &[NewTopic::new(
+                &case.queue,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
+            &AdminOptions::new(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    for result in created {
+        result.map_err(|(topic, code)| format!("creating {topic}: {code}"))?;
+    }
+    Ok(())
+}
+
+/// A producer to the case's broker.
+fn producer(case: &Case) -> Result<FutureProducer, String> {
+    ClientConfig::new()
+        .set("bootstrap.servers", servers(case)?)
+        .create()
+        .map_err(|e| e.to_string())
+}
+
+/// Produces a payment keyed by its account (so an account's payments keep
+/// their order in one partition), with its `message_id` header.
+async fn produce(
+    producer: &FutureProducer,
+    topic: &str,
+    message_id: &str,
+    body: &[u8],
+) -> Result<(), String> {
+    let account = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["account_id"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    let record =
+        FutureRecord::to(topic)
+            .key(&account)
+            .payload(body)
+            .headers(OwnedHeaders::new().insert(Header {
+                key: "message_id",
+                value: Some(message_id),
+            }));
+    producer
+        .send(record, Duration::from_secs(30))
+        .await
+        .map(drop)
+        .map_err(|(e, _)| format!("producing {message_id}: {e}"))
+}
+
+async fn publish(case: &Case, stream: &Stream) -> Result<(), String> {
+    let producer = producer(case)?;
+    for (id, body) in &stream.messages {
+        produce(&producer, &case.queue, id, body).await?;
+    }
+    Ok(())
+}
+
+#[derive(diesel::QueryableByName)]
+struct Position {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    records: i64,
+}
+
+/// How many of the topic's records the database's positions have passed.
+async fn positions(database: &Database, topic: &str) -> Result<i64, String> {
+    // The topic is the case's own name (letters, digits, `_`).
+    let query = format!(
+        "SELECT CAST(COALESCE(SUM(next_offset), 0) AS BIGINT) AS records \
+         FROM idem_kafka_offsets WHERE topic = '{topic}'"
+    );
+    let found: Result<i64, crate::ConsumerError> = async {
+        Ok(with_connection!(database, connection => {
+            diesel::sql_query(&query).get_result::<Position>(connection).await?.records
+        }))
+    }
+    .await;
+    found.map_err(|e| format!("reading the positions: {e}"))
+}
+
+/// How many of the topic's records the group's offsets at the broker have
+/// passed (what a consumer trusting the broker would restart from).
+async fn broker_positions(case: &Case, group: &str, partitions: i32) -> Result<i64, String> {
+    let (servers, topic, group) = (
+        servers(case)?.to_owned(),
+        case.queue.clone(),
+        group.to_owned(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &servers)
+            .set("group.id", &group)
+            .create()
+            .map_err(|e| e.to_string())?;
+        let mut tpl = TopicPartitionList::new();
+        for partition in 0..partitions {
+            tpl.add_partition(&topic, partition);
+        }
+        let committed = consumer
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
+        Ok(committed
+            .elements()
+            .iter()
+            .map(|e| match e.offset() {
+                Offset::Offset(n) => n,
+                _ => 0,
+            })
+            .sum())
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// Waits until the database's positions have passed every one of `records`.
+async fn consumed(database: &Database, topic: &str, records: usize) -> Result<(), String> {
+    let started = Instant::now();
+    loop {
+        let passed = positions(database, topic).await?;
+        if passed == records as i64 {
+            return Ok(());
+        }
+        ensure!(
+            started.elapsed() < PATIENCE,
+            "after {PATIENCE:?} the positions passed {passed} of {records} records"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The crash from the question: 500 records (100 of them a producer's
+/// resends) over 3 partitions; the consumer is `SIGKILL`ed 5 times mid-stream
+/// (its commits just made, the broker's offsets committed every 5 s at
+/// best) and restarted each time; every balance exact, and how far behind
+/// the database the broker's offsets were at each kill.
+async fn sigkill_after_commits(case: Case) -> Result<String, String> {
+    const KILLS: usize = 5;
+    const PARTITIONS: i32 = 3;
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    create_topic(&case, PARTITIONS).await?;
+    let stream = stream(&mut rng, "kk", 400, 100, 20);
+    publish(&case, &stream).await?;
+    let database = case.database().await?;
+    let mut targets: Vec<i64> = (20..380).collect();
+    targets.shuffle(&mut rng);
+    let mut targets = targets[..KILLS].to_vec();
+    targets.sort_unstable();
+    let mut behind = Vec::new();
+    // Each start joins a group of its own: tansu 0.6 gives a member that
+    // joins while a killed one is still in its group (until its session
+    // times out) no partition, and does not rebalance when the killed one
+    // expires (a Kafka broker would). A new group has no committed offset at
+    // all, so only the positions in the database keep it from starting over.
+    for (n, target) in targets.into_iter().enumerate() {
+        let group = format!("{}-{n}", case.queue);
+        let consumer = case.consumer(&["--group", &group]).await?;
+        wait_processed(&case, &database, target)
+            .await
+            .map_err(failed)?;
+        consumer.kill().await;
+        let in_database = positions(&database, &case.queue).await?;
+        let at_broker = broker_positions(&case, &group, PARTITIONS).await?;
+        behind.push(in_database - at_broker);
+    }
+    let group = format!("{}-{KILLS}", case.queue);
+    let consumer = case.consumer(&["--group", &group]).await?;
+    consumed(&database, &case.queue, stream.messages.len())
+        .await
+        .map_err(failed)?;
+    consumer.terminate().await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    let applied = processed(&database, &case.inbox_consumer()).await?;
+    ensure!(
+        applied == stream.unique as i64,
+        "the inbox holds {applied} messages, expected {}",
+        stream.unique
+    );
+    Ok(format!(
+        "{} records (100 duplicates), {KILLS} kills; the broker's offsets were {behind:?} records \
+         behind the database's at the kills (each a replay without the positions in the \
+         transaction); {effects} effects, {} balances exact",
+        stream.messages.len(),
+        stream.expected.len()
+    ))
+}
+
+/// 300 records over 3 partitions: member A starts, member B joins after 100,
+/// A leaves (SIGTERM) after 200, 100 more records come; every balance exact.
+async fn a_member_joins_and_one_leaves(case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    create_topic(&case, 3).await?;
+    let stream = stream(&mut rng, "kj", 400, 0, 12);
+    let (first, rest) = stream.messages.split_at(300);
+    let producer = producer(&case)?;
+    for (id, body) in first {
+        produce(&producer, &case.queue, id, body).await?;
+    }
+    let database = case.database().await?;
+    let started = Instant::now();
+    let a = case.consumer(&["--handler-latency-ms", "5"]).await?;
+    wait_processed(&case, &database, 100)
+        .await
+        .map_err(failed)?;
+    let b = case.consumer(&["--handler-latency-ms", "5"]).await?;
+    wait_processed(&case, &database, 200)
+        .await
+        .map_err(failed)?;
+    a.terminate().await?;
+    for (id, body) in rest {
+        produce(&producer, &case.queue, id, body).await?;
+    }
+    consumed(&database, &case.queue, stream.messages.len())
+        .await
+        .map_err(failed)?;
+    b.terminate().await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    Ok(format!(
+        "400 records over 3 partitions; B joined at 100, A left at 200; {effects} effects, {} \
+         balances exact, in {:.1} s",
+        stream.expected.len(),
+        started.elapsed().as_secs_f64()
+    ))
+}
+
+/// On one partition: a payment, one to `--fail-account`, two more. The
+/// failing one is tried exactly 3 times, then is in `<topic>.dlq` with its
+/// reason, its attempts and its origin; the payments behind it are applied
+/// after it.
+async fn a_failing_record_is_dead_lettered_in_order(case: Case) -> Result<String, String> {
+    dead_letter_then(case, false).await
+}
+
+/// The dead letter of the scenario above, re-driven after the fix (a
+/// consumer without `--fail-account`): applied once; a second redrive moves
+/// nothing, and the listing is empty.
+async fn a_redrive_is_applied_once(case: Case) -> Result<String, String> {
+    dead_letter_then(case, true).await
+}
+
+async fn dead_letter_then(case: Case, redrive: bool) -> Result<String, String> {
+    create_topic(&case, 1).await?;
+    let producer = producer(&case)?;
+    let topic = case.queue.clone();
+    let ok = format!("acct-{topic}-ok");
+    let bad = format!("acct-{topic}-bad");
+    let records = [
+        ("m-1", payment(&ok, 10)),
+        ("m-2", payment(&bad, 7)),
+        ("m-3", payment(&ok, 20)),
+        ("m-4", payment(&ok, 30)),
+    ];
+    // One partition: every record, whatever its account, in this order.
+    for (id, body) in &records {
+        let record = FutureRecord::to(&topic)
+            .partition(0)
+            .key("same")
+            .payload(body)
+            .headers(OwnedHeaders::new().insert(Header {
+                key: "message_id",
+                value: Some(*id),
+            }));
+        producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| e.to_string())?;
+    }
+    let database = case.database().await?;
+    let consumer = case.consumer(&["--fail-account", &bad]).await?;
+    consumed(&database, &topic, records.len()).await?;
+    let balance = case.balance(&ok).await?;
+    ensure!(
+        (balance.balance, balance.operations) == (60, 3),
+        "the payments behind the failing one: {balance:?}, expected 60 in 3 operations"
+    );
+    let servers = servers(&case)?.to_owned();
+    let letters = list(&case, &servers).await?;
+    let [letter] = letters.as_slice() else {
+        return Err(format!("dead-letters printed {letters:?}, expected one"));
+    };
+    let attempts = letter["attempts"].as_array().map_or(0, Vec::len);
+    ensure!(
+        letter["topic"] == topic.as_str()
+            && letter["message_id"] == "m-2"
+            && attempts == 3
+            && letter["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("--fail-account"))
+            && letter["body"]["account_id"] == bad.as_str(),
+        "dead-letters printed {letter}, expected m-2 from {topic} with 3 attempts and its reason"
+    );
+    let headers = dlq_headers(&servers, &format!("{topic}.dlq")).await?;
+    for (name, value) in [
+        ("message_id", "m-2"),
+        ("idem-topic", topic.as_str()),
+        ("idem-partition", "0"),
+        ("idem-offset", "1"),
+    ] {
+        ensure!(
+            headers.get(name).map(String::as_str) == Some(value),
+            "the dead letter's header {name} is {:?}, expected {value:?} (headers {headers:?})",
+            headers.get(name)
+        );
+    }
+    if !redrive {
+        consumer.terminate().await?;
+        return Ok(format!(
+            "m-2 tried 3 times, then in {topic}.dlq with idem-reason, idem-attempts, idem-topic, \
+             idem-partition 0, idem-offset 1; the 3 payments behind it applied (60)"
+        ));
+    }
+    consumer.terminate().await?;
+    let fixed = case.consumer(&[]).await?;
+    let out = case
+        .command(&["redrive", "--kafka", &servers, "--topic", &topic])
+        .await?;
+    ensure!(
+        out.trim() == format!("re-drove 1 dead letters from {topic}.dlq to {topic}"),
+        "redrive printed {out:?}"
+    );
+    let started = Instant::now();
+    loop {
+        let paid = case.balance(&bad).await?;
+        if paid.operations >= 1 {
+            ensure!(
+                (paid.balance, paid.operations) == (7, 1),
+                "after the redrive: {paid:?}, expected 7 in 1 operation"
+            );
+            break;
+        }
+        ensure!(
+            started.elapsed() < PATIENCE,
+            "the re-driven payment was not applied within {PATIENCE:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = case
+        .command(&["redrive", "--kafka", &servers, "--topic", &topic])
+        .await?;
+    ensure!(
+        again.trim() == format!("re-drove 0 dead letters from {topic}.dlq to {topic}"),
+        "a second redrive printed {again:?}"
+    );
+    let left = list(&case, &servers).await?;
+    ensure!(left.is_empty(), "dead-letters after the redrive: {left:?}");
+    // The re-driven record is past, in the database's positions too.
+    consumed(&database, &topic, records.len() + 1).await?;
+    fixed.terminate().await?;
+    let paid = case.balance(&bad).await?;
+    ensure!(
+        (paid.balance, paid.operations) == (7, 1),
+        "after the consumer stopped: {paid:?}, expected 7 in 1 operation"
+    );
+    Ok("dead letter re-driven: applied once (7, 1 operation); a second redrive moved 0, none listed".to_owned())
+}
+
+/// `dead-letters --kafka`, one JSON value per line.
+async fn list(case: &Case, servers: &str) -> Result<Vec<serde_json::Value>, String> {
+    let out = case
+        .command(&["dead-letters", "--kafka", servers, "--topic", &case.queue])
+        .await?;
+    out.lines()
+        .map(|line| serde_json::from_str(line).map_err(|e| format!("{line:?}: {e}")))
+        .collect()
+}
+
+/// The headers of the first record of `dlq`.
+async fn dlq_headers(servers: &str, dlq: &str) -> Result<BTreeMap<String, String>, String> {
+    use idem_kafka::rdkafka::Message as _;
+    use idem_kafka::rdkafka::message::Headers as _;
+    let (servers, dlq) = (servers.to_owned(), dlq.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &servers)
+            .set("group.id", format!("{dlq}-reader"))
+            .create()
+            .map_err(|e| e.to_string())?;
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&dlq, 0, Offset::Beginning)
+            .map_err(|e| e.to_string())?;
+        consumer.assign(&tpl).map_err(|e| e.to_string())?;
+        let started = Instant::now();
+        while started.elapsed() < PATIENCE {
+            if let Some(record) = consumer.poll(Duration::from_millis(200)) {
+                let record = record.map_err(|e| e.to_string())?;
+                let mut headers = BTreeMap::new();
+                if let Some(found) = record.headers() {
+                    for header in found.iter() {
+                        headers.insert(
+                            header.key.to_owned(),
+                            String::from_utf8_lossy(header.value.unwrap_or_default()).into_owned(),
+                        );
+                    }
+                }
+                return Ok(headers);
+            }
+        }
+        Err(format!("no record in {dlq} within {PATIENCE:?}"))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
