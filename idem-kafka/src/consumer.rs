@@ -92,20 +92,20 @@ pub struct ConsumerBuilder<I = Unset, H = Unset> {
 }
 
 /// A Kafka consumer that applies each record once: see the crate's docs.
-pub struct Consumer<I: Offsets, H> {
+pub struct Consumer<I, H> {
     servers: String,
     topic: String,
     group: String,
-    protocol: Protocol<Fenced<I>>,
+    name: String,
+    inbox: I,
+    policy: ConsumerPolicy,
     handler: H,
     config: Vec<(String, String)>,
     queue: usize,
     shutdown_timeout: Duration,
 }
 
-// On one concrete type, as `HashMap::new` is: `Consumer::builder` needs no
-// turbofish, and the builder's `inbox` and `handler` choose the real types.
-impl Consumer<idem_diesel::PgInbox, Unset> {
+impl Consumer<Unset, Unset> {
     /// A consumer of `topic` on the cluster of `servers`
     /// (`HOST:PORT[,HOST:PORT…]`). Give it an inbox
     /// ([`inbox`](ConsumerBuilder::inbox)) and a handler
@@ -212,7 +212,9 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I, H
             servers: self.servers,
             topic: self.topic,
             group,
-            protocol: Protocol::new(name, Fenced::new(self.inbox), self.policy),
+            name,
+            inbox: self.inbox,
+            policy: self.policy,
             handler: self.handler,
             config: self.config,
             queue: self.queue,
@@ -225,11 +227,6 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
     /// The dead-letter topic: `<topic>.dlq`.
     pub fn dead_letter_topic(&self) -> String {
         topics::dead_letter_topic(&self.topic)
-    }
-
-    /// The protocol (its inbox, its dead letters).
-    pub fn protocol(&self) -> &Protocol<Fenced<I>> {
-        &self.protocol
     }
 
     /// Consumes until `stop` resolves; calls `subscribed` once, when the
@@ -245,18 +242,13 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
         stop: impl Future<Output = ()>,
         subscribed: impl FnOnce(&Subscription),
     ) -> Result<(), Error> {
-        self.protocol
-            .inbox()
-            .inner()
-            .migrate_offsets()
-            .await
-            .map_err(Error::Offsets)?;
+        self.inbox.migrate_offsets().await.map_err(Error::Offsets)?;
         let dlq = self.dead_letter_topic();
         topics::ensure(&self.servers, &dlq).await?;
         let producer = topics::producer(&self.servers)?;
         let (commands, received) = std_mpsc::channel();
         let shared = Arc::new(Shared {
-            protocol: self.protocol,
+            protocol: Protocol::new(self.name, Fenced::new(self.inbox), self.policy),
             handler: self.handler,
             topic: self.topic.clone(),
             dlq,

@@ -55,7 +55,7 @@ pub use record::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, OFFSET_HEADER, PARTITION_HEADER, REASON_HEADER,
     REDRIVEN_HEADER, TOPIC_HEADER, rfc3339,
 };
-pub use topics::dead_letter_topic;
+pub use topics::{create_topic, dead_letter_topic};
 
 pub use idem_core;
 pub use idem_core::consume::{

@@ -17,8 +17,7 @@ use idem_core::consume::{Inbox, InboxError};
 use idem_diesel::diesel::result::QueryResult;
 use idem_diesel::diesel::sql_types::{BigInt, Integer, Text};
 use idem_diesel::diesel::{self, QueryableByName};
-use idem_diesel::diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idem_diesel::{AsyncSqliteConnection, PgInbox, SqliteInbox};
+use idem_diesel::diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 
 /// What an offsets step answers.
 pub type OffsetsFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -170,5 +169,10 @@ macro_rules! offsets_on {
     };
 }
 
-offsets_on!(AsyncPgConnection, PgInbox);
-offsets_on!(AsyncSqliteConnection, SqliteInbox);
+#[cfg(feature = "postgres")]
+offsets_on!(
+    idem_diesel::diesel_async::AsyncPgConnection,
+    idem_diesel::PgInbox
+);
+#[cfg(feature = "sqlite")]
+offsets_on!(idem_diesel::AsyncSqliteConnection, idem_diesel::SqliteInbox);

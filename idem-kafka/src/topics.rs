@@ -27,10 +27,17 @@ pub(crate) fn producer(servers: &str) -> Result<FutureProducer, Error> {
         .map_err(Error::kafka("create the producer"))
 }
 
-/// Creates `topic` with one partition unless it exists. One partition keeps
-/// the dead letters in the order they were written, so a redrive's mark (the
-/// offset it reached) covers exactly the letters before it.
+/// Creates the dead-letter topic with one partition unless it exists. One
+/// partition keeps the dead letters in the order they were written, so a
+/// redrive's mark (the offset it reached) covers exactly the letters before
+/// it.
 pub(crate) async fn ensure(servers: &str, topic: &str) -> Result<(), Error> {
+    create_topic(servers, topic, 1).await
+}
+
+/// Creates `topic` with `partitions` partitions (and the cluster's default
+/// replication) unless it exists; a topic that exists is left as it is.
+pub async fn create_topic(servers: &str, topic: &str, partitions: i32) -> Result<(), Error> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", servers)
         .create()
@@ -38,17 +45,21 @@ pub(crate) async fn ensure(servers: &str, topic: &str) -> Result<(), Error> {
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
     let created = admin
         .create_topics(
-            &[NewTopic::new(topic, 1, TopicReplication::Fixed(-1))],
+            &[NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(-1),
+            )],
             &options,
         )
         .await
-        .map_err(Error::kafka("create the dead-letter topic"))?;
+        .map_err(Error::kafka("create a topic"))?;
     for result in created {
         match result {
             Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((_, code)) => {
                 return Err(Error::Kafka {
-                    doing: "create the dead-letter topic",
+                    doing: "create a topic",
                     source: rdkafka::error::KafkaError::AdminOp(code),
                 });
             }

@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use idem_diesel::diesel::sql_types::{BigInt, Text};
 use idem_diesel::diesel::{self, QueryableByName};
+use idem_diesel::diesel_async::{AsyncConnection, TransactionManager};
 use idem_diesel::diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idem_diesel::{AsyncSqliteConnection, PgInbox, SqliteInbox};
+use idem_diesel::{AsyncSqliteConnection, Event, PgInbox, Publish, SqliteInbox, SqliteOutbox};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
@@ -51,6 +52,10 @@ fn main() -> ExitCode {
         ),
         trial("a_member_leaving_hands_its_partitions_over", handover),
         trial("a_stale_owner_is_fenced", fenced),
+        trial(
+            "the_outbox_relay_publishes_each_event_and_the_consumer_applies_it_once",
+            outbox_to_consumer,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, trials);
     conclusion.exit_code()
@@ -625,6 +630,72 @@ async fn fenced() -> Outcome {
         if written != expected {
             return Err(format!("{advance:?} wrote {written}, expected {expected}").into());
         }
+    }
+    Ok(())
+}
+
+/// 30 events staged in one transaction of the inbox's SQLite file, published
+/// by the relay with idem-kafka's `OutboxPublisher` (each event's id as its
+/// `message_id`, its key as the record's key), and one published again (a
+/// relay that crashed before marking it sent): the consumer applies 30.
+async fn outbox_to_consumer() -> Outcome {
+    type Manager = <AsyncSqliteConnection as AsyncConnection>::TransactionManager;
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("outbox");
+    create_topic(&topic, 2).await;
+    let inboxes = database(Db::Sqlite).await;
+    let Inboxes::Sqlite { inbox, .. } = &inboxes else {
+        unreachable!()
+    };
+    let outbox = SqliteOutbox::builder().build(inbox.pool().clone());
+    outbox.migrate().await.unwrap();
+    let events: Vec<Event> = (0..30)
+        .map(|i| Event::new(topic.clone(), format!("acct-{}", i % 3), format!("e{i:02}")))
+        .collect();
+    let mut pooled = outbox.pool().get().await.unwrap();
+    let connection: &mut AsyncSqliteConnection = &mut pooled;
+    Manager::begin_transaction(connection).await.unwrap();
+    for event in &events {
+        outbox.stage(connection, event).await.unwrap();
+    }
+    Manager::commit_transaction(connection).await.unwrap();
+    drop(pooled);
+
+    let running = inboxes.consume(&topic, &topic, Apply::default()).await;
+    let publisher = idem_kafka::OutboxPublisher::connect(&broker.servers()).unwrap();
+    let (stop_relay, relay_stopped) = oneshot::channel::<()>();
+    let relay = tokio::spawn(outbox.relay(publisher).run(async {
+        let _ = relay_stopped.await;
+    }));
+    eventually("every event applied", || async {
+        match inboxes.applied().await {
+            (30, 30) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    // Published again under the same id: a duplicate, at a new offset.
+    let again = idem_kafka::OutboxPublisher::connect(&broker.servers()).unwrap();
+    again.publish(&events[0]).await.unwrap();
+    eventually("the republished event consumed", || async {
+        let passed: i64 = positions(&inboxes, &topic, &topic)
+            .await
+            .iter()
+            .map(|(_, next)| next)
+            .sum();
+        if passed == 31 {
+            Ok(())
+        } else {
+            Err(format!("the positions passed {passed} records"))
+        }
+    })
+    .await?;
+    let _ = stop_relay.send(());
+    let _ = relay.await;
+    running.stop().await;
+    let applied = inboxes.applied().await;
+    if applied != (30, 30) {
+        return Err(format!("applied {applied:?}, expected each of the 30 events once").into());
     }
     Ok(())
 }

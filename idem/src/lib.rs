@@ -62,3 +62,23 @@ pub mod redis {
 pub mod rabbitmq {
     pub use idem_rabbitmq::*;
 }
+
+/// Kafka for consumers: idem-kafka's items (feature `kafka`, with `sqlite`
+/// and/or `postgres` for the inbox that keeps the positions).
+///
+/// The consumer, dead letters and redrive, the outbox's producer; see
+/// idem-kafka's documentation, whose `idem_kafka::` paths are `idem::kafka::`
+/// paths here.
+#[cfg(feature = "kafka")]
+pub mod kafka {
+    pub use idem_kafka::*;
+}
+
+/// SQS for consumers: idem-sqs's items (feature `sqs`).
+///
+/// See idem-sqs's documentation, whose `idem_sqs::` paths are `idem::sqs::`
+/// paths here.
+#[cfg(feature = "sqs")]
+pub mod sqs {
+    pub use idem_sqs::*;
+}

@@ -13,6 +13,10 @@ use crate::{Operation, StartError};
 /// Where events go when `--publish-to` is not given.
 pub const DEFAULT_PUBLISH_TO: &str = "payments";
 
+/// The partitions of a Kafka topic the service creates (each account's events
+/// stay in one, keyed by the account).
+const TOPIC_PARTITIONS: i32 = 3;
+
 /// How long sent events are kept before the outbox's cleanup deletes them.
 const SENT_RETENTION: Duration = Duration::from_secs(60 * 60);
 
@@ -71,27 +75,28 @@ impl Publishing {
         destination: &str,
         outbox: PublishingOutbox,
     ) -> Result<Self, StartError> {
-        let PublishUrl::Amqp(url) = url else {
-            return Err(StartError::KafkaUnsupported);
-        };
         let kind = outbox.kind();
         let failed = |source| StartError::Outbox { kind, source };
         match &outbox {
             PublishingOutbox::Postgres(outbox) => outbox.migrate().await.map_err(failed)?,
             PublishingOutbox::Sqlite(outbox) => outbox.migrate().await.map_err(failed)?,
         }
-        let publisher = OutboxPublisher::connect(url)
-            .await
-            .map_err(StartError::Publisher)?;
-        declare(url, destination).await?;
-        match &outbox {
-            PublishingOutbox::Postgres(outbox) => {
-                tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
-                tokio::spawn(outbox.cleanup().run(std::future::pending()));
+        match url {
+            PublishUrl::Amqp(url) => {
+                let publisher = OutboxPublisher::connect(url)
+                    .await
+                    .map_err(StartError::Publisher)?;
+                declare(url, destination).await?;
+                outbox.relay_with(publisher);
             }
-            PublishingOutbox::Sqlite(outbox) => {
-                tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
-                tokio::spawn(outbox.cleanup().run(std::future::pending()));
+            PublishUrl::Kafka(url) => {
+                let servers = url.trim_start_matches("kafka://").trim_end_matches('/');
+                let publisher = idem_kafka::OutboxPublisher::connect(servers)
+                    .map_err(StartError::KafkaPublisher)?;
+                idem_kafka::create_topic(servers, destination, TOPIC_PARTITIONS)
+                    .await
+                    .map_err(StartError::KafkaPublisher)?;
+                outbox.relay_with(publisher);
             }
         }
         tracing::info!(destination = %idem_core::log::bounded(destination), "publishing events through the outbox");
@@ -130,6 +135,21 @@ impl PublishingOutbox {
                 .retention(SENT_RETENTION)
                 .build(pool),
         )
+    }
+
+    /// Starts the relay, publishing with `publisher`, and the cleanup, on
+    /// the current runtime.
+    fn relay_with(&self, publisher: impl idem_diesel::Publish) {
+        match self {
+            Self::Postgres(outbox) => {
+                tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
+                tokio::spawn(outbox.cleanup().run(std::future::pending()));
+            }
+            Self::Sqlite(outbox) => {
+                tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
+                tokio::spawn(outbox.cleanup().run(std::future::pending()));
+            }
+        }
     }
 
     fn kind(&self) -> &'static str {

@@ -215,9 +215,6 @@ pub enum StartError {
     /// repeated: it may hold a password).
     #[error("unknown --publish URL: expected amqp://… or kafka://HOST:PORT")]
     UnknownPublishUrl,
-    /// `--publish kafka://…` in a build without a Kafka publisher.
-    #[error("--publish kafka://… needs a Kafka publisher, which this build does not have yet")]
-    KafkaUnsupported,
     /// The outbox's table could not be created.
     #[error("cannot open the {kind} outbox")]
     Outbox {
@@ -230,6 +227,9 @@ pub enum StartError {
     /// The publisher could not connect to the broker, or declare the queue.
     #[error("cannot publish to RabbitMQ")]
     Publisher(#[source] idem_rabbitmq::Error),
+    /// The Kafka producer could not be created, or the topic not created.
+    #[error("cannot publish to Kafka")]
+    KafkaPublisher(#[source] idem_kafka::Error),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
     Listen {
@@ -247,9 +247,7 @@ impl StartError {
     /// otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Self::PublishNeedsTransactions(_)
-            | Self::UnknownPublishUrl
-            | Self::KafkaUnsupported => 2,
+            Self::PublishNeedsTransactions(_) | Self::UnknownPublishUrl => 2,
             _ => 1,
         }
     }
@@ -269,14 +267,11 @@ impl Options {
     pub async fn open(&self) -> Result<Storage, StartError> {
         let store = self.store_url()?;
         let publish = self.publish.as_deref().map(PublishUrl::parse).transpose()?;
-        if let Some(publish) = &publish {
+        if publish.is_some() {
             match &store {
                 StoreUrl::Memory => return Err(StartError::PublishNeedsTransactions("memory")),
                 StoreUrl::Redis(_) => return Err(StartError::PublishNeedsTransactions("Redis")),
                 StoreUrl::Sqlite(_) | StoreUrl::Postgres(_) => {}
-            }
-            if matches!(publish, PublishUrl::Kafka(_)) {
-                return Err(StartError::KafkaUnsupported);
             }
         }
         let storage = store.open(self.expiry()).await?;
