@@ -152,7 +152,7 @@ struct Total {
 
 /// What the handler reads of a message's body.
 #[derive(serde::Deserialize)]
-struct Payment {
+pub(crate) struct Payment {
     payment_id: String,
     account_id: String,
     amount: i64,
@@ -164,7 +164,7 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The effect, on a connection whose transaction is open: the same
 /// statements for both consumers.
-trait Ledger: Send {
+pub(crate) trait Ledger: Send {
     /// The balance `UPDATE` and the payment's `INSERT`; an unknown account
     /// is `NotFound`.
     fn apply<'a>(&'a mut self, payment: &'a Payment) -> BoxFuture<'a, QueryResult<()>>;
@@ -223,7 +223,7 @@ ledger!(AsyncPgConnection);
 ledger!(AsyncSqliteConnection);
 
 /// The bare consumer's transaction on a pool of the database.
-trait BareTransaction: Clone + Send + Sync + 'static {
+pub(crate) trait BareTransaction: Clone + Send + Sync + 'static {
     /// Checks a connection out, begins, applies `payment`, commits.
     fn run<'a>(&'a self, payment: &'a Payment) -> BoxFuture<'a, Result<(), BoxError>>;
 }
@@ -276,8 +276,8 @@ impl BareTransaction for SqlitePool {
 }
 
 /// idem's handler: the effect on the inbox's transaction, counted.
-struct Apply {
-    progress: Arc<Progress>,
+pub(crate) struct Apply {
+    pub(crate) progress: Arc<Progress>,
 }
 
 impl<Tx: Ledger> Handler<Tx> for Apply {
@@ -292,14 +292,14 @@ impl<Tx: Ledger> Handler<Tx> for Apply {
 }
 
 /// Counts messages; says so when the target is reached.
-struct Progress {
+pub(crate) struct Progress {
     done: AtomicUsize,
     target: usize,
-    reached: Notify,
+    pub(crate) reached: Notify,
 }
 
 impl Progress {
-    fn new(target: usize) -> Arc<Self> {
+    pub(crate) fn new(target: usize) -> Arc<Self> {
         Arc::new(Self {
             done: AtomicUsize::new(0),
             target,
@@ -307,13 +307,13 @@ impl Progress {
         })
     }
 
-    fn one(&self) {
+    pub(crate) fn one(&self) {
         if self.done.fetch_add(1, Ordering::Relaxed) + 1 == self.target {
             self.reached.notify_one();
         }
     }
 
-    fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.done.load(Ordering::Relaxed)
     }
 }
@@ -365,7 +365,7 @@ impl Window {
 }
 
 /// The database of a run.
-enum Database {
+pub(crate) enum Database {
     Postgres { inbox: PgInbox, port: Option<u16> },
     Sqlite { inbox: SqliteInbox },
 }
@@ -382,7 +382,13 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     if options.messages == 0 {
         return Err("--messages must be at least 1".into());
     }
-    let database = Database::open(&options).await?;
+    let database = Database::open(
+        &options.database,
+        options.accounts,
+        options.pool,
+        options.concurrency,
+    )
+    .await?;
     let warmup_queue = format!("{}.warmup", options.queue);
     let published = Instant::now();
     publish(&options, &options.queue, options.messages).await?;
@@ -429,12 +435,17 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
 
 impl Database {
     /// The pool and the inbox's tables, the ledger's tables and accounts.
-    async fn open(options: &Options) -> Result<Self, BoxError> {
-        let accounts = options.accounts.max(1);
-        if options.database.starts_with("sqlite:") {
+    pub(crate) async fn open(
+        url: &str,
+        accounts: usize,
+        pool: Option<u32>,
+        concurrency: usize,
+    ) -> Result<Self, BoxError> {
+        let accounts = accounts.max(1);
+        if url.starts_with("sqlite:") {
             let inbox = SqliteInbox::builder()
-                .max_connections(options.pool.unwrap_or(SQLITE_POOL))
-                .connect(&options.database)
+                .max_connections(pool.unwrap_or(SQLITE_POOL))
+                .connect(url)
                 .await?;
             inbox.migrate().await?;
             let seed = format!(
@@ -444,12 +455,11 @@ impl Database {
             create_ledger(&mut *inbox.pool().get().await?, &seed).await?;
             Ok(Self::Sqlite { inbox })
         } else {
-            let connections = options
-                .pool
-                .unwrap_or_else(|| u32::try_from(options.concurrency).unwrap_or(u32::MAX));
+            let connections =
+                pool.unwrap_or_else(|| u32::try_from(concurrency).unwrap_or(u32::MAX));
             let inbox = PgInbox::builder()
                 .max_connections(connections)
-                .connect(&options.database)
+                .connect(url)
                 .await?;
             inbox.migrate().await?;
             let seed = format!(
@@ -461,12 +471,12 @@ impl Database {
             create_ledger(&mut *inbox.pool().get().await?, &seed).await?;
             Ok(Self::Postgres {
                 inbox,
-                port: port_of(&options.database),
+                port: port_of(url),
             })
         }
     }
 
-    fn postgres_port(&self) -> Option<u16> {
+    pub(crate) fn postgres_port(&self) -> Option<u16> {
         match self {
             Self::Postgres { port, .. } => *port,
             Self::Sqlite { .. } => None,
@@ -499,7 +509,7 @@ impl Database {
     }
 
     /// How many payments the accounts counted, in all.
-    async fn applied(&self) -> Result<i64, BoxError> {
+    pub(crate) async fn applied(&self) -> Result<i64, BoxError> {
         Ok(match self {
             Self::Postgres { inbox, .. } => inbox.pool().get().await?.applied().await?,
             Self::Sqlite { inbox } => inbox.pool().get().await?.applied().await?,
@@ -682,7 +692,7 @@ async fn open(options: &Options) -> Result<(lapin::Connection, Channel), BoxErro
 /// A payment as a payment service would publish it (about 330 bytes of
 /// JSON): its id, the account, the amount in cents, and the details a
 /// consumer reads past.
-fn payment_body(id: &str, n: usize, accounts: usize) -> String {
+pub(crate) fn payment_body(id: &str, n: usize, accounts: usize) -> String {
     serde_json::json!({
         "payment_id": id,
         "account_id": format!("acc-{:05}", n.wrapping_mul(7_919) % accounts),

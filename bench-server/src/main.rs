@@ -18,6 +18,9 @@
 //! - `consume`: one drain of pre-published payments from RabbitMQ, through
 //!   idem-rabbitmq with the PostgreSQL or SQLite inbox, or through a bare
 //!   lapin consumer applying the same transaction (see `consume`).
+//! - `kafka-consume`: the same on Kafka, through idem-kafka (the offsets in
+//!   the transaction) or a bare rdkafka consumer with auto-commit (see
+//!   `kafka_consume`).
 //! - `outbox-drain`, `outbox-lag`: idem-diesel's outbox relay publishing to
 //!   RabbitMQ: a drain of staged events, and the lag from commit to confirm
 //!   under a fixed rate of charges (see `outbox`).
@@ -31,6 +34,7 @@ use idem_core::log::error_chain;
 
 mod consume;
 mod handler;
+mod kafka_consume;
 mod load;
 mod memory;
 mod outbox;
@@ -72,6 +76,10 @@ enum Command {
     /// Publishes payments to a fresh queue, drains them through a consumer and
     /// prints the drain's time and CPU.
     Consume(consume::Options),
+    /// Fills a fresh Kafka topic with payments, drains it through idem-kafka
+    /// or a bare rdkafka consumer with auto-commit, and prints what it
+    /// measured.
+    KafkaConsume(kafka_consume::Options),
     /// Stages events, then measures a relay draining them to RabbitMQ.
     OutboxDrain(outbox::DrainOptions),
     /// Charges at a fixed rate, each staging an event, and measures the lag
@@ -92,6 +100,7 @@ fn main() -> ExitCode {
         Command::RedisLoad(options) => redis::load(options),
         Command::Profile(options) => profile::run(&options),
         Command::Consume(options) => consume::run(options),
+        Command::KafkaConsume(options) => kafka_consume::run(options),
         Command::OutboxDrain(options) => outbox::drain(options),
         Command::OutboxLag(options) => outbox::lag(options),
     };

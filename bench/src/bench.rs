@@ -18,6 +18,9 @@
 //!   consumer applying the same transaction without an inbox (same prefetch,
 //!   concurrency 1 and 32), draining pre-published payments on a throwaway
 //!   RabbitMQ node; the consumer's and PostgreSQL's CPU time per message.
+//! - **Kafka** ([`consumer`] too): the same on Kafka (tansu), idem-kafka with
+//!   each partition's offset in the effect's transaction against a bare
+//!   rdkafka consumer with auto-commit.
 //! - **Outbox** ([`outbox`]): transactional first executions on `PgStore`
 //!   with and without staging one outbox event in the request's transaction;
 //!   one relay's events per second draining pre-staged events to a throwaway
@@ -92,6 +95,9 @@ struct Settings {
     rounds: usize,
     /// Consumers' concurrencies (the consumer section).
     consumer_concurrencies: Vec<usize>,
+    /// Kafka consumers' concurrencies: the topic's partitions (the kafka
+    /// section).
+    kafka_concurrencies: Vec<usize>,
     /// Messages each consumer run drains, measured.
     consumer_messages: usize,
     /// Messages each consumer run drains first, unmeasured.
@@ -120,6 +126,7 @@ impl Settings {
             cleanup_rows: 1_000_000,
             rounds: 3,
             consumer_concurrencies: vec![1, 32],
+            kafka_concurrencies: vec![1, 4],
             consumer_messages: 10_000,
             consumer_warmup: 256,
             outbox_events: 20_000,
@@ -143,6 +150,7 @@ impl Settings {
             cleanup_rows: 100_000,
             rounds: 1,
             consumer_concurrencies: vec![1, 32],
+            kafka_concurrencies: vec![1, 4],
             consumer_messages: 300,
             consumer_warmup: 64,
             outbox_events: 2_000,
@@ -222,7 +230,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 9] = [
+    let sections: [(&str, Section); 10] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
@@ -230,6 +238,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         ("postgres", postgres::postgres),
         ("redis", redis::redis),
         ("consumer", consumer::consumer),
+        ("kafka", consumer::kafka),
         ("outbox", outbox::outbox),
         ("peers", peers::peers),
     ];

@@ -1,4 +1,5 @@
-//! The consumer section: messages per second through idem-rabbitmq with the
+//! The consumer sections, `consumer` (RabbitMQ) and `kafka`: messages per
+//! second through idem-rabbitmq (or idem-kafka) with the
 //! PostgreSQL inbox (`PgInbox`) and the SQLite one (`SqliteInbox`), each
 //! against a bare lapin consumer applying the same transaction without an
 //! inbox, at the same prefetch and concurrency; and PostgreSQL's CPU time
@@ -28,7 +29,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use idem_testkit::TestRabbitMq;
+use idem_testkit::{TestKafka, TestRabbitMq};
 
 use super::load::Measured;
 use super::postgres::{cluster, url};
@@ -75,26 +76,80 @@ impl Kind {
     }
 }
 
+/// The broker a section drains from.
+#[derive(Clone)]
+enum On {
+    /// RabbitMQ, at this AMQP URL: idem-rabbitmq against bare lapin.
+    RabbitMq(String),
+    /// Kafka (tansu), at these bootstrap servers: idem-kafka against a bare
+    /// rdkafka consumer with auto-commit.
+    Kafka(String),
+}
+
+impl On {
+    fn section(&self) -> &'static str {
+        match self {
+            Self::RabbitMq(_) => "consumer",
+            Self::Kafka(_) => "kafka",
+        }
+    }
+
+    fn idem(&self) -> &'static str {
+        match self {
+            Self::RabbitMq(_) => "idem-rabbitmq",
+            Self::Kafka(_) => "idem-kafka",
+        }
+    }
+
+    fn bare(&self) -> &'static str {
+        match self {
+            Self::RabbitMq(_) => "bare lapin",
+            Self::Kafka(_) => "bare rdkafka (auto-commit)",
+        }
+    }
+}
+
 /// Starts the broker, the cluster and the SQLite file; runs every row; stops
 /// them.
 pub(super) fn consumer(bench: &Bench, report: &mut Report) -> Result<(), String> {
     let broker = TestRabbitMq::start().map_err(|e| e.to_string())?;
-    let (cluster, port) = cluster(bench, "consumer")?;
-    let dir = bench.logs.join(format!("consumer-{}", short_id()));
+    let on = On::RabbitMq(broker.url());
+    let outcome = on_databases(bench, report, &on, &bench.settings.consumer_concurrencies);
+    drop(broker);
+    outcome
+}
+
+/// The same rows on Kafka (`tansu`, in memory): idem-kafka, the offsets in
+/// the effect's transaction, against a bare rdkafka consumer with
+/// auto-commit; each concurrency is the topic's partitions.
+pub(super) fn kafka(bench: &Bench, report: &mut Report) -> Result<(), String> {
+    let broker = TestKafka::start().map_err(|e| e.to_string())?;
+    let on = On::Kafka(broker.servers());
+    on_databases(bench, report, &on, &bench.settings.kafka_concurrencies)
+}
+
+fn on_databases(
+    bench: &Bench,
+    report: &mut Report,
+    on: &On,
+    concurrencies: &[usize],
+) -> Result<(), String> {
+    let section = on.section();
+    let (cluster, port) = cluster(bench, section)?;
+    let dir = bench.logs.join(format!("{section}-{}", short_id()));
     let outcome = std::fs::create_dir_all(&dir)
         .map_err(|e| format!("{}: {e}", dir.display()))
         .and_then(|()| {
             let databases = [
-                (Store::Postgres, url(port, "consumer")),
+                (Store::Postgres, url(port, section)),
                 (
                     Store::Sqlite,
-                    format!("sqlite://{}", dir.join("consumer.db").display()),
+                    format!("sqlite://{}", dir.join(format!("{section}.db")).display()),
                 ),
             ];
-            rows(bench, report, &broker.url(), &databases)
+            rows(bench, report, on, concurrencies, &databases)
         });
     cluster.finish(Duration::from_secs(30));
-    drop(broker);
     let _ = std::fs::remove_dir_all(&dir);
     outcome
 }
@@ -102,16 +157,26 @@ pub(super) fn consumer(bench: &Bench, report: &mut Report) -> Result<(), String>
 fn rows(
     bench: &Bench,
     report: &mut Report,
-    amqp: &str,
+    on: &On,
+    concurrencies: &[usize],
     databases: &[(Store, String)],
 ) -> Result<(), String> {
     let settings = &bench.settings;
-    report.notes.push(format!(
-        "consumer rows: req/s is messages/s, the drain of {} pre-published messages \
-         (after {} of warm-up); srv is the consumer process; prefetch {PREFETCH}; nothing pinned",
-        settings.consumer_messages, settings.consumer_warmup,
-    ));
-    for &c in &settings.consumer_concurrencies {
+    report.notes.push(match on {
+        On::RabbitMq(_) => format!(
+            "consumer rows: req/s is messages/s, the drain of {} pre-published messages \
+             (after {} of warm-up); srv is the consumer process; prefetch {PREFETCH}; nothing pinned",
+            settings.consumer_messages, settings.consumer_warmup,
+        ),
+        On::Kafka(_) => format!(
+            "kafka rows: req/s is messages/s, the drain of {} pre-produced records (after {} of \
+             warm-up) on tansu (in memory); c is the topic's partitions: idem-kafka applies each \
+             in order, the bare consumer up to c records at once in no order; srv is the consumer \
+             process; nothing pinned",
+            settings.consumer_messages, settings.consumer_warmup,
+        ),
+    });
+    for &c in concurrencies {
         for database in databases {
             let mut idem = Measured::default();
             let mut bare = Measured::default();
@@ -122,14 +187,14 @@ fn rows(
                     [Kind::Bare, Kind::Idem]
                 };
                 for kind in order {
-                    let drained = drain(bench, amqp, database, kind, c)?;
+                    let drained = drain(bench, on, database, kind, c)?;
                     match kind {
                         Kind::Idem => idem = std::mem::take(&mut idem).pooled(drained),
                         Kind::Bare => bare = std::mem::take(&mut bare).pooled(drained),
                     }
                 }
             }
-            add(report, database.0, c, &idem, &bare);
+            add(report, on, database.0, c, &idem, &bare);
         }
     }
     Ok(())
@@ -142,7 +207,7 @@ const PREFETCH: u16 = 32;
 /// seconds, its CPU time and PostgreSQL's.
 fn drain(
     bench: &Bench,
-    amqp: &str,
+    on: &On,
     (store, database): &(Store, String),
     kind: Kind,
     c: usize,
@@ -154,11 +219,17 @@ fn drain(
     };
     let queue = format!("bench-{}-{store}-{}-c{c}", short_id(), kind.flag());
     let mut command = Command::new(&bench.binaries.server);
+    match on {
+        On::RabbitMq(amqp) => command
+            .args(["consume", "--amqp", amqp, "--queue", &queue])
+            .args(["--prefetch", &PREFETCH.to_string()]),
+        On::Kafka(servers) => {
+            command.args(["kafka-consume", "--kafka", servers, "--topic", &queue])
+        }
+    };
     command
-        .args(["consume", "--amqp", amqp, "--queue", &queue])
         .args(["--database", database, "--consumer", kind.flag()])
         .args(["--concurrency", &c.to_string()])
-        .args(["--prefetch", &PREFETCH.to_string()])
         .args(["--messages", &settings.consumer_messages.to_string()])
         .args(["--warmup", &settings.consumer_warmup.to_string()]);
     let json = helper_json(command, Duration::from_secs(600))?;
@@ -180,15 +251,16 @@ fn drain(
 }
 
 /// The two rows of a store at `c`, and their ratios.
-fn add(report: &mut Report, store: Store, c: usize, idem: &Measured, bare: &Measured) {
+fn add(report: &mut Report, on: &On, store: Store, c: usize, idem: &Measured, bare: &Measured) {
     let (inbox, name) = (store.inbox(), store.name());
-    report.rows.push(
-        Row::from_load("consumer", format!("idem-rabbitmq + {inbox}"), c, idem).without_latency(),
-    );
+    let (section, idem_name, bare_name) = (on.section(), on.idem(), on.bare());
+    report
+        .rows
+        .push(Row::from_load(section, format!("{idem_name} + {inbox}"), c, idem).without_latency());
     report.rows.push(
         Row::from_load(
-            "consumer",
-            format!("bare lapin + the same {name} transaction"),
+            section,
+            format!("{bare_name} + the same {name} transaction"),
             c,
             bare,
         )
@@ -205,7 +277,7 @@ fn add(report: &mut Report, store: Store, c: usize, idem: &Measured, bare: &Meas
     };
     report.ratios.push(
         Ratio::new(
-            format!("idem-rabbitmq + {inbox} / bare lapin, msgs/s (c={c})"),
+            format!("{idem_name} + {inbox} / {bare_name}, msgs/s (c={c})"),
             idem.rps() / bare.rps(),
             Target::AtLeast(0.85),
         )
@@ -216,7 +288,7 @@ fn add(report: &mut Report, store: Store, c: usize, idem: &Measured, bare: &Meas
         bare.database_micros_per_request(),
     ) {
         let what =
-            format!("idem-rabbitmq + {inbox} / bare lapin, PostgreSQL CPU per message (c={c})");
+            format!("{idem_name} + {inbox} / {bare_name}, PostgreSQL CPU per message (c={c})");
         report.ratios.push(if bare_cost > 0.0 {
             Ratio::new(what, idem_cost / bare_cost, Target::None).note(format!(
                 "PostgreSQL CPU per message: idem {idem_cost:.1} us, bare {bare_cost:.1} us"

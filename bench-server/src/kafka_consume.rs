@@ -1,0 +1,292 @@
+//! `kafka-consume`: one drain of a topic of payments, through idem-kafka (the
+//! inbox row, the effect and the partition's next offset in one transaction
+//! of `PgInbox` or `SqliteInbox`), or through a bare rdkafka consumer with
+//! auto-commit that applies the same transaction, without an inbox and
+//! without its offsets in the database.
+//!
+//! As `consume` does for RabbitMQ:
+//!
+//! 1. **Set-up, not measured:** the database's ledger (`consume`'s), a fresh
+//!    topic of `--concurrency` partitions and its warm-up topic, filled with
+//!    payments keyed by account, each with its `message_id` header, by an
+//!    idempotent producer.
+//! 2. **Warm-up, not measured:** the same kind of consumer drains the warm-up
+//!    topic.
+//! 3. **The drain, measured:** idem-kafka's window starts when the group
+//!    assigned it its partitions, the bare consumer's when it receives its
+//!    first record (its assignment happens inside its first poll), and both
+//!    end when the last payment has committed. idem applies each partition
+//!    in order, a worker per partition; the bare consumer applies up to
+//!    `--concurrency` records at once, as they come, in no particular order
+//!    (`enable.auto.commit` with the offsets stored on receipt: the classic
+//!    consumer that loses or repeats records on a crash).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::rdkafka::Message as _;
+use idem_kafka::rdkafka::consumer::{Consumer as _, StreamConsumer};
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_kafka::{ConsumerPolicy, Offsets};
+use tokio::task::JoinSet;
+
+use crate::BoxError;
+use crate::consume::{
+    Apply, BareTransaction, Database, Ledger, Payment, Progress, Window, payment_body,
+};
+
+/// What `kafka-consume` runs.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Options {
+    /// The bootstrap servers, `HOST:PORT`.
+    #[arg(long)]
+    kafka: String,
+    /// The run's topic (a fresh name: created, filled and drained here).
+    #[arg(long)]
+    topic: String,
+    /// The database: `postgres://…` or `sqlite://PATH`.
+    #[arg(long)]
+    database: String,
+    /// `idem` (idem-kafka and the database's inbox) or `bare` (rdkafka with
+    /// auto-commit and the same transaction, no inbox).
+    #[arg(long)]
+    consumer: Kind,
+    /// The topic's partitions, and the bare consumer's records at once.
+    #[arg(long)]
+    concurrency: usize,
+    /// Messages in the measured drain.
+    #[arg(long)]
+    messages: usize,
+    /// Messages drained first, unmeasured.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Accounts the payments are spread over.
+    #[arg(long, default_value_t = 1_000)]
+    accounts: usize,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Kind {
+    Idem,
+    Bare,
+}
+
+/// The consumer's name in the inbox and the offsets table.
+const CONSUMER: &str = "payments";
+
+pub(crate) fn run(options: Options) -> Result<(), BoxError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(options.workers.max(1))
+        .enable_all()
+        .build()?
+        .block_on(drain_once(options))
+}
+
+async fn drain_once(options: Options) -> Result<(), BoxError> {
+    if options.messages == 0 {
+        return Err("--messages must be at least 1".into());
+    }
+    let partitions = options.concurrency.max(1);
+    // A connection per partition's worker (or bare task), as `consume` gives.
+    let database = Database::open(
+        &options.database,
+        options.accounts,
+        None,
+        options.concurrency,
+    )
+    .await?;
+    let warmup_topic = format!("{}.warmup", options.topic);
+    let partitions = i32::try_from(partitions)?;
+    for topic in [&options.topic, &warmup_topic] {
+        idem_kafka::create_topic(&options.kafka, topic, partitions).await?;
+    }
+    publish(&options, &options.topic, options.messages).await?;
+    if options.warmup > 0 {
+        publish(&options, &warmup_topic, options.warmup).await?;
+        let mut ignored = Window::new(None);
+        drain(
+            &database,
+            &options,
+            &warmup_topic,
+            options.warmup,
+            &mut ignored,
+        )
+        .await?;
+    }
+    let before = database.applied().await?;
+    let mut window = Window::new(database.postgres_port());
+    let drained = drain(
+        &database,
+        &options,
+        &options.topic,
+        options.messages,
+        &mut window,
+    )
+    .await?;
+    let measured = window.end()?;
+    if drained != options.messages {
+        return Err(format!("{drained} messages drained, not {}", options.messages).into());
+    }
+    let applied = database.applied().await? - before;
+    if applied != options.messages as i64 {
+        return Err(format!(
+            "the accounts counted {applied} payments in the drain, not {}",
+            options.messages
+        )
+        .into());
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "messages": options.messages,
+            "seconds": measured.seconds,
+            "cpu_seconds": measured.cpu_seconds,
+            "database_cpu_seconds": measured.database_cpu_seconds,
+        })
+    );
+    Ok(())
+}
+
+async fn drain(
+    database: &Database,
+    options: &Options,
+    topic: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError> {
+    match (database, options.consumer) {
+        (Database::Postgres { inbox, .. }, Kind::Idem) => {
+            idem(inbox.clone(), options, topic, count, window).await
+        }
+        (Database::Sqlite { inbox }, Kind::Idem) => {
+            idem(inbox.clone(), options, topic, count, window).await
+        }
+        (Database::Postgres { inbox, .. }, Kind::Bare) => {
+            bare(inbox.pool().clone(), options, topic, count, window).await
+        }
+        (Database::Sqlite { inbox }, Kind::Bare) => {
+            bare(inbox.pool().clone(), options, topic, count, window).await
+        }
+    }
+}
+
+/// idem-kafka's consumer on `inbox`, stopped once its handler ran `count`
+/// times.
+async fn idem<I>(
+    inbox: I,
+    options: &Options,
+    topic: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError>
+where
+    I: Offsets,
+    I::Tx: Ledger + Sized,
+{
+    let progress = Progress::new(count);
+    let consumer = idem_kafka::Consumer::builder(&options.kafka, topic)
+        .group(format!("{topic}-idem"))
+        .name(CONSUMER)
+        .inbox(inbox)
+        .policy(ConsumerPolicy::new())
+        .handler(Apply {
+            progress: Arc::clone(&progress),
+        })
+        .build();
+    consumer
+        .run(progress.reached.notified(), |_| window.start())
+        .await?;
+    Ok(progress.count())
+}
+
+/// A bare rdkafka consumer with auto-commit: up to `--concurrency` records at
+/// once, each parsed and applied in its transaction; stops once `count` have
+/// committed.
+async fn bare<T: BareTransaction>(
+    transaction: T,
+    options: &Options,
+    topic: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &options.kafka)
+        .set("group.id", format!("{topic}-bare"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "true")
+        .create()?;
+    consumer.subscribe(&[topic])?;
+    let concurrency = options.concurrency.max(1);
+    let mut running: JoinSet<Result<(), BoxError>> = JoinSet::new();
+    let mut records = consumer.stream();
+    let mut applied = 0;
+    let mut started = false;
+    while applied < count {
+        tokio::select! {
+            biased;
+            Some(joined) = running.join_next() => {
+                joined??;
+                applied += 1;
+            }
+            record = records.next(), if running.len() < concurrency => {
+                let record = record.ok_or("the consumer's stream ended")??;
+                if !started {
+                    window.start();
+                    started = true;
+                }
+                let body = record.payload().unwrap_or_default().to_vec();
+                let transaction = transaction.clone();
+                running.spawn(async move {
+                    let payment: Payment = serde_json::from_slice(&body)?;
+                    transaction.run(&payment).await
+                });
+            }
+        }
+    }
+    drop(records);
+    consumer.unsubscribe();
+    Ok(applied)
+}
+
+/// Fills `topic` with `count` payments keyed by account, each with its own
+/// `message_id`, waiting for every acknowledgement.
+async fn publish(options: &Options, topic: &str, count: usize) -> Result<(), BoxError> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &options.kafka)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()?;
+    let accounts = options.accounts.max(1);
+    futures_util::stream::iter(0..count)
+        .map(|n| {
+            let producer = &producer;
+            async move {
+                let id = uuid::Uuid::now_v7().to_string();
+                let body = payment_body(&id, n, accounts);
+                let account = format!("acc-{:05}", n.wrapping_mul(7_919) % accounts);
+                let record = FutureRecord::to(topic)
+                    .key(&account)
+                    .payload(&body)
+                    .headers(OwnedHeaders::new().insert(Header {
+                        key: "message_id",
+                        value: Some(id.as_str()),
+                    }));
+                producer
+                    .send(record, Duration::from_secs(30))
+                    .await
+                    .map(drop)
+                    .map_err(|(error, _)| BoxError::from(error))
+            }
+        })
+        .buffer_unordered(256)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<(), BoxError>>()
+}
