@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_testkit::{TestKafka, TestRabbitMq};
-use payments_consumer::testing::{Case, KAFKA_SCENARIOS, SCENARIOS, Scenario};
+use idem_testkit::{TestKafka, TestRabbitMq, TestSqs};
+use payments_consumer::testing::{Case, KAFKA_SCENARIOS, SCENARIOS, SQS_SCENARIOS, Scenario};
 
 use crate::example::Example;
 
@@ -25,14 +25,28 @@ pub(crate) fn has(name: &str) -> bool {
     every().any(|scenario| scenario.name == name)
 }
 
-/// Every consumer scenario: on RabbitMQ, then on Kafka.
+/// Every consumer scenario: on RabbitMQ, then on Kafka, then on SQS.
 fn every() -> impl Iterator<Item = &'static Scenario> {
-    SCENARIOS.iter().chain(KAFKA_SCENARIOS)
+    SCENARIOS.iter().chain(KAFKA_SCENARIOS).chain(SQS_SCENARIOS)
 }
 
 /// Whether `scenario` runs on Kafka.
 fn on_kafka(scenario: &Scenario) -> bool {
     KAFKA_SCENARIOS.iter().any(|s| s.name == scenario.name)
+}
+
+/// Whether `scenario` runs on SQS.
+fn on_sqs(scenario: &Scenario) -> bool {
+    SQS_SCENARIOS.iter().any(|s| s.name == scenario.name)
+}
+
+/// Starts moto's SQS server the SQS scenarios share, off the async workers.
+async fn sqs() -> Result<Arc<TestSqs>, String> {
+    match tokio::task::spawn_blocking(TestSqs::start).await {
+        Ok(Ok(server)) => Ok(Arc::new(server)),
+        Ok(Err(why)) => Err(format!("no SQS server: {why}")),
+        Err(why) => Err(format!("the SQS server's start failed: {why}")),
+    }
 }
 
 /// Starts the Kafka-compatible broker the Kafka scenarios share, off the
@@ -112,6 +126,7 @@ pub(crate) async fn rows(
     let logs = root.join("consumer");
     let mut rows = Vec::new();
     let mut kafka_broker: Option<Result<Arc<TestKafka>, String>> = None;
+    let mut sqs_server: Option<Result<Arc<TestSqs>, String>> = None;
     for (i, scenario, store) in chosen {
         let queue = format!("{}_{}", scenario.name, store.name());
         let on_kafka = if on_kafka(scenario) {
@@ -129,12 +144,30 @@ pub(crate) async fn rows(
         } else {
             None
         };
+        let on_sqs = if on_sqs(scenario) {
+            if sqs_server.is_none() {
+                sqs_server = Some(sqs().await);
+            }
+            match sqs_server.as_ref() {
+                Some(Ok(server)) => Some(server.clone()),
+                Some(Err(why)) => {
+                    rows.push(row(i, scenario, store, Err(why.clone())));
+                    continue;
+                }
+                None => None,
+            }
+        } else {
+            None
+        };
         let outcome = match database(store, &cluster, &logs, &queue).await {
             Ok(database) => {
                 let mut case = Case::new(&binary, broker.url(), database, queue, &logs)
                     .with_broker(broker.clone());
                 if let Some(servers) = on_kafka {
                     case = case.with_kafka(servers);
+                }
+                if let Some(server) = on_sqs {
+                    case = case.with_sqs(server);
                 }
                 tokio::time::timeout(LIMIT, (scenario.run)(case))
                     .await
@@ -151,6 +184,8 @@ pub(crate) async fn rows(
     }
     // The Kafka broker stops here, off the async workers.
     let _ = tokio::task::spawn_blocking(move || drop(kafka_broker)).await;
+    // And moto's server.
+    let _ = tokio::task::spawn_blocking(move || drop(sqs_server)).await;
     rows
 }
 

@@ -46,7 +46,9 @@ pub mod demo;
 mod kafka;
 mod process;
 mod scenarios;
+mod sqs;
 
 pub use kafka::KAFKA_SCENARIOS;
 pub use process::{Case, Client, ConsumerProcess};
 pub use scenarios::{SCENARIOS, Scenario};
+pub use sqs::SQS_SCENARIOS;

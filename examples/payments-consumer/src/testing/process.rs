@@ -14,7 +14,7 @@ use idem_rabbitmq::lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
 };
 use idem_rabbitmq::{DeadLetterMessage, Topology};
-use idem_testkit::TestRabbitMq;
+use idem_testkit::{TestRabbitMq, TestSqs};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -41,6 +41,9 @@ pub struct Case {
     /// On Kafka: the bootstrap servers (the queue's name is the topic's and
     /// the group's).
     pub kafka: Option<String>,
+    /// On SQS: moto's server (the queue's name is the SQS queue's, its URL
+    /// [`TestSqs::queue_url`]).
+    pub sqs: Option<Arc<TestSqs>>,
     started: Arc<AtomicUsize>,
 }
 
@@ -84,6 +87,7 @@ impl Case {
             dir: dir.into(),
             broker: None,
             kafka: None,
+            sqs: None,
             started: Arc::new(AtomicUsize::new(0)),
         }
     }
@@ -103,6 +107,14 @@ impl Case {
     #[must_use]
     pub fn with_kafka(mut self, servers: impl Into<String>) -> Self {
         self.kafka = Some(servers.into());
+        self
+    }
+
+    /// The case on SQS (`run --sqs URL --sqs-endpoint ENDPOINT`, the queue
+    /// created by the scenario) instead of RabbitMQ.
+    #[must_use]
+    pub fn with_sqs(mut self, sqs: Arc<TestSqs>) -> Self {
+        self.sqs = Some(sqs);
         self
     }
 
@@ -133,8 +145,16 @@ impl Case {
                 }
                 &mut command
             }
-            None => command.args(["--amqp", &self.amqp, "--queue", &self.queue]),
+            None => match &self.sqs {
+                Some(sqs) => command
+                    .args(["--sqs", &sqs.queue_url(&self.queue)])
+                    .args(["--sqs-endpoint", &sqs.endpoint()]),
+                None => command.args(["--amqp", &self.amqp, "--queue", &self.queue]),
+            },
         };
+        if self.sqs.is_some() {
+            command.envs(super::sqs::AWS_ENV);
+        }
         if !extra.contains(&"--retry-base-ms") {
             command.args(["--retry-base-ms", "20"]);
         }
@@ -169,7 +189,11 @@ impl Case {
     /// Runs another command of the binary (`balance`, `dead-letters`,
     /// `redrive`) and answers its stdout.
     pub async fn command(&self, args: &[&str]) -> Result<String, String> {
-        let output = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if self.sqs.is_some() {
+            command.envs(super::sqs::AWS_ENV);
+        }
+        let output = command
             .args(args)
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
