@@ -71,10 +71,14 @@ pub fn install_root() -> PathBuf {
 }
 
 /// The `cargo install` arguments that build `tansu` into [`install_root`]:
-/// pinned, with its lock file, with the in-memory storage engine.
+/// pinned, with its lock file, with the in-memory storage engine, as a dev
+/// build (`--debug`: unoptimized compiles in about half the time of a
+/// release build, and a test broker carries little load). [`INSTALL_ENV`]
+/// goes with them.
 pub fn install_command() -> Vec<String> {
     [
         "install",
+        "--debug",
         "--locked",
         "tansu",
         "--version",
@@ -89,6 +93,10 @@ pub fn install_command() -> Vec<String> {
     .collect()
 }
 
+/// The environment of [`install_command`]: no debug information (nothing
+/// debugs the broker; it is most of a dev build's size and link time).
+pub const INSTALL_ENV: &[(&str, &str)] = &[("CARGO_PROFILE_DEV_DEBUG", "0")];
+
 /// The `tansu` binary: `IDEM_TANSU`, else [`install_root`]'s, else on
 /// `PATH`.
 pub fn binary() -> Result<PathBuf, Error> {
@@ -100,7 +108,7 @@ pub fn binary() -> Result<PathBuf, Error> {
     process::find_in([install_root().join("bin")], "tansu").ok_or(Error::NotInstalled {
         what: "tansu (a Kafka-compatible broker)",
         searched: format!("IDEM_TANSU, {}/bin and PATH", install_root().display()),
-        fix: "run `cargo xtask kafka-broker` (it runs `cargo install --locked tansu --version \
+        fix: "run `cargo xtask kafka-broker` (it runs `cargo install --debug --locked tansu --version \
               0.6.0 --features dynostore --root target/tansu-0.6.0`, about 8 minutes once), \
               or set IDEM_TANSU to a tansu binary",
     })
