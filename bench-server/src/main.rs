@@ -21,6 +21,8 @@
 //! - `kafka-consume`: the same on Kafka, through idem-kafka (the offsets in
 //!   the transaction) or a bare rdkafka consumer with auto-commit (see
 //!   `kafka_consume`).
+//! - `sqs-consume`: the same on SQS (moto's server), through idem-sqs or a
+//!   bare aws-sdk-sqs receive, apply, delete loop (see `sqs_consume`).
 //! - `outbox-drain`, `outbox-lag`: idem-diesel's outbox relay publishing to
 //!   RabbitMQ: a drain of staged events, and the lag from commit to confirm
 //!   under a fixed rate of charges (see `outbox`).
@@ -42,6 +44,7 @@ mod postgres;
 mod profile;
 mod redis;
 mod serve;
+mod sqs_consume;
 
 /// A failure, told on stderr.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -80,6 +83,9 @@ enum Command {
     /// or a bare rdkafka consumer with auto-commit, and prints what it
     /// measured.
     KafkaConsume(kafka_consume::Options),
+    /// Fills a fresh SQS queue with payments, drains it through idem-sqs or
+    /// a bare aws-sdk-sqs loop, and prints what it measured.
+    SqsConsume(sqs_consume::Options),
     /// Stages events, then measures a relay draining them to RabbitMQ.
     OutboxDrain(outbox::DrainOptions),
     /// Charges at a fixed rate, each staging an event, and measures the lag
@@ -101,6 +107,7 @@ fn main() -> ExitCode {
         Command::Profile(options) => profile::run(&options),
         Command::Consume(options) => consume::run(options),
         Command::KafkaConsume(options) => kafka_consume::run(options),
+        Command::SqsConsume(options) => sqs_consume::run(options),
         Command::OutboxDrain(options) => outbox::drain(options),
         Command::OutboxLag(options) => outbox::lag(options),
     };

@@ -21,6 +21,9 @@
 //! - **Kafka** ([`consumer`] too): the same on Kafka (tansu), idem-kafka with
 //!   each partition's offset in the effect's transaction against a bare
 //!   rdkafka consumer with auto-commit.
+//! - **SQS** ([`consumer`] too): the same on SQS (moto's server), idem-sqs
+//!   against a bare aws-sdk-sqs receive, apply, delete loop; moto's cost per
+//!   call in a note.
 //! - **Outbox** ([`outbox`]): transactional first executions on `PgStore`
 //!   with and without staging one outbox event in the request's transaction;
 //!   one relay's events per second draining pre-staged events to a throwaway
@@ -98,6 +101,13 @@ struct Settings {
     /// Kafka consumers' concurrencies: the topic's partitions (the kafka
     /// section).
     kafka_concurrencies: Vec<usize>,
+    /// SQS consumers' concurrencies (the sqs section).
+    sqs_concurrencies: Vec<usize>,
+    /// Messages each SQS run drains, measured (moto serves a few hundred
+    /// calls a second).
+    sqs_messages: usize,
+    /// Messages each SQS run drains first, unmeasured.
+    sqs_warmup: usize,
     /// Messages each consumer run drains, measured.
     consumer_messages: usize,
     /// Messages each consumer run drains first, unmeasured.
@@ -127,6 +137,9 @@ impl Settings {
             rounds: 3,
             consumer_concurrencies: vec![1, 32],
             kafka_concurrencies: vec![1, 4],
+            sqs_concurrencies: vec![1, 10],
+            sqs_messages: 2_000,
+            sqs_warmup: 100,
             consumer_messages: 10_000,
             consumer_warmup: 256,
             outbox_events: 20_000,
@@ -151,6 +164,9 @@ impl Settings {
             rounds: 1,
             consumer_concurrencies: vec![1, 32],
             kafka_concurrencies: vec![1, 4],
+            sqs_concurrencies: vec![1, 10],
+            sqs_messages: 200,
+            sqs_warmup: 20,
             consumer_messages: 300,
             consumer_warmup: 64,
             outbox_events: 2_000,
@@ -230,7 +246,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 10] = [
+    let sections: [(&str, Section); 11] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
@@ -239,6 +255,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         ("redis", redis::redis),
         ("consumer", consumer::consumer),
         ("kafka", consumer::kafka),
+        ("sqs", consumer::sqs),
         ("outbox", outbox::outbox),
         ("peers", peers::peers),
     ];

@@ -1,5 +1,5 @@
-//! The consumer sections, `consumer` (RabbitMQ) and `kafka`: messages per
-//! second through idem-rabbitmq (or idem-kafka) with the
+//! The consumer sections, `consumer` (RabbitMQ), `kafka` and `sqs`: messages
+//! per second through idem-rabbitmq (or idem-kafka, or idem-sqs) with the
 //! PostgreSQL inbox (`PgInbox`) and the SQLite one (`SqliteInbox`), each
 //! against a bare lapin consumer applying the same transaction without an
 //! inbox, at the same prefetch and concurrency; and PostgreSQL's CPU time
@@ -26,10 +26,12 @@
 //! PostgreSQL and the consumer share both CPUs, as in the PostgreSQL
 //! section.
 
+use std::cell::RefCell;
 use std::process::Command;
+use std::rc::Rc;
 use std::time::Duration;
 
-use idem_testkit::{TestKafka, TestRabbitMq};
+use idem_testkit::{TestKafka, TestRabbitMq, TestSqs};
 
 use super::load::Measured;
 use super::postgres::{cluster, url};
@@ -84,6 +86,10 @@ enum On {
     /// Kafka (tansu), at these bootstrap servers: idem-kafka against a bare
     /// rdkafka consumer with auto-commit.
     Kafka(String),
+    /// SQS (moto's server), at this endpoint: idem-sqs against a bare
+    /// aws-sdk-sqs receive, apply, delete loop; each run's time of one SQS
+    /// call on the server (`sqs_call_ms`) is kept for the section's note.
+    Sqs(String, Rc<RefCell<Vec<f64>>>),
 }
 
 impl On {
@@ -91,6 +97,7 @@ impl On {
         match self {
             Self::RabbitMq(_) => "consumer",
             Self::Kafka(_) => "kafka",
+            Self::Sqs(..) => "sqs",
         }
     }
 
@@ -98,6 +105,7 @@ impl On {
         match self {
             Self::RabbitMq(_) => "idem-rabbitmq",
             Self::Kafka(_) => "idem-kafka",
+            Self::Sqs(..) => "idem-sqs",
         }
     }
 
@@ -105,6 +113,15 @@ impl On {
         match self {
             Self::RabbitMq(_) => "bare lapin",
             Self::Kafka(_) => "bare rdkafka (auto-commit)",
+            Self::Sqs(..) => "bare aws-sdk-sqs loop",
+        }
+    }
+
+    /// The messages each run drains, measured, and first, unmeasured.
+    fn messages(&self, settings: &super::Settings) -> (usize, usize) {
+        match self {
+            Self::Sqs(..) => (settings.sqs_messages, settings.sqs_warmup),
+            _ => (settings.consumer_messages, settings.consumer_warmup),
         }
     }
 }
@@ -126,6 +143,32 @@ pub(super) fn kafka(bench: &Bench, report: &mut Report) -> Result<(), String> {
     let broker = TestKafka::start().map_err(|e| e.to_string())?;
     let on = On::Kafka(broker.servers());
     on_databases(bench, report, &on, &bench.settings.kafka_concurrencies)
+}
+
+/// The same rows on SQS (moto's server, one Python process on the same
+/// CPUs): idem-sqs against a bare aws-sdk-sqs loop making the same calls per
+/// message (a receive of up to 10, a delete after the commit); and what one
+/// SQS call costs on the server, in a note, since that cost is in both
+/// sides' time.
+pub(super) fn sqs(bench: &Bench, report: &mut Report) -> Result<(), String> {
+    let server = TestSqs::start().map_err(|e| e.to_string())?;
+    let calls = Rc::new(RefCell::new(Vec::new()));
+    let on = On::Sqs(server.endpoint(), Rc::clone(&calls));
+    let outcome = on_databases(bench, report, &on, &bench.settings.sqs_concurrencies);
+    let calls = calls.borrow();
+    if !calls.is_empty() {
+        let mean = calls.iter().sum::<f64>() / calls.len() as f64;
+        report.notes.push(format!(
+            "sqs rows: moto answers one SQS call in {mean:.1} ms (mean of GetQueueAttributes \
+             before each drain), on the CPUs the consumer and the database use; a message costs \
+             both consumers 2 calls (its delete, and a share of a receive of up to 10), so most \
+             of a drain is moto's on both sides and the ratio understates the inbox's cost next \
+             to the bare loop's; AWS's calls are network round trips of a few ms that cost the \
+             consumer no CPU: compare the consumer CPU per message, which moto does not inflate"
+        ));
+    }
+    drop(server);
+    outcome
 }
 
 fn on_databases(
@@ -174,6 +217,13 @@ fn rows(
              in order, the bare consumer up to c records at once in no order; srv is the consumer \
              process; nothing pinned",
             settings.consumer_messages, settings.consumer_warmup,
+        ),
+        On::Sqs(..) => format!(
+            "sqs rows: req/s is messages/s, the drain of {} pre-sent messages (after {} of \
+             warm-up) from a standard queue on moto's server; both consumers receive up to \
+             min(10, free slots) a call and delete each message after its commit; srv is the \
+             consumer process; nothing pinned",
+            settings.sqs_messages, settings.sqs_warmup,
         ),
     });
     for &c in concurrencies {
@@ -226,13 +276,20 @@ fn drain(
         On::Kafka(servers) => {
             command.args(["kafka-consume", "--kafka", servers, "--topic", &queue])
         }
+        On::Sqs(endpoint, _) => {
+            command.args(["sqs-consume", "--sqs-endpoint", endpoint, "--queue", &queue])
+        }
     };
+    let (messages, warmup) = on.messages(settings);
     command
         .args(["--database", database, "--consumer", kind.flag()])
         .args(["--concurrency", &c.to_string()])
-        .args(["--messages", &settings.consumer_messages.to_string()])
-        .args(["--warmup", &settings.consumer_warmup.to_string()]);
+        .args(["--messages", &messages.to_string()])
+        .args(["--warmup", &warmup.to_string()]);
     let json = helper_json(command, Duration::from_secs(600))?;
+    if let (On::Sqs(_, calls), Some(ms)) = (on, json["sqs_call_ms"].as_f64()) {
+        calls.borrow_mut().push(ms);
+    }
     let messages = json["messages"]
         .as_u64()
         .ok_or_else(|| format!("consume answered no messages: {json}"))?;

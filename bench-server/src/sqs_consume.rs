@@ -1,0 +1,407 @@
+//! `sqs-consume`: one drain of an SQS queue of payments, through idem-sqs
+//! (the inbox row and the effect in one transaction of `PgInbox` or
+//! `SqliteInbox`, the message deleted after the commit), or through a bare
+//! aws-sdk-sqs loop that receives, applies the same transaction without an
+//! inbox, and deletes.
+//!
+//! As `consume` does for RabbitMQ:
+//!
+//! 1. **Set-up, not measured:** the database's ledger (`consume`'s), a fresh
+//!    standard queue and its warm-up queue, filled with payments (each with
+//!    its `message_id` attribute, 10 a `SendMessageBatch`); and the mean time
+//!    of 20 `GetQueueAttributes` calls, what one SQS call costs on this
+//!    server (`sqs_call_ms`).
+//! 2. **Warm-up, not measured:** the same kind of consumer drains the warm-up
+//!    queue.
+//! 3. **The drain, measured:** idem-sqs's window starts when it polls (its
+//!    `on_polling`, after it read the queue's attributes and found or created
+//!    its dead-letter queue), the bare loop's before its first receive; both
+//!    end when every payment has committed and its message was deleted
+//!    (idem-sqs is shut down once its handler ran `--messages` times: its
+//!    shutdown waits for the running messages' commits and deletes). Both
+//!    receive up to `min(10, free slots)` messages a call with the same long
+//!    poll, run up to `--concurrency` at once, and delete each message with
+//!    its own `DeleteMessage` after its commit: the same SQS calls per
+//!    message. idem adds the attributes it reads (`message_id`,
+//!    `ApproximateReceiveCount`), the inbox row, and a lease extension only
+//!    for a handler running past a quarter of the visibility timeout (30 s:
+//!    none here).
+//! 4. **Checked, not measured:** the accounts counted exactly `--messages`
+//!    more payments and the queue is empty (nothing left undeleted); the
+//!    run's queues are deleted.
+//!
+//! Prints one JSON object: `messages`, `seconds`, `cpu_seconds` (this
+//! process), `database_cpu_seconds` (PostgreSQL's, or null),
+//! `sqs_call_ms`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use idem_sqs::aws_sdk_sqs::Client;
+use idem_sqs::aws_sdk_sqs::types::{
+    MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry,
+};
+use idem_sqs::{ClientConfig, ConsumerPolicy};
+use tokio::task::JoinSet;
+
+use crate::BoxError;
+use crate::consume::{
+    Apply, BareTransaction, Database, Ledger, Payment, Progress, Window, payment_body,
+};
+
+/// What `sqs-consume` runs.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Options {
+    /// The SQS endpoint (moto's server: `http://127.0.0.1:PORT`).
+    #[arg(long)]
+    sqs_endpoint: String,
+    /// The run's queue (a fresh name: created, filled, drained and deleted
+    /// here).
+    #[arg(long)]
+    queue: String,
+    /// The database: `postgres://…` or `sqlite://PATH`.
+    #[arg(long)]
+    database: String,
+    /// `idem` (idem-sqs and the database's inbox) or `bare` (aws-sdk-sqs and
+    /// the same transaction, no inbox).
+    #[arg(long)]
+    consumer: Kind,
+    /// Messages processed at once.
+    #[arg(long)]
+    concurrency: usize,
+    /// Messages in the measured drain.
+    #[arg(long)]
+    messages: usize,
+    /// Messages drained first, unmeasured.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Accounts the payments are spread over.
+    #[arg(long, default_value_t = 1_000)]
+    accounts: usize,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Kind {
+    Idem,
+    Bare,
+}
+
+/// The consumer's name in the inbox.
+const CONSUMER: &str = "payments";
+
+/// The long poll of both consumers: the queue is never empty during a
+/// drain, so it only bounds the receive left waiting at the end.
+const WAIT: Duration = Duration::from_secs(1);
+
+/// How many batches are sent at once while filling a queue.
+const SENDING: usize = 16;
+
+pub(crate) fn run(options: Options) -> Result<(), BoxError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(options.workers.max(1))
+        .enable_all()
+        .build()?
+        .block_on(drain_once(options))
+}
+
+async fn drain_once(options: Options) -> Result<(), BoxError> {
+    if options.messages == 0 {
+        return Err("--messages must be at least 1".into());
+    }
+    let client = ClientConfig::from_env()
+        .endpoint(&options.sqs_endpoint)
+        .region("us-east-1")
+        .credentials("test", "test")
+        .build()?;
+    // A connection per running handler, as `consume` gives.
+    let database = Database::open(
+        &options.database,
+        options.accounts,
+        None,
+        options.concurrency,
+    )
+    .await?;
+    let queue = create_queue(&client, &options.queue).await?;
+    let warmup = create_queue(&client, &format!("{}-warmup", options.queue)).await?;
+    publish(&client, &options, &queue, options.messages).await?;
+    let sqs_call_ms = call_ms(&client, &queue).await?;
+    if options.warmup > 0 {
+        publish(&client, &options, &warmup, options.warmup).await?;
+        let mut ignored = Window::new(None);
+        drain(
+            &client,
+            &database,
+            &options,
+            &warmup,
+            options.warmup,
+            &mut ignored,
+        )
+        .await?;
+    }
+    let before = database.applied().await?;
+    let mut window = Window::new(database.postgres_port());
+    let drained = drain(
+        &client,
+        &database,
+        &options,
+        &queue,
+        options.messages,
+        &mut window,
+    )
+    .await?;
+    let measured = window.end()?;
+    if drained != options.messages {
+        return Err(format!("{drained} messages drained, not {}", options.messages).into());
+    }
+    let applied = database.applied().await? - before;
+    if applied != options.messages as i64 {
+        return Err(format!(
+            "the accounts counted {applied} payments in the drain, not {}",
+            options.messages
+        )
+        .into());
+    }
+    let left = depth(&client, &queue).await?;
+    if left != 0 {
+        return Err(format!("{left} messages left in the queue after the drain").into());
+    }
+    for url in [&queue, &warmup] {
+        delete_queue(&client, url).await?;
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "messages": options.messages,
+            "seconds": measured.seconds,
+            "cpu_seconds": measured.cpu_seconds,
+            "database_cpu_seconds": measured.database_cpu_seconds,
+            "sqs_call_ms": sqs_call_ms,
+        })
+    );
+    Ok(())
+}
+
+async fn drain(
+    client: &Client,
+    database: &Database,
+    options: &Options,
+    queue: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError> {
+    match (database, options.consumer) {
+        (Database::Postgres { inbox, .. }, Kind::Idem) => {
+            idem(client, inbox.clone(), options, queue, count, window).await
+        }
+        (Database::Sqlite { inbox }, Kind::Idem) => {
+            idem(client, inbox.clone(), options, queue, count, window).await
+        }
+        (Database::Postgres { inbox, .. }, Kind::Bare) => {
+            bare(client, inbox.pool().clone(), options, queue, count, window).await
+        }
+        (Database::Sqlite { inbox }, Kind::Bare) => {
+            bare(client, inbox.pool().clone(), options, queue, count, window).await
+        }
+    }
+}
+
+/// idem-sqs's consumer on `inbox`, shut down once its handler ran `count`
+/// times.
+async fn idem<I>(
+    client: &Client,
+    inbox: I,
+    options: &Options,
+    queue: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError>
+where
+    I: idem_sqs::Inbox,
+    I::Tx: Ledger + Sized,
+{
+    let progress = Progress::new(count);
+    let consumer = idem_sqs::Consumer::builder(client.clone(), queue)
+        .name(CONSUMER)
+        .inbox(inbox)
+        .policy(ConsumerPolicy::new())
+        .concurrency(options.concurrency)
+        .wait_time(WAIT)
+        .handler(Apply {
+            progress: Arc::clone(&progress),
+        })
+        .build()?;
+    consumer
+        .run(progress.reached.notified(), |_| window.start())
+        .await?;
+    Ok(progress.count())
+}
+
+/// A bare aws-sdk-sqs loop: receives up to `min(10, free slots)` messages a
+/// call, applies each in its transaction, up to `--concurrency` at once,
+/// and deletes it after the commit; stops once `count` were deleted.
+async fn bare<T: BareTransaction>(
+    client: &Client,
+    transaction: T,
+    options: &Options,
+    queue: &str,
+    count: usize,
+    window: &mut Window,
+) -> Result<usize, BoxError> {
+    let concurrency = options.concurrency.max(1);
+    let wait = i32::try_from(WAIT.as_secs())?;
+    let mut running: JoinSet<Result<(), BoxError>> = JoinSet::new();
+    let mut deleted = 0;
+    window.start();
+    while deleted < count {
+        // The finished ones first, so that the next receive asks for every
+        // free slot.
+        while let Some(joined) = running.try_join_next() {
+            joined??;
+            deleted += 1;
+        }
+        if deleted >= count {
+            break;
+        }
+        let free = concurrency - running.len();
+        if free > 0 {
+            let answer = client
+                .receive_message()
+                .queue_url(queue)
+                .max_number_of_messages(i32::try_from(free.min(10))?)
+                .wait_time_seconds(wait)
+                .send()
+                .await?;
+            for message in answer.messages() {
+                let body = message.body().unwrap_or_default().to_owned();
+                let receipt = message
+                    .receipt_handle()
+                    .ok_or("a message without a receipt handle")?
+                    .to_owned();
+                let (client, transaction, queue) =
+                    (client.clone(), transaction.clone(), queue.to_owned());
+                running.spawn(async move {
+                    let payment: Payment = serde_json::from_str(&body)?;
+                    transaction.run(&payment).await?;
+                    client
+                        .delete_message()
+                        .queue_url(queue)
+                        .receipt_handle(receipt)
+                        .send()
+                        .await?;
+                    Ok(())
+                });
+            }
+            if !answer.messages().is_empty() {
+                continue;
+            }
+        }
+        if let Some(joined) = running.join_next().await {
+            joined??;
+            deleted += 1;
+        }
+    }
+    Ok(deleted)
+}
+
+async fn create_queue(client: &Client, name: &str) -> Result<String, BoxError> {
+    let created = client.create_queue().queue_name(name).send().await?;
+    Ok(created
+        .queue_url()
+        .ok_or("CreateQueue answered no URL")?
+        .to_owned())
+}
+
+/// Deletes the queue at `url` and idem-sqs's `<name>-dlq`, when there is one.
+async fn delete_queue(client: &Client, url: &str) -> Result<(), BoxError> {
+    let name = idem_sqs::queue_name(url)?;
+    let dlq = idem_sqs::dead_letter_queue_name(name);
+    if let Ok(found) = client.get_queue_url().queue_name(&dlq).send().await
+        && let Some(dlq) = found.queue_url()
+    {
+        client.delete_queue().queue_url(dlq).send().await?;
+    }
+    client.delete_queue().queue_url(url).send().await?;
+    Ok(())
+}
+
+/// Visible, in-flight and delayed messages of the queue at `url`.
+async fn depth(client: &Client, url: &str) -> Result<u64, BoxError> {
+    let answer = client
+        .get_queue_attributes()
+        .queue_url(url)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
+        .send()
+        .await?;
+    Ok(answer
+        .attributes()
+        .map(|attributes| {
+            attributes
+                .values()
+                .filter_map(|n| n.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0))
+}
+
+/// The mean time of 20 `GetQueueAttributes` calls, in milliseconds.
+async fn call_ms(client: &Client, url: &str) -> Result<f64, BoxError> {
+    const CALLS: u32 = 20;
+    let started = Instant::now();
+    for _ in 0..CALLS {
+        depth(client, url).await?;
+    }
+    Ok(started.elapsed().as_secs_f64() * 1_000.0 / f64::from(CALLS))
+}
+
+/// Fills the queue at `url` with `count` payments, each with its own
+/// `message_id` attribute, 10 a batch.
+async fn publish(
+    client: &Client,
+    options: &Options,
+    url: &str,
+    count: usize,
+) -> Result<(), BoxError> {
+    let accounts = options.accounts.max(1);
+    let batches: Vec<Vec<usize>> = (0..count)
+        .collect::<Vec<_>>()
+        .chunks(10)
+        .map(<[usize]>::to_vec)
+        .collect();
+    futures_util::stream::iter(batches)
+        .map(|batch| async move {
+            let mut send = client.send_message_batch().queue_url(url);
+            for n in batch {
+                let id = uuid::Uuid::now_v7().to_string();
+                let attribute = MessageAttributeValue::builder()
+                    .data_type("String")
+                    .string_value(&id)
+                    .build()?;
+                send = send.entries(
+                    SendMessageBatchRequestEntry::builder()
+                        .id(format!("m{n}"))
+                        .message_body(payment_body(&id, n, accounts))
+                        .message_attributes(idem_sqs::MESSAGE_ID_ATTRIBUTE, attribute)
+                        .build()?,
+                );
+            }
+            let sent = send.send().await?;
+            if !sent.failed().is_empty() {
+                return Err(BoxError::from(format!(
+                    "{} messages of a batch refused",
+                    sent.failed().len()
+                )));
+            }
+            Ok(())
+        })
+        .buffer_unordered(SENDING)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect()
+}
