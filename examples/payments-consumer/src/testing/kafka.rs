@@ -136,8 +136,9 @@ struct Position {
     records: i64,
 }
 
-/// How many of the topic's records the database's positions have passed.
-async fn positions(database: &Database, topic: &str) -> Result<i64, String> {
+/// How many of the topic's records the database's positions have passed
+/// (the sum of its partitions' stored next offsets).
+pub async fn positions(database: &Database, topic: &str) -> Result<i64, String> {
     // The topic is the case's own name (letters, digits, `_`).
     let query = format!(
         "SELECT CAST(COALESCE(SUM(next_offset), 0) AS BIGINT) AS records \

@@ -48,7 +48,7 @@ mod process;
 mod scenarios;
 mod sqs;
 
-pub use kafka::KAFKA_SCENARIOS;
+pub use kafka::{KAFKA_SCENARIOS, positions as kafka_positions};
 pub use process::{Case, Client, ConsumerProcess};
 pub use scenarios::{SCENARIOS, Scenario};
 pub use sqs::SQS_SCENARIOS;
