@@ -23,13 +23,31 @@ use idem_diesel::diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 pub type OffsetsFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The table, created if missing (the same text on both databases).
-const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS idem_kafka_offsets (
-    consumer TEXT NOT NULL,
-    topic TEXT NOT NULL,
-    partition_id INTEGER NOT NULL,
-    next_offset BIGINT NOT NULL,
-    PRIMARY KEY (consumer, topic, partition_id)
-)";
+macro_rules! schema {
+    () => {
+        "CREATE TABLE IF NOT EXISTS idem_kafka_offsets (
+            consumer TEXT NOT NULL,
+            topic TEXT NOT NULL,
+            partition_id INTEGER NOT NULL,
+            next_offset BIGINT NOT NULL,
+            PRIMARY KEY (consumer, topic, partition_id)
+        )"
+    };
+}
+
+/// On PostgreSQL, under an advisory lock: two `CREATE TABLE IF NOT EXISTS`
+/// at once (two consumers starting together) can both miss the table and
+/// collide in the catalog.
+#[cfg(feature = "postgres")]
+const PG_SCHEMA: &str = concat!(
+    "BEGIN; SELECT pg_advisory_xact_lock(hashtext('idem_kafka_offsets')); ",
+    schema!(),
+    "; COMMIT;"
+);
+
+/// On SQLite: writers take turns already.
+#[cfg(feature = "sqlite")]
+const SQLITE_SCHEMA: &str = schema!();
 
 const POSITIONS: &str = "SELECT partition_id, next_offset FROM idem_kafka_offsets
     WHERE consumer = $1 AND topic = $2";
@@ -99,7 +117,7 @@ pub trait Offsets: Inbox<Tx: OffsetsTx> {
 
 /// One implementation for both databases: the statements are the same text.
 macro_rules! offsets_on {
-    ($connection:ty, $inbox:ty) => {
+    ($connection:ty, $inbox:ty, $schema:expr) => {
         impl OffsetsTx for $connection {
             fn advance<'a>(
                 &'a mut self,
@@ -125,7 +143,7 @@ macro_rules! offsets_on {
                     let mut connection =
                         self.pool().get().await.map_err(InboxError::unavailable)?;
                     connection
-                        .batch_execute(SCHEMA)
+                        .batch_execute($schema)
                         .await
                         .map_err(InboxError::unavailable)
                 })
@@ -172,7 +190,12 @@ macro_rules! offsets_on {
 #[cfg(feature = "postgres")]
 offsets_on!(
     idem_diesel::diesel_async::AsyncPgConnection,
-    idem_diesel::PgInbox
+    idem_diesel::PgInbox,
+    PG_SCHEMA
 );
 #[cfg(feature = "sqlite")]
-offsets_on!(idem_diesel::AsyncSqliteConnection, idem_diesel::SqliteInbox);
+offsets_on!(
+    idem_diesel::AsyncSqliteConnection,
+    idem_diesel::SqliteInbox,
+    SQLITE_SCHEMA
+);

@@ -53,6 +53,10 @@ fn main() -> ExitCode {
         trial("a_member_leaving_hands_its_partitions_over", handover),
         trial("a_stale_owner_is_fenced", fenced),
         trial(
+            "two_members_that_both_own_the_partitions_apply_each_record_once",
+            two_owners,
+        ),
+        trial(
             "the_outbox_relay_publishes_each_event_and_the_consumer_applies_it_once",
             outbox_to_consumer,
         ),
@@ -252,9 +256,14 @@ impl Inboxes {
     /// Runs a consumer of `topic` in `group` until the returned sender is
     /// sent to (or dropped); answers when it has joined.
     async fn consume(&self, topic: &str, group: &str, handler: Apply) -> Running {
+        self.consume_as(topic, topic, group, handler).await
+    }
+
+    /// [`consume`](Self::consume), under the inbox name `name`.
+    async fn consume_as(&self, name: &str, topic: &str, group: &str, handler: Apply) -> Running {
         match self {
-            Self::Sqlite { inbox, .. } => run(inbox.clone(), topic, group, handler).await,
-            Self::Postgres(inbox) => run(inbox.clone(), topic, group, handler).await,
+            Self::Sqlite { inbox, .. } => run(inbox.clone(), name, topic, group, handler).await,
+            Self::Postgres(inbox) => run(inbox.clone(), name, topic, group, handler).await,
         }
     }
 }
@@ -298,13 +307,14 @@ impl Running {
     }
 }
 
-async fn run<I>(inbox: I, topic: &str, group: &str, handler: Apply) -> Running
+async fn run<I>(inbox: I, name: &str, topic: &str, group: &str, handler: Apply) -> Running
 where
     I: Offsets + Clone,
     I::Tx: Effect,
 {
     let consumer = Consumer::builder(TestKafka::shared().servers(), topic)
         .group(group)
+        .name(name)
         .inbox(inbox)
         .policy(ConsumerPolicy::new().max_attempts(3).backoff(Backoff::new(
             Duration::from_millis(20),
@@ -324,10 +334,13 @@ where
             let _ = joined.send(subscription.clone());
         },
     ));
-    let subscription = tokio::time::timeout(Duration::from_secs(60), on_join)
+    let joined = tokio::time::timeout(Duration::from_secs(60), on_join)
         .await
-        .expect("the consumer joins its group within 60 s")
-        .expect("the consumer runs until it joins");
+        .expect("the consumer joins its group within 60 s");
+    let Ok(subscription) = joined else {
+        let ended = done.await;
+        panic!("the consumer ended before it joined: {ended:?}");
+    };
     Running {
         stop,
         done,
@@ -696,6 +709,73 @@ async fn outbox_to_consumer() -> Outcome {
     let applied = inboxes.applied().await;
     if applied != (30, 30) {
         return Err(format!("applied {applied:?}, expected each of the 30 events once").into());
+    }
+    Ok(())
+}
+
+/// A lost assignment at its worst: two members (in two groups, under one
+/// consumer name) each own both partitions and apply them at once. The fence
+/// lets one commit each record and stops the other: 200 records, 200 effects.
+async fn two_owners() -> Outcome {
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("owners");
+    create_topic(&topic, 2).await;
+    let inboxes = database(Db::Postgres).await;
+    let producer = producer();
+    for i in 0..200 {
+        produce(
+            &producer,
+            &topic,
+            i % 2,
+            &format!("m{i:03}"),
+            &format!("v{i:03}"),
+        )
+        .await;
+    }
+    let (group_a, group_b) = (format!("{topic}-a"), format!("{topic}-b"));
+    let (a, b) = tokio::join!(
+        inboxes.consume_as("payments", &topic, &group_a, Apply::default()),
+        inboxes.consume_as("payments", &topic, &group_b, Apply::default()),
+    );
+    // The stored positions, polled: they only ever move forward.
+    let highest = Arc::new(Mutex::new(std::collections::HashMap::<i32, i64>::new()));
+    let backwards = Arc::new(Mutex::new(Vec::new()));
+    eventually("every record consumed once", || {
+        let (inboxes, topic) = (&inboxes, &topic);
+        let (highest, backwards) = (Arc::clone(&highest), Arc::clone(&backwards));
+        async move {
+            let positions = positions(inboxes, "payments", topic).await;
+            {
+                let mut highest = highest.lock().unwrap();
+                for &(partition, next) in &positions {
+                    let seen = highest.entry(partition).or_insert(next);
+                    if next < *seen {
+                        backwards.lock().unwrap().push((partition, *seen, next));
+                    }
+                    *seen = (*seen).max(next);
+                }
+            }
+            let applied = inboxes.applied().await;
+            if positions == [(0, 100), (1, 100)] && applied == (200, 200) {
+                Ok(())
+            } else {
+                Err(format!("positions {positions:?}, applied {applied:?}"))
+            }
+        }
+    })
+    .await?;
+    let backwards = backwards.lock().unwrap().clone();
+    if !backwards.is_empty() {
+        return Err(format!(
+            "stored positions moved backwards (partition, from, to): {backwards:?}"
+        )
+        .into());
+    }
+    a.stop().await;
+    b.stop().await;
+    let applied = inboxes.applied().await;
+    if applied != (200, 200) {
+        return Err(format!("applied {applied:?}, expected each of 200 once").into());
     }
     Ok(())
 }
