@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use idem_core::consume::parse_rfc3339;
 use rdkafka::ClientConfig;
 use rdkafka::Message as _;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -26,7 +27,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use crate::error::Error;
 use crate::record::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, REASON_HEADER, REDRIVEN_HEADER, TOPIC_HEADER,
-    carried_headers, header_str, parse_rfc3339,
+    carried_headers, header_str,
 };
 use crate::topics::{self, dead_letter_topic};
 

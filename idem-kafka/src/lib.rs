@@ -53,14 +53,14 @@ pub use offsets::{Advance, Offsets, OffsetsFuture, OffsetsTx};
 pub use publisher::OutboxPublisher;
 pub use record::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, OFFSET_HEADER, PARTITION_HEADER, REASON_HEADER,
-    REDRIVEN_HEADER, TOPIC_HEADER, rfc3339,
+    REDRIVEN_HEADER, TOPIC_HEADER,
 };
 pub use topics::{create_topic, dead_letter_topic};
 
 pub use idem_core;
 pub use idem_core::consume::{
     Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler, HandlerError, HandlerFuture,
-    Inbox, Message, MissingId, Protocol, handler,
+    Inbox, Message, MissingId, Protocol, handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;
 pub use rdkafka;

@@ -1,9 +1,6 @@
 //! Records as the protocol sees them, and the headers of dead letters.
 
-use std::time::SystemTime;
-
-use chrono::{DateTime, SecondsFormat, Utc};
-use idem_core::consume::{Letter, Message};
+use idem_core::consume::{Letter, Message, rfc3339};
 use rdkafka::Message as _;
 use rdkafka::message::{Header, Headers, OwnedHeaders, OwnedMessage};
 
@@ -103,16 +100,4 @@ pub(crate) fn header_str<'r>(record: &'r OwnedMessage, name: &str) -> Option<&'r
         .iter()
         .find(|header| header.key == name)
         .and_then(|header| std::str::from_utf8(header.value?).ok())
-}
-
-/// `time` in RFC 3339, UTC, to the microsecond.
-pub fn rfc3339(time: SystemTime) -> String {
-    DateTime::<Utc>::from(time).to_rfc3339_opts(SecondsFormat::Micros, true)
-}
-
-/// A time written by [`rfc3339`].
-pub(crate) fn parse_rfc3339(text: &str) -> Option<SystemTime> {
-    DateTime::parse_from_rfc3339(text)
-        .ok()
-        .map(|time| SystemTime::from(time.with_timezone(&Utc)))
 }

@@ -181,7 +181,7 @@ impl DeadLetterMessage {
                 .map(|id| id.as_str().to_owned()),
             attempted_at: message::strings_header(properties, ATTEMPTS_HEADER)
                 .iter()
-                .filter_map(|time| message::parse_rfc3339(time))
+                .filter_map(|time| idem_core::consume::parse_rfc3339(time))
                 .collect(),
             reason,
             deaths: deaths(properties),

@@ -58,7 +58,7 @@ pub use consumer::{
 };
 pub use dead_letters::{DeadLetterMessage, Death, dead_letters, redrive, redrive_message};
 pub use error::Error;
-pub use message::{ATTEMPTS_HEADER, QUEUE_HEADER, REASON_HEADER, REDRIVEN_HEADER, rfc3339};
+pub use message::{ATTEMPTS_HEADER, QUEUE_HEADER, REASON_HEADER, REDRIVEN_HEADER};
 pub use outbox::OutboxPublisher;
 pub use publisher::Publisher;
 pub use topology::{
@@ -68,7 +68,7 @@ pub use topology::{
 pub use idem_core;
 pub use idem_core::consume::{
     Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler, HandlerError, HandlerFuture,
-    Inbox, MemoryInbox, Message, MissingId, Protocol, handler,
+    Inbox, MemoryInbox, Message, MissingId, Protocol, handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;
 pub use lapin;

@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use chrono::{DateTime, SecondsFormat, Utc};
-use idem_core::consume::Message;
+use idem_core::consume::{Message, rfc3339};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 
@@ -120,18 +119,6 @@ pub(crate) fn redriven(properties: &BasicProperties) -> BasicProperties {
         .clone()
         .with_headers(FieldTable::from(headers))
         .with_delivery_mode(PERSISTENT)
-}
-
-/// `time` in RFC 3339, UTC, to the microsecond.
-pub fn rfc3339(time: SystemTime) -> String {
-    DateTime::<Utc>::from(time).to_rfc3339_opts(SecondsFormat::Micros, true)
-}
-
-/// A time written by [`rfc3339`].
-pub(crate) fn parse_rfc3339(text: &str) -> Option<SystemTime> {
-    DateTime::parse_from_rfc3339(text)
-        .ok()
-        .map(|time| SystemTime::from(time.with_timezone(&Utc)))
 }
 
 /// The header `name`.
@@ -274,7 +261,7 @@ mod tests {
         assert!(string_header(&dead, REASON_HEADER).unwrap().len() <= MAX_REASON_LEN);
         let times = strings_header(&dead, ATTEMPTS_HEADER);
         assert_eq!(times, ["2023-11-14T22:13:20.123456Z"]);
-        assert_eq!(parse_rfc3339(&times[0]), Some(at));
+        assert_eq!(idem_core::consume::parse_rfc3339(&times[0]), Some(at));
         assert_eq!(dead.delivery_mode(), &Some(PERSISTENT));
         let back = redriven(&dead);
         assert!(header(&back, REASON_HEADER).is_none());

@@ -245,6 +245,19 @@ pub(crate) fn digest_key(bytes: &[u8]) -> String {
     key
 }
 
+/// `time` in RFC 3339, UTC, to the microsecond: how broker crates write a
+/// dead letter's attempt times.
+pub fn rfc3339(time: std::time::SystemTime) -> String {
+    chrono::DateTime::<chrono::Utc>::from(time).to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+/// A time written in RFC 3339 ([`rfc3339`]); `None` when it is not one.
+pub fn parse_rfc3339(text: &str) -> Option<std::time::SystemTime> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .ok()
+        .map(|time| std::time::SystemTime::from(time.with_timezone(&chrono::Utc)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
