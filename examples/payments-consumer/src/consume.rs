@@ -9,7 +9,7 @@ use idem_rabbitmq::{
 };
 
 use crate::ConsumerError;
-use crate::database::Database;
+use crate::database::{Database, with_inbox};
 use crate::ledger::Ledger;
 use crate::payment::Payment;
 
@@ -89,14 +89,9 @@ pub fn inbox_name(queue: &str) -> String {
 /// deliveries, finishes and acknowledges those it is processing, and
 /// answers `Ok`.
 pub async fn run(options: RunOptions, subscribed: impl FnOnce(&str)) -> Result<(), ConsumerError> {
-    match options.settings.open().await? {
-        Database::Postgres(inbox) => {
-            consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
-        }
-        Database::Sqlite(inbox) => {
-            consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
-        }
-    }
+    with_inbox!(options.settings.open().await?, inbox => {
+        consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
+    })
 }
 
 /// The consumer on `inbox`, with the inbox's cleanup job beside it.

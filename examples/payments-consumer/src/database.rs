@@ -36,6 +36,18 @@ macro_rules! with_connection {
 }
 pub(crate) use with_connection;
 
+/// Runs `$body` with `$inbox`, the database's inbox (either type: the body
+/// is compiled for each).
+macro_rules! with_inbox {
+    ($database:expr, $inbox:ident => $body:expr) => {
+        match $database {
+            $crate::database::Database::Postgres($inbox) => $body,
+            $crate::database::Database::Sqlite($inbox) => $body,
+        }
+    };
+}
+pub(crate) use with_inbox;
+
 /// The inbox, on the database `--database` names; the ledger lives beside it.
 #[derive(Clone)]
 pub enum Database {

@@ -9,7 +9,7 @@ use idem_kafka::{Consumer, Offsets};
 
 use crate::ConsumerError;
 use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal};
-use crate::database::Database;
+use crate::database::with_inbox;
 use crate::dead_letters::{DeadLetterLine, Source};
 use crate::ledger::Ledger;
 
@@ -40,14 +40,9 @@ pub async fn run(
     options: KafkaOptions,
     subscribed: impl FnOnce(&str),
 ) -> Result<(), ConsumerError> {
-    match options.settings.open().await? {
-        Database::Postgres(inbox) => {
-            consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
-        }
-        Database::Sqlite(inbox) => {
-            consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
-        }
-    }
+    with_inbox!(options.settings.open().await?, inbox => {
+        consume(inbox.clone(), inbox.cleanup(), options, subscribed).await
+    })
 }
 
 async fn consume<I>(
