@@ -159,8 +159,8 @@ pub(super) fn sqs(bench: &Bench, report: &mut Report) -> Result<(), String> {
     if !calls.is_empty() {
         let mean = calls.iter().sum::<f64>() / calls.len() as f64;
         report.notes.push(format!(
-            "sqs rows: moto answers one SQS call in {mean:.1} ms (mean of GetQueueAttributes \
-             before each drain), on the CPUs the consumer and the database use; a message costs \
+            "sqs rows: moto answers one SQS call in {mean:.1} ms (mean of GetQueueUrl before \
+             each drain), on the CPUs the consumer and the database use; a message costs \
              both consumers 2 calls (its delete, and a share of a receive of up to 10), so most \
              of a drain is moto's on both sides and the ratio understates the inbox's cost next \
              to the bare loop's; AWS's calls are network round trips of a few ms that cost the \
