@@ -95,7 +95,8 @@ pub trait OffsetsTx: Send {
 }
 
 /// An inbox whose database also holds the positions: idem-diesel's
-/// [`PgInbox`] and [`SqliteInbox`].
+/// [`PgInbox`](idem_diesel::PgInbox) and
+/// [`SqliteInbox`](idem_diesel::SqliteInbox).
 pub trait Offsets: Inbox<Tx: OffsetsTx> {
     /// Creates `idem_kafka_offsets` if it is missing.
     fn migrate_offsets(&self) -> OffsetsFuture<'_, Result<(), InboxError>>;
