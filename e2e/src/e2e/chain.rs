@@ -616,7 +616,7 @@ async fn drain(
 /// What is left for the consumer on the broker.
 enum Queue {
     /// The queue's client: its ready messages.
-    RabbitMq(Client),
+    RabbitMq(Box<Client>),
     /// The topic's records past the consumer's stored positions.
     Kafka(String),
 }
@@ -626,7 +626,7 @@ impl Queue {
         match bus {
             Bus::RabbitMq(_) => Client::connect(case)
                 .await
-                .map(Self::RabbitMq)
+                .map(|client| Self::RabbitMq(Box::new(client)))
                 .map_err(|why| Failure::new("no broker client", why)),
             Bus::Kafka(broker) => Ok(Self::Kafka(broker.servers())),
         }
@@ -675,7 +675,7 @@ impl Queue {
 
     async fn close(self) {
         if let Self::RabbitMq(client) = self {
-            client.close().await;
+            (*client).close().await;
         }
     }
 }
