@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use idem_testkit::shell::{self, cargo};
 
 mod ci;
+mod readme;
 mod stress;
 
 const USAGE: &str = "\
