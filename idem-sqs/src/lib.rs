@@ -49,9 +49,9 @@
 //!   `AWS_ENDPOINT_URL_SQS`); an application that needs the full chain
 //!   builds its client with aws-config and passes it in.
 //!
-//! `sha2` (deduplication ids), `chrono` without default features (RFC 3339
-//! attempt times) and `serde_json` (redrive policies, canonical content) are
-//! the workspace's already.
+//! `sha2` (deduplication ids) and `serde_json` (redrive policies, canonical
+//! content) are the workspace's already; the attempts' RFC 3339 times are
+//! idem-core's (`idem_core::consume::rfc3339`, re-exported here).
 
 mod client;
 mod consumer;
@@ -71,7 +71,7 @@ pub use dead_letters::{DeadLetterMessage, MOVED_BY_REDRIVE_POLICY, dead_letters,
 pub use error::Error;
 pub use message::{
     ATTEMPTS_ATTRIBUTE, GROUP_ATTRIBUTE, MESSAGE_ID_ATTRIBUTE, QUEUE_ATTRIBUTE, REASON_ATTRIBUTE,
-    REDRIVEN_ATTRIBUTE, content_digest, rfc3339,
+    REDRIVEN_ATTRIBUTE, content_digest,
 };
 pub use publisher::{Deduplication, Outgoing, Publisher, Sent};
 pub use queue::{MAX_QUEUE_NAME_LEN, dead_letter_queue_name, queue_name};
@@ -80,6 +80,6 @@ pub use aws_sdk_sqs;
 pub use idem_core;
 pub use idem_core::consume::{
     Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler, HandlerError, HandlerFuture,
-    Inbox, MemoryInbox, Message, MissingId, Protocol, handler,
+    Inbox, MemoryInbox, Message, MissingId, Protocol, handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;

@@ -7,8 +7,7 @@ use std::time::SystemTime;
 
 use aws_sdk_sqs::types::{self as sqs, MessageAttributeValue, MessageSystemAttributeName};
 use bytes::Bytes;
-use chrono::{DateTime, SecondsFormat, Utc};
-use idem_core::consume::Message;
+use idem_core::consume::{Message, parse_rfc3339, rfc3339};
 use sha2::{Digest, Sha256};
 
 /// The message attribute a producer sets to the message's idempotency key.
@@ -212,16 +211,10 @@ fn cut(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
-/// `time` in RFC 3339, UTC, to the microsecond.
-pub fn rfc3339(time: SystemTime) -> String {
-    DateTime::<Utc>::from(time).to_rfc3339_opts(SecondsFormat::Micros, true)
-}
-
 /// The times of an `idem-attempts` attribute.
 pub(crate) fn parse_attempts(text: &str) -> Vec<SystemTime> {
     text.split(',')
-        .filter_map(|time| DateTime::parse_from_rfc3339(time.trim()).ok())
-        .map(|time| SystemTime::from(time.with_timezone(&Utc)))
+        .filter_map(|time| parse_rfc3339(time.trim()))
         .collect()
 }
 

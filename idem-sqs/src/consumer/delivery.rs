@@ -117,7 +117,7 @@ async fn dead_letter(target: &Target, received: &Received, letter: &Letter) -> R
             .attempted_at
             .iter()
             .copied()
-            .map(message::rfc3339)
+            .map(idem_core::consume::rfc3339)
             .collect();
         let id = message::digest(&[
             target.queue.name.as_bytes(),
