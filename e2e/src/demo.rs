@@ -6,14 +6,19 @@
 //! key; and a simulated retry storm with and without jitter. Then the broker's
 //! version: a throwaway RabbitMQ node and PostgreSQL cluster, one deposit
 //! published three times with one `message_id`, applied by a consumer without
-//! the inbox and by payments-consumer. Prints what happened as a small table;
+//! the inbox and by payments-consumer. Then SQS's own deduplication, on a
+//! FIFO queue of a local SQS (moto's server): identical messages inside the
+//! window, one with a field changed, and the first sent again after the
+//! window, with what the inbox adds. Prints what happened as a small table;
 //! the servers' logs go to files, named under the table.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use idem_testkit::{TestPostgres, TestRabbitMq};
-use payments_consumer::testing::{Case, demo::delivered_three_times};
+use std::sync::Arc;
+
+use idem_testkit::{TestPostgres, TestRabbitMq, TestSqs};
+use payments_consumer::testing::{Case, Exercise, demo::delivered_three_times, fifo_exercise};
 use serde_json::{Value, json};
 
 use crate::example::{Example, Server};
@@ -45,6 +50,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         .join()
         .map_err(|_| "starting RabbitMQ and PostgreSQL panicked".to_owned())??;
     rows.extend(runtime.block_on(broker_experiment(&consumer, &servers, &dir))?);
+    rows.extend(runtime.block_on(sqs_experiment(&consumer, &servers, &dir))?);
     drop(servers);
     print_table(&rows);
     println!();
@@ -56,19 +62,72 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// A throwaway RabbitMQ node and PostgreSQL cluster, with the demo's database.
+/// A throwaway RabbitMQ node, SQS (moto) and PostgreSQL cluster, with the
+/// demo's databases.
 struct Servers {
     broker: TestRabbitMq,
+    sqs: Arc<TestSqs>,
     cluster: TestPostgres,
 }
 
 fn start_broker_and_database() -> Result<Servers, String> {
     let broker = TestRabbitMq::start().map_err(|e| format!("RabbitMQ: {e}"))?;
+    let sqs = TestSqs::start().map_err(|e| format!("SQS (moto): {e}"))?;
     let cluster = TestPostgres::start().map_err(|e| format!("PostgreSQL: {e}"))?;
-    cluster
-        .create_database("demo")
-        .map_err(|e| format!("PostgreSQL: {e}"))?;
-    Ok(Servers { broker, cluster })
+    for database in ["demo", "demo_sqs"] {
+        cluster
+            .create_database(database)
+            .map_err(|e| format!("PostgreSQL: {e}"))?;
+    }
+    Ok(Servers {
+        broker,
+        sqs: Arc::new(sqs),
+        cluster,
+    })
+}
+
+/// SQS's deduplication on a FIFO queue (each message's deduplication id the
+/// SHA-256 of its content), and what the inbox adds.
+async fn sqs_experiment(
+    consumer: &Path,
+    servers: &Servers,
+    logs: &Path,
+) -> Result<Vec<Row>, String> {
+    let case = Case::new(
+        PathBuf::from(consumer),
+        String::new(),
+        servers.cluster.url("demo_sqs"),
+        "demo_payments",
+        logs,
+    )
+    .with_sqs(Arc::clone(&servers.sqs));
+    let Exercise {
+        inside,
+        after_change,
+        after_window,
+    } = fifo_exercise(case).await?;
+    let shown =
+        |(deliveries, effects): (usize, i64)| format!("{deliveries} delivered, {effects} applied");
+    Ok(vec![
+        Row {
+            experiment: "SQS FIFO: 10 identical sends, inside the 5-minute window",
+            expected: "1 delivered, 1 applied".into(),
+            observed: shown(inside),
+        },
+        Row {
+            experiment: "SQS FIFO: then the same payment with a field changed",
+            expected: "2 delivered, 2 applied".into(),
+            observed: shown(after_change),
+        },
+        Row {
+            experiment: "SQS FIFO: then the first sent again after the window",
+            expected: "3 delivered, 2 applied (the inbox)".into(),
+            observed: format!(
+                "{} (moto forgets an id at its delete, SQS after 5 minutes)",
+                shown(after_window)
+            ),
+        },
+    ])
 }
 
 /// One deposit published three times with one `message_id`, consumed without

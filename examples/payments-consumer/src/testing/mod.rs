@@ -51,4 +51,4 @@ mod sqs;
 pub use kafka::{KAFKA_SCENARIOS, positions as kafka_positions};
 pub use process::{Case, Client, ConsumerProcess};
 pub use scenarios::{SCENARIOS, Scenario};
-pub use sqs::SQS_SCENARIOS;
+pub use sqs::{Exercise, SQS_SCENARIOS, fifo_exercise};

@@ -620,6 +620,33 @@ async fn dead_letter_attributes(
 /// keeps it for 5 minutes from the send: the third send stands for a send
 /// after the window, without waiting it out.
 async fn the_fifo_content_deduplication_exercise(case: Case) -> Result<String, String> {
+    let exercise = fifo_exercise(case).await?;
+    let Exercise {
+        inside,
+        after_change,
+        after_window,
+    } = exercise;
+    Ok(format!(
+        "(deliveries, effects): 10 identical sends {inside:?}; a field changed {after_change:?}; \
+         the first again after the window (moto: its message deleted) {after_window:?}"
+    ))
+}
+
+/// The exercise's counts, each `(deliveries, effects)` so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exercise {
+    /// After 10 identical sends, inside the deduplication window.
+    pub inside: (usize, i64),
+    /// After one more with a field changed.
+    pub after_change: (usize, i64),
+    /// After the first content sent again once the queue forgot its id.
+    pub after_window: (usize, i64),
+}
+
+/// The exercise (see [`the_fifo_content_deduplication_exercise`]); fails
+/// unless the counts are (1, 1), (2, 2), (3, 2) and the balance is exact.
+/// `cargo xtask demo` prints it.
+pub async fn fifo_exercise(case: Case) -> Result<Exercise, String> {
     let mut case = case;
     case.queue.push_str(".fifo");
     let client = client(&case)?;
@@ -688,8 +715,9 @@ async fn the_fifo_content_deduplication_exercise(case: Case) -> Result<String, S
         (balance.balance, balance.operations) == (21, 2),
         "{account}: {balance:?}, expected 21 in 2 operations"
     );
-    Ok(format!(
-        "(deliveries, effects): 10 identical sends {inside:?}; a field changed {after_change:?}; \
-         the first again after the window (moto: its message deleted) {after_window:?}"
-    ))
+    Ok(Exercise {
+        inside,
+        after_change,
+        after_window,
+    })
 }
