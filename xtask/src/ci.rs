@@ -64,13 +64,14 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         cargo(&["doc", "--workspace", "--no-deps", "--all-features"])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
+    forget_packaged_sources();
     shell::run(
-        "cargo package (the published crates, built from their .crate)",
-        &mut package(),
+        "cargo package --no-verify (every published crate)",
+        &mut package_all(),
     )?;
     shell::run(
-        "cargo package --no-verify (idem-kafka, idem-sqs)",
-        &mut package_unbuilt(),
+        "cargo package (the published crates but idem, idem-kafka, idem-sqs, built from their .crate)",
+        &mut package_built(),
     )?;
     kafka_broker()?;
     shell::run("cargo test", &mut test())?;
@@ -119,7 +120,59 @@ pub(crate) fn test() -> std::process::Command {
 /// no path-only dependency) and packed files are enough without crates.io
 /// holding its idem dependencies yet. `cargo publish --dry-run -p` one crate
 /// cannot: it looks those up on crates.io. Uncommitted changes are packed too.
-fn package() -> std::process::Command {
+/// Deletes what earlier runs left of the published crates' packages: cargo's
+/// extracted copies (`$CARGO_HOME/registry/src/-HASH/NAME-VERSION`, the local
+/// registry `cargo package` verifies against) and their builds. Cargo
+/// extracts and builds a registry crate's version once and trusts it ever
+/// after, so after a change to `idem-core` without a new version,
+/// `idem-rabbitmq` was verified against the idem-core of an earlier run.
+fn forget_packaged_sources() {
+    let _ = std::fs::remove_dir_all(package_target_dir());
+    let home = std::env::var_os("CARGO_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|home| std::path::Path::new(&home).join(".cargo"))
+        });
+    let Some(sources) = home.map(|home| home.join("registry").join("src")) else {
+        return;
+    };
+    let Ok(registries) = std::fs::read_dir(&sources) else {
+        return;
+    };
+    for registry in registries.flatten() {
+        // Local registries have no name: their directory is `-HASH`.
+        if !registry.file_name().to_string_lossy().starts_with('-') {
+            continue;
+        }
+        let Ok(crates) = std::fs::read_dir(registry.path()) else {
+            continue;
+        };
+        for extracted in crates.flatten() {
+            let name = extracted.file_name().to_string_lossy().into_owned();
+            let ours = PUBLISHED.iter().any(|published| {
+                name.strip_prefix(published)
+                    .and_then(|rest| rest.strip_prefix('-'))
+                    .is_some_and(|version| version.starts_with(|c: char| c.is_ascii_digit()))
+            });
+            if ours {
+                let _ = std::fs::remove_dir_all(extracted.path());
+            }
+        }
+    }
+}
+
+/// Every published crate packed (manifest, file list, dependencies
+/// resolvable among the packages), without a build.
+fn package_all() -> std::process::Command {
+    let mut args = vec!["package", "--allow-dirty", "--no-verify"];
+    for name in PUBLISHED {
+        args.extend(["-p", name]);
+    }
+    cargo(&args)
+}
+
+/// The published crates built from their `.crate`, but [`PACKAGED_UNBUILT`].
+fn package_built() -> std::process::Command {
     let mut args = vec!["package", "--allow-dirty"];
     for name in PUBLISHED
         .iter()
@@ -127,23 +180,25 @@ fn package() -> std::process::Command {
     {
         args.extend(["-p", name]);
     }
-    cargo(&args)
+    let mut command = cargo(&args);
+    command.arg("--target-dir").arg(package_target_dir());
+    command
 }
 
-/// The published crates whose packages are checked (manifest, file list)
-/// but not built from their `.crate`: building idem-kafka's and idem-sqs's
-/// again in `target/package` compiles librdkafka and the AWS SDK a second
-/// time, about 200 s of a cold CI run; every other check builds them from
-/// the workspace.
-const PACKAGED_UNBUILT: &[&str] = &["idem-kafka", "idem-sqs"];
-
-fn package_unbuilt() -> std::process::Command {
-    let mut args = vec!["package", "--allow-dirty", "--no-verify"];
-    for name in PACKAGED_UNBUILT {
-        args.extend(["-p", name]);
-    }
-    cargo(&args)
+/// Where the packages are built from their `.crate`: a directory emptied
+/// before each run ([`forget_packaged_sources`]), since cargo does not
+/// rebuild a registry crate's version it built once.
+fn package_target_dir() -> std::path::PathBuf {
+    shell::target_dir().join("package-verify")
 }
+
+/// The published crates packed but not built from their `.crate`:
+/// idem-kafka's and idem-sqs's builds there compile librdkafka and the AWS
+/// SDK a second time (about 200 s of a cold CI run), and the facade `idem`
+/// depends on them (its features `kafka`, `sqs`), so it cannot be built from
+/// its `.crate` without them. Every other step builds all three from the
+/// workspace.
+const PACKAGED_UNBUILT: &[&str] = &["idem", "idem-kafka", "idem-sqs"];
 
 /// Checks idem-diesel under each feature set alone (so a backend's code does not
 /// lean on the other's), and proves with `cargo tree` that a SQLite-only build
