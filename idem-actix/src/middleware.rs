@@ -18,7 +18,6 @@ use idem_core::{
 use crate::capture::{delivered_body, handler_body};
 use crate::closing;
 use crate::edge::{AnswerError, RequestHeaders, into_http_response, stored_headers};
-use crate::extract::ExecutionInfo;
 
 /// Makes a resource or scope safe to retry: wraps it so that requests with the same
 /// `Idempotency-Key` run the handler once and replay its answer.
@@ -214,7 +213,7 @@ where
     };
     let handler = move |body: Bytes, info: idem_core::ExecutionInfo| async move {
         request.set_payload(Payload::from(body));
-        request.extensions_mut().insert(ExecutionInfo(info));
+        request.extensions_mut().insert(info);
         let (request, response) = service.call(request).await?.into_parts();
         let (head, body) = response.into_parts();
         Ok::<_, Error>(Handled {

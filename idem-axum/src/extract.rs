@@ -1,16 +1,13 @@
-//! Axum extractors: what the middleware tells the handler it let through.
-
-use std::ops::Deref;
-
-use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use axum::response::{IntoResponse, Response};
-use http::StatusCode;
-use http::request::Parts;
+//! The axum extractor: what the middleware tells the handler it let through.
+//! It is idem-core's own type (one `ExecutionInfo` for every framework),
+//! an axum extractor through idem-core's feature `axum`.
 
 /// What the middleware tells the handler of a keyed request it let run: the
 /// key, the scope, whether the execution is guarded, what the store hands it,
-/// whether its lease still holds. Its accessors are [`idem_core::ExecutionInfo`]'s
-/// (through `Deref`); this type makes it an axum extractor.
+/// whether its lease still holds: [`idem_core::ExecutionInfo`], an axum
+/// extractor (on axum-core) through idem-core's feature `axum`, which this
+/// crate turns on. Its rejection is [`NoIdempotencyKey`] (`500`: the route is
+/// misconfigured).
 ///
 /// Requests without a key (an optional route, an uncovered method) carry no
 /// `ExecutionInfo`: extract `Option<ExecutionInfo>` there.
@@ -45,52 +42,4 @@ use http::request::Parts;
 /// }
 /// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
 /// ```
-#[derive(Clone, Debug)]
-pub struct ExecutionInfo(pub idem_core::ExecutionInfo);
-
-/// The rejection of [`ExecutionInfo`] when the request carries none:
-/// the handler is not behind an [`IdempotencyLayer`](crate::IdempotencyLayer), or
-/// the request had no key. `500`, as axum's `Extension` answers a missing one:
-/// the route is misconfigured.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "this request has no idempotency key: is the handler behind an IdempotencyLayer that requires keys?"
-)]
-pub struct NoIdempotencyKey;
-
-impl Deref for ExecutionInfo {
-    type Target = idem_core::ExecutionInfo;
-
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl IntoResponse for NoIdempotencyKey {
-    fn into_response(self) -> Response {
-        (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for ExecutionInfo {
-    type Rejection = NoIdempotencyKey;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<Self>()
-            .cloned()
-            .ok_or(NoIdempotencyKey)
-    }
-}
-
-impl<S: Send + Sync> OptionalFromRequestParts<S> for ExecutionInfo {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<Self>().cloned())
-    }
-}
+pub use idem_core::{ExecutionInfo, NoIdempotencyKey};

@@ -13,7 +13,7 @@ use tower_service::Service;
 use crate::answer::{HttpHeaders, stored_headers, to_http};
 use crate::body::{BoxError, Chunks};
 use crate::future::ResponseFuture;
-use crate::{ExecutionInfo, RequestBody, ResponseBody};
+use crate::{RequestBody, ResponseBody};
 
 /// Applies `Idempotency-Key` handling to the inner service. Made by
 /// [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -132,7 +132,7 @@ where
         Decision::Run(run) => run,
     };
     let handler = move |body: Bytes, info: idem_core::ExecutionInfo| async move {
-        parts.extensions.insert(ExecutionInfo(info));
+        parts.extensions.insert(info);
         let request = Request::from_parts(parts, RequestBody::buffered(body));
         let (parts, body) = inner.call(request).await?.into_parts();
         Ok(Handled {

@@ -5,6 +5,7 @@ pub mod cleanup;
 pub mod consume;
 mod engine;
 mod execution;
+mod extract;
 mod fingerprint;
 mod key;
 pub mod log;
@@ -25,6 +26,7 @@ pub mod faults;
 
 pub use engine::{Begin, Engine, Execution, Settlement};
 pub use execution::ExecutionInfo;
+pub use extract::NoIdempotencyKey;
 pub use fingerprint::{
     BodyMode, Fingerprint, FingerprintHasher, FingerprintSpec, HeaderSource, RequestHead,
 };
