@@ -96,15 +96,22 @@ impl Backoff {
 
     /// The delay before retry number `attempt`, drawn from the thread's RNG.
     pub fn delay(&self, attempt: u32) -> Duration {
-        self.delay_with(attempt, &mut rand::rng())
+        self.delay_at(attempt, rand::rng().random_range(0.0..=1.0))
     }
 
-    /// The delay before retry number `attempt`, drawn from `rng`.
-    pub fn delay_with<R: Rng + ?Sized>(&self, attempt: u32, rng: &mut R) -> Duration {
+    /// The delay before retry number `attempt` at `point` of its jitter's
+    /// range (`0.0` the shortest, `1.0` the [`ceiling`](Self::ceiling);
+    /// clamped): [`delay`](Self::delay) with a draw of the caller's, for a
+    /// deterministic schedule.
+    pub fn delay_at(&self, attempt: u32, point: f64) -> Duration {
         let ceiling = self.ceiling(attempt);
         match self.jitter {
             Jitter::None => ceiling,
-            Jitter::Full => ceiling.mul_f64(rng.random_range(0.0..=1.0)),
+            Jitter::Full => ceiling.mul_f64(if point.is_nan() {
+                1.0
+            } else {
+                point.clamp(0.0, 1.0)
+            }),
         }
     }
 }
@@ -131,7 +138,7 @@ pub fn simulate_storm(backoff: Backoff, clients: usize, outage: Duration, seed: 
         let mut at = Duration::ZERO;
         let mut attempt = 1;
         loop {
-            at += backoff.delay_with(attempt, &mut rng);
+            at += backoff.delay_at(attempt, rng.random_range(0.0..=1.0));
             times.push(at);
             if at >= outage {
                 break;
@@ -170,7 +177,9 @@ mod tests {
     fn full_jitter_stays_below_the_ceiling_and_spreads() {
         let b = Backoff::for_clients();
         let mut rng = StdRng::seed_from_u64(7);
-        let delays: Vec<_> = (0..1000).map(|_| b.delay_with(2, &mut rng)).collect();
+        let delays: Vec<_> = (0..1000)
+            .map(|_| b.delay_at(2, rng.random_range(0.0..=1.0)))
+            .collect();
         assert!(delays.iter().all(|d| *d <= Duration::from_secs(2)));
         let below_half = delays
             .iter()
@@ -181,7 +190,8 @@ mod tests {
             "{below_half} of 1000 below half"
         );
         assert_eq!(
-            b.jitter(Jitter::None).delay_with(2, &mut rng),
+            b.jitter(Jitter::None)
+                .delay_at(2, rng.random_range(0.0..=1.0)),
             Duration::from_secs(2)
         );
     }
