@@ -16,8 +16,8 @@ use crate::{Store, StoreError};
 
 /// Deletes expired records, in batches, for as long as the application runs.
 ///
-/// A sweep calls [`Store::delete_expired`] (for a store; for any other
-/// [`ExpiredRows`], its own `delete_expired`) until a batch comes back short,
+/// A sweep calls [`ExpiredRows::sweep_expired`] (for a store,
+/// [`Store::delete_expired`]) until a batch comes back short,
 /// pausing between batches so that the deletes leave room for requests. Then the
 /// job sleeps for its interval and sweeps again. When a [`SweepLock`] is set (as
 /// idem-diesel's `PgStore::cleanup` does), a sweep runs only in the instance
@@ -81,13 +81,15 @@ type OnReport = dyn Fn(&SweepReport) + Send + Sync;
 /// records, and the consumer inbox's processed messages.
 pub trait ExpiredRows: Send + Sync + 'static {
     /// Deletes up to `batch` expired rows and answers how many it deleted; the job
-    /// calls it until it answers less than `batch`.
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64>;
+    /// calls it until it answers less than `batch`. (Named apart from
+    /// [`Store::delete_expired`], which it is for a store, so that a store's
+    /// method is never ambiguous with both traits in scope.)
+    fn sweep_expired(&self, batch: usize) -> StoreFuture<'_, u64>;
 }
 
 impl<S: Store> ExpiredRows for S {
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
-        Store::delete_expired(self, batch)
+    fn sweep_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+        self.delete_expired(batch)
     }
 }
 
@@ -255,7 +257,7 @@ impl<S: ExpiredRows> Cleanup<S> {
         let batch = u64::try_from(self.batch_size).unwrap_or(u64::MAX);
         loop {
             let started = Instant::now();
-            let deleted = rows.delete_expired(self.batch_size).await?;
+            let deleted = rows.sweep_expired(self.batch_size).await?;
             let took = started.elapsed();
             swept.batches += 1;
             swept.deleted += deleted;

@@ -787,7 +787,7 @@ impl Inbox for PgInbox {
 }
 
 impl ExpiredRows for PgInbox {
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+    fn sweep_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
             let mut connection =
                 pool::checkout(&self.inner.pool, self.inner.failures.as_ref()).await?;

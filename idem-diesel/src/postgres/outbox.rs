@@ -540,7 +540,7 @@ impl Batch for PgBatch {
 }
 
 impl ExpiredRows for PgOutbox {
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+    fn sweep_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
             let mut connection = self.connection().await?;
             let deleted = diesel::sql_query(

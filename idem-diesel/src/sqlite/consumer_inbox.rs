@@ -543,7 +543,7 @@ impl Inbox for SqliteInbox {
 }
 
 impl ExpiredRows for SqliteInbox {
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+    fn sweep_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
             let batch = i64::try_from(batch).unwrap_or(i64::MAX);
             let retention = duration_micros(self.inner.retention);

@@ -438,7 +438,7 @@ impl Batch for SqliteBatch {
 }
 
 impl ExpiredRows for SqliteOutbox {
-    fn delete_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
+    fn sweep_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
             let batch = i64::try_from(batch).unwrap_or(i64::MAX);
             let retention = duration_micros(self.inner.retention);
