@@ -9,9 +9,8 @@ use actix_web::body::BoxBody;
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
 use actix_web::{HttpResponse, ResponseError};
-use idem_core::{
-    Header, HeaderSource, KEYED_REQUEST_HEADERS, StoredResponse, keyed_request_header,
-};
+use idem_core::adapter::{KEYED_REQUEST_HEADERS, keyed_request_header};
+use idem_core::{Header, HeaderSource, StoredResponse};
 
 /// An answer sent as an actix-web error, where no request is left to answer it
 /// with (the handler panicked, or its task was lost).

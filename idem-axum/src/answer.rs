@@ -4,9 +4,8 @@ use std::sync::LazyLock;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use idem_core::{
-    Header, HeaderSource, KEYED_REQUEST_HEADERS, StoredResponse, keyed_request_header,
-};
+use idem_core::adapter::{KEYED_REQUEST_HEADERS, keyed_request_header};
+use idem_core::{Header, HeaderSource, StoredResponse};
 
 use crate::ResponseBody;
 

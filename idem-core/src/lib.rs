@@ -35,8 +35,13 @@ pub use policy::{
     InProgress, KeyRequirement, OnStoreFailure, Policy, ProblemStatuses, StatusFilter,
 };
 pub use problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Problem, ProblemKind};
-pub use response::{
-    Header, KEYED_REQUEST_HEADERS, REPLAYED_HEADER, StoredResponse, keyed_request_header,
-};
+pub use response::{Header, REPLAYED_HEADER, StoredResponse};
+
+/// For adapter authors: what idem-axum and idem-actix use to turn their
+/// framework's requests and answers into idem's and back. An application
+/// needs none of it.
+pub mod adapter {
+    pub use crate::response::{KEYED_REQUEST_HEADERS, keyed_request_header};
+}
 pub use scope::{ChosenScope, Scope, ScopeSource, Unscoped};
 pub use store::{MemoryStore, Store, StoreError};

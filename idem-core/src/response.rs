@@ -72,6 +72,9 @@ impl Header {
 
     /// A header field whose name is borrowed from a request or response being
     /// converted: a common name is shared, any other copied (lower-cased).
+    /// For adapters ([`adapter`](crate::adapter)); an application uses
+    /// [`new`](Self::new).
+    #[doc(hidden)]
     pub fn named(name: &str, value: impl Into<Bytes>) -> Self {
         match common_name(name.as_bytes()) {
             Some(name) => Self {
