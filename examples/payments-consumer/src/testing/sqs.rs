@@ -643,9 +643,13 @@ pub struct Exercise {
     pub after_window: (usize, i64),
 }
 
-/// The exercise (see [`the_fifo_content_deduplication_exercise`]); fails
-/// unless the counts are (1, 1), (2, 2), (3, 2) and the balance is exact.
-/// `cargo xtask demo` prints it.
+/// The exercise on a FIFO queue (`<queue>.fifo`), each message's
+/// deduplication id the SHA-256 of its content and no `message_id`
+/// attribute: 10 identical sends, then one with a field changed, then the
+/// first content again once the queue forgot its id (moto forgets it when
+/// the message is deleted; SQS 5 minutes after the send). Fails unless the
+/// counts are (1, 1), (2, 2), (3, 2) and the balance is exact. The e2e row
+/// and `cargo xtask demo` run it.
 pub async fn fifo_exercise(case: Case) -> Result<Exercise, String> {
     let mut case = case;
     case.queue.push_str(".fifo");
