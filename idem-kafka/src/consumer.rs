@@ -9,9 +9,9 @@
 //!   workers committed for the broker's next auto-commit.
 //! - **One worker per assigned partition** (a Tokio task) applies its records
 //!   in order, one at a time; partitions run side by side. A worker's queue is
-//!   bounded: when it is full, the partition is paused at the broker and its
-//!   records wait on the polling thread, so a partition that retries in place
-//!   holds back no other.
+//!   bounded: when it is full, its partition's records wait on the polling
+//!   thread, so a partition that retries in place holds back no other. (The
+//!   partition is not paused at the broker: see `dispatch`.)
 //! - **On assignment**, each partition's position is read from the database
 //!   and the partition is assigned at it (a partition without a row starts
 //!   from the group's committed offset, or `auto.offset.reset`, `earliest`
@@ -51,8 +51,8 @@ use crate::offsets::{Advance, Offsets};
 use crate::record::{dead_letter_headers, message_of};
 use crate::topics;
 
-/// How many records wait in a partition's queue before the partition is
-/// paused.
+/// How many records wait in a partition's worker's queue (more wait on the
+/// polling thread).
 pub const DEFAULT_QUEUE: usize = 256;
 /// How long a revocation or a stop waits for a worker's record to finish.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -155,8 +155,8 @@ impl<I, H> ConsumerBuilder<I, H> {
         self
     }
 
-    /// How many records wait in a partition's queue before the partition is
-    /// paused ([`DEFAULT_QUEUE`]).
+    /// How many records wait in a partition's worker's queue
+    /// ([`DEFAULT_QUEUE`]; more wait on the polling thread).
     pub fn queue(mut self, records: usize) -> Self {
         self.queue = records.max(1);
         self
@@ -343,8 +343,6 @@ struct Worker {
     queue: mpsc::Sender<OwnedMessage>,
     /// Records the queue had no room for, in order.
     waiting: VecDeque<OwnedMessage>,
-    /// Whether the partition is paused at the broker (its queue is full).
-    paused: bool,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -448,7 +446,6 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
                 Worker {
                     queue,
                     waiting: VecDeque::new(),
-                    paused: false,
                     stop,
                     task,
                 },
@@ -494,10 +491,10 @@ fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     let context = consumer.context();
     while !shared.stopping.load(Ordering::SeqCst) {
         store_applied(consumer, shared, commands);
-        flush(consumer, context, &shared.topic);
+        flush(context);
         match consumer.poll(POLL) {
             None => {}
-            Some(Ok(record)) => dispatch(consumer, context, &shared.topic, record.detach()),
+            Some(Ok(record)) => dispatch(context, record.detach()),
             Some(Err(error)) => {
                 tracing::warn!(target: "idem_kafka", error = %error_chain(&error), "the consumer reported an error; librdkafka carries on");
             }
@@ -539,13 +536,15 @@ fn store_applied<I: Offsets, H>(
 }
 
 /// Hands a record to its partition's worker, or holds it when the worker's
-/// queue is full (and pauses the partition).
-fn dispatch<I: Offsets, H>(
-    consumer: &BaseConsumer<Context<I, H>>,
-    context: &Context<I, H>,
-    topic: &str,
-    record: OwnedMessage,
-) where
+/// queue is full.
+///
+/// The partition is not paused at the broker meanwhile: with tansu 0.6, a
+/// partition paused and then resumed received nothing more (its consumer
+/// stalled at its first full queue, even with a seek back after the
+/// resume), so records beyond the queue wait here, in memory, up to what
+/// librdkafka prefetches.
+fn dispatch<I: Offsets, H>(context: &Context<I, H>, record: OwnedMessage)
+where
     Context<I, H>: ConsumerContext,
 {
     let partition = record.partition();
@@ -560,27 +559,18 @@ fn dispatch<I: Offsets, H>(
     }
     match worker.queue.try_send(record) {
         Ok(()) => {}
-        Err(mpsc::error::TrySendError::Full(record)) => {
-            worker.waiting.push_back(record);
-            if !worker.paused {
-                worker.paused = pause(consumer, topic, partition, true);
-            }
-        }
+        Err(mpsc::error::TrySendError::Full(record)) => worker.waiting.push_back(record),
         Err(mpsc::error::TrySendError::Closed(_)) => {}
     }
 }
 
-/// Moves held records into the queues that have room; resumes a partition
-/// whose held records are all queued.
-fn flush<I: Offsets, H>(
-    consumer: &BaseConsumer<Context<I, H>>,
-    context: &Context<I, H>,
-    topic: &str,
-) where
+/// Moves held records into the queues that have room.
+fn flush<I: Offsets, H>(context: &Context<I, H>)
+where
     Context<I, H>: ConsumerContext,
 {
     let mut workers = lock(&context.workers);
-    for (&partition, worker) in workers.iter_mut() {
+    for worker in workers.values_mut() {
         while let Some(record) = worker.waiting.pop_front() {
             match worker.queue.try_send(record) {
                 Ok(()) => {}
@@ -593,32 +583,6 @@ fn flush<I: Offsets, H>(
                     break;
                 }
             }
-        }
-        if worker.paused && worker.waiting.is_empty() {
-            worker.paused = !pause(consumer, topic, partition, false);
-        }
-    }
-}
-
-/// Pauses (or resumes) fetching a partition; answers whether it worked.
-fn pause<C: ConsumerContext>(
-    consumer: &BaseConsumer<C>,
-    topic: &str,
-    partition: i32,
-    paused: bool,
-) -> bool {
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(topic, partition);
-    let done = if paused {
-        consumer.pause(&tpl)
-    } else {
-        consumer.resume(&tpl)
-    };
-    match done {
-        Ok(()) => true,
-        Err(error) => {
-            tracing::debug!(target: "idem_kafka", partition, paused, error = %error_chain(&error), "pause or resume failed");
-            false
         }
     }
 }
