@@ -4,9 +4,12 @@ mod capture;
 mod closing;
 mod edge;
 mod extract;
+mod future;
 mod middleware;
 
 pub use extract::{ExecutionInfo, NoIdempotencyKey};
+#[doc(hidden)]
+pub use future::IdempotencyFuture;
 pub use idem_core;
 pub use middleware::Idempotency;
 #[doc(hidden)]

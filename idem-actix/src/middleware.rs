@@ -9,15 +9,16 @@ use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse, Transfor
 use actix_web::http::header::CONTENT_LENGTH;
 use actix_web::{Error, HttpMessage, HttpRequest};
 use bytes::Bytes;
-use futures_util::future::LocalBoxFuture;
-use idem_core::protocol::{Decision, Detached, Handled, Intake, Outcome, Start};
+use idem_core::protocol::{Handled, Keyed, Outcome, Remnant, Start};
 use idem_core::{
-    ChosenScope, Engine, Policy, RequestHead, Scope, ScopeSource, Store, StoredResponse, Unscoped,
+    ChosenScope, Engine, ExecutionInfo, Policy, RequestHead, Scope, ScopeSource, Store,
+    StoredResponse, Unscoped,
 };
 
 use crate::capture::{delivered_body, handler_body};
 use crate::closing;
 use crate::edge::{AnswerError, RequestHeaders, into_http_response, stored_headers};
+use crate::future::{Answer, IdempotencyFuture};
 
 /// Makes a resource or scope safe to retry: wraps it so that requests with the same
 /// `Idempotency-Key` run the handler once and replay its answer.
@@ -160,8 +161,6 @@ pub struct IdempotencyMiddleware<S> {
     scope: ScopeSource<HttpRequest>,
 }
 
-type Answer<B> = Result<ServiceResponse<EitherBody<B>>, Error>;
-
 impl<S, B> Service<ServiceRequest> for IdempotencyMiddleware<S>
 where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
@@ -169,7 +168,7 @@ where
 {
     type Response = ServiceResponse<EitherBody<B>>;
     type Error = Error;
-    type Future = LocalBoxFuture<'static, Answer<B>>;
+    type Future = IdempotencyFuture<S::Future, B>;
 
     forward_ready!(service);
 
@@ -181,19 +180,20 @@ where
             headers: &RequestHeaders(request.headers()),
         };
         match self.engine.start(&head, &self.scope, request.request()) {
-            Start::PassThrough => {
-                let response = self.service.call(request);
-                Box::pin(async move { Ok(response.await?.map_into_left_body()) })
-            }
-            Start::Answer(answer) => Box::pin(ready(Ok(answered(request, answer)))),
-            Start::Keyed(intake) => Box::pin(keyed(Rc::clone(&self.service), intake, request)),
+            Start::PassThrough => IdempotencyFuture::pass_through(self.service.call(request)),
+            Start::Answer(answer) => IdempotencyFuture::answered(answered(request, answer)),
+            Start::Keyed(keyed) => IdempotencyFuture::keyed(Box::pin(respond(
+                Rc::clone(&self.service),
+                keyed,
+                request,
+            ))),
         }
     }
 }
 
-/// Reads the body, claims, and runs the handler, to completion even if the
-/// client goes away (actix drops this future then).
-async fn keyed<S, B>(service: Rc<S>, intake: Intake, mut request: ServiceRequest) -> Answer<B>
+/// Hands a keyed request to the protocol; the handler runs to completion even
+/// if the client goes away (actix drops this future then).
+async fn respond<S, B>(service: Rc<S>, keyed: Keyed, mut request: ServiceRequest) -> Answer<B>
 where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
@@ -202,16 +202,8 @@ where
         .headers()
         .get(CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok()?.parse().ok());
-    let mut payload = request.take_payload();
-    let claimable = match intake.read(declared, &mut payload).await {
-        Ok(claimable) => claimable,
-        Err(answer) => return Ok(refused(request, answer, payload)),
-    };
-    let run = match claimable.claim().await {
-        Decision::Answer(answer) => return Ok(answered(request, answer)),
-        Decision::Run(run) => run,
-    };
-    let handler = move |body: Bytes, info: idem_core::ExecutionInfo| async move {
+    let payload = request.take_payload();
+    let handler = move |mut request: ServiceRequest, body: Bytes, info: ExecutionInfo| async move {
         request.set_payload(Payload::from(body));
         request.extensions_mut().insert(info);
         let (request, response) = service.call(request).await?.into_parts();
@@ -223,12 +215,10 @@ where
             head: (request, head),
         })
     };
-    // Run here; if actix drops this future (the client went away), the rest
-    // goes on in a task of this worker, so the handler is never cancelled.
-    let outcome = Detached::new(run.respond(handler), |rest| {
-        actix_web::rt::spawn(rest);
-    });
-    match outcome.await {
+    match keyed
+        .respond_local(request, declared, payload, handler)
+        .await
+    {
         Outcome::Deliver {
             head: (request, head),
             body,
@@ -237,19 +227,27 @@ where
             head.set_body(delivered_body(body)),
         )),
         Outcome::Answer {
-            head: Some((request, _)),
             answer,
-        } => Ok(ServiceResponse::new(request, into_http_response(answer)).map_into_right_body()),
+            remnant: Remnant::Request { kept, body },
+        } => Ok(refused(kept, answer, body)),
+        Outcome::Answer {
+            answer,
+            remnant: Remnant::Handled((request, _)),
+        } => Ok(answered_to(request, answer)),
         // The request went down with the handler: the answer travels as an
         // error, which actix answers with its response.
-        Outcome::Answer { head: None, answer } => Err(AnswerError(answer).into()),
+        Outcome::Answer {
+            answer,
+            remnant: Remnant::Lost,
+        } => Err(AnswerError(answer).into()),
         Outcome::Failed(error) => Err(error),
     }
 }
 
-/// A refusal while the body was read (`413`, `408`, `400`). A body read to its
-/// end is answered as any refusal; one left unread closes the connection after
-/// the answer, where actix-web would otherwise read on (see `closing`).
+/// An answer sent before the handler ran: a replay, or a refusal. A body read
+/// to its end is answered as usual; one left unread (`413`, `408`, `400`)
+/// closes the connection after the answer, where actix-web would otherwise
+/// read on (see `closing`).
 fn refused<B>(
     request: ServiceRequest,
     answer: StoredResponse,
@@ -267,4 +265,9 @@ fn answered<B>(request: ServiceRequest, answer: StoredResponse) -> ServiceRespon
     request
         .into_response(into_http_response(answer))
         .map_into_right_body()
+}
+
+/// `answer`, sent in place of the handler's to the request the handler gave back.
+fn answered_to<B>(request: HttpRequest, answer: StoredResponse) -> ServiceResponse<EitherBody<B>> {
+    ServiceResponse::new(request, into_http_response(answer)).map_into_right_body()
 }

@@ -6,8 +6,8 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
-use idem_core::protocol::{Decision, Detached, Handled, HandlerBody, Intake, Outcome, Start};
-use idem_core::{Engine, RequestHead, ScopeSource};
+use idem_core::protocol::{Handled, HandlerBody, Outcome, Start};
+use idem_core::{Engine, ExecutionInfo, RequestHead, ScopeSource};
 use tower_service::Service;
 
 use crate::answer::{HttpHeaders, stored_headers, to_http};
@@ -98,63 +98,35 @@ where
                 ResponseFuture::pass_through(inner.call(request))
             }
             Start::Answer(answer) => ResponseFuture::answered(to_http(answer)),
-            Start::Keyed(intake) => {
-                ResponseFuture::keyed(Box::pin(keyed(intake, inner, parts, body)))
+            Start::Keyed(keyed) => {
+                let declared = Some(body.size_hint().lower());
+                // Boxed so the protocol can hand it back unread: a request body
+                // need not be `Unpin`.
+                let body = Chunks::new(Box::pin(body));
+                let handler = move |mut parts: Parts, body: Bytes, info: ExecutionInfo| async move {
+                    parts.extensions.insert(info);
+                    let request = Request::from_parts(parts, RequestBody::buffered(body));
+                    let (parts, body) = inner.call(request).await?.into_parts();
+                    Ok(Handled {
+                        status: parts.status.as_u16(),
+                        headers: stored_headers(&parts.headers),
+                        body: HandlerBody::Streaming {
+                            length: body.size_hint().exact(),
+                            body: Chunks::new(body),
+                        },
+                        head: parts,
+                    })
+                };
+                ResponseFuture::keyed(Box::pin(async move {
+                    match keyed.respond(parts, declared, body, handler).await {
+                        Outcome::Deliver { head, body } => {
+                            Ok(Response::from_parts(head, ResponseBody::delivered(body)))
+                        }
+                        Outcome::Answer { answer, .. } => Ok(to_http(answer)),
+                        Outcome::Failed(error) => Err(error),
+                    }
+                }))
             }
         }
-    }
-}
-
-/// Reads the body, claims, and runs the inner service, all in the request's
-/// own future; the run goes on in a task if the client goes away.
-async fn keyed<S, ReqBody, ResBody>(
-    intake: Intake,
-    mut inner: S,
-    mut parts: Parts,
-    body: ReqBody,
-) -> Result<Response<ResponseBody<ResBody>>, S::Error>
-where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
-    let declared = Some(body.size_hint().lower());
-    let claimable = match intake.read(declared, Chunks::new(body)).await {
-        Ok(claimable) => claimable,
-        Err(answer) => return Ok(to_http(answer)),
-    };
-    let run = match claimable.claim().await {
-        Decision::Answer(answer) => return Ok(to_http(answer)),
-        Decision::Run(run) => run,
-    };
-    let handler = move |body: Bytes, info: idem_core::ExecutionInfo| async move {
-        parts.extensions.insert(info);
-        let request = Request::from_parts(parts, RequestBody::buffered(body));
-        let (parts, body) = inner.call(request).await?.into_parts();
-        Ok(Handled {
-            status: parts.status.as_u16(),
-            headers: stored_headers(&parts.headers),
-            body: HandlerBody::Streaming {
-                length: body.size_hint().exact(),
-                body: Chunks::new(body),
-            },
-            head: parts,
-        })
-    };
-    // From here on the work is the record's, not the connection's: a client
-    // that disconnects drops this future, and the rest runs on a task.
-    let outcome = Detached::new(run.respond(handler), |rest| {
-        tokio::spawn(rest);
-    });
-    match outcome.await {
-        Outcome::Deliver { head, body } => {
-            Ok(Response::from_parts(head, ResponseBody::delivered(body)))
-        }
-        Outcome::Answer { answer, .. } => Ok(to_http(answer)),
-        Outcome::Failed(error) => Err(error),
     }
 }

@@ -19,8 +19,8 @@ use crate::metrics;
 
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, OwnerToken};
 use crate::{
-    Fingerprint, Header, IdempotencyKey, InProgress, KeyRequirement, OnStoreFailure, Policy,
-    Problem, ProblemKind, REPLAYED_HEADER, Scope, Store, StoreError, StoredResponse,
+    Fingerprint, Header, IdempotencyKey, InProgress, OnStoreFailure, Policy, Problem, ProblemKind,
+    REPLAYED_HEADER, Scope, Store, StoreError, StoredResponse,
 };
 
 /// The state machine over a store, with a route's policy. Cheap to clone.
@@ -109,109 +109,6 @@ impl Engine {
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
-    }
-
-    /// Decides from the method and the values of every `Idempotency-Key` field
-    /// whether the request is covered (`Ok(Some(key))`), passes through
-    /// (`Ok(None)`), or is refused.
-    pub(crate) fn admit<'a, I>(
-        &self,
-        method: &str,
-        key_fields: I,
-    ) -> Result<Option<IdempotencyKey>, Problem>
-    where
-        I: IntoIterator<Item = &'a [u8]>,
-    {
-        let policy = self.policy();
-        if !policy.covers(method) {
-            return Ok(None);
-        }
-        match IdempotencyKey::from_fields(key_fields) {
-            Ok(Some(key)) => Ok(Some(key)),
-            Ok(None) => match policy.key_requirement() {
-                KeyRequirement::Optional => Ok(None),
-                KeyRequirement::Required => {
-                    tracing::debug!(target: "idem", outcome = "rejected", reason = "missing-key");
-                    metrics::outcome(metrics::Outcome::Refused);
-                    Err(self.problem(
-                        ProblemKind::MissingKey,
-                        "this route requires an Idempotency-Key header",
-                    ))
-                }
-            },
-            Err(error) => {
-                tracing::debug!(target: "idem", outcome = "rejected", reason = "invalid-key", %error);
-                metrics::outcome(metrics::Outcome::Refused);
-                Err(self.problem(ProblemKind::InvalidKey, error.to_string()))
-            }
-        }
-    }
-
-    /// The answer to a request body over the limit.
-    pub(crate) fn payload_too_large(&self) -> Problem {
-        let limit = self.policy().request_body_limit_bytes();
-        tracing::debug!(target: "idem", outcome = "rejected", reason = "payload-too-large", limit);
-        metrics::outcome(metrics::Outcome::Refused);
-        self.problem(
-            ProblemKind::PayloadTooLarge,
-            format!("the request body is larger than {limit} bytes"),
-        )
-    }
-
-    /// The answer to a request body that failed to arrive whole.
-    pub(crate) fn body_unreadable(&self) -> Problem {
-        metrics::outcome(metrics::Outcome::Refused);
-        self.problem(
-            ProblemKind::BodyUnreadable,
-            "the request body could not be read whole",
-        )
-    }
-
-    /// The answer to a request body that did not arrive within the deadline.
-    pub(crate) fn body_timeout(&self) -> Problem {
-        let timeout = self.policy().request_body_timeout_duration();
-        tracing::debug!(target: "idem", outcome = "rejected", reason = "body-timeout", timeout_ms = timeout.as_millis() as u64);
-        metrics::outcome(metrics::Outcome::Refused);
-        self.problem(
-            ProblemKind::BodyTimeout,
-            format!(
-                "the request body did not arrive within {} ms; nothing was executed",
-                timeout.as_millis()
-            ),
-        )
-    }
-
-    /// The answer when the application could not name the request's scope:
-    /// logged at error level with what the source expected, since it is a
-    /// misconfiguration (most often the authentication that sets the scope runs
-    /// after the idempotency middleware instead of before it).
-    pub(crate) fn scope_unavailable(&self, expected: &str) -> Problem {
-        tracing::error!(
-            target: "idem",
-            outcome = "rejected",
-            reason = "scope-unavailable",
-            expected,
-            "no idempotency scope for the request: the route's scope source found nothing. It looks for {expected}: is the middleware that provides it (authentication) applied before the idempotency middleware, i.e. as an outer layer?",
-        );
-        metrics::outcome(metrics::Outcome::Refused);
-        self.problem(
-            ProblemKind::ScopeUnavailable,
-            "the request could not be attributed to a scope",
-        )
-    }
-
-    /// The answer when the task that ran a keyed request was lost (its runtime
-    /// shut down): its claim, if any, was released.
-    pub(crate) fn handler_lost(&self) -> StoredResponse {
-        self.handler_failed().to_response()
-    }
-
-    /// The answer when the handler panicked or failed (after its claim was released).
-    pub(crate) fn handler_failed(&self) -> Problem {
-        self.problem(
-            ProblemKind::HandlerFailed,
-            "the request failed; it may be retried with the same key",
-        )
     }
 
     /// A problem of `kind` with the status the policy gives it.
@@ -618,7 +515,6 @@ impl Execution {
     pub async fn release(mut self) {
         self.settled = true;
         tracing::warn!(target: "idem", outcome = "handler-failed", scope = %self.claim.scope, key = %self.claim.key.redacted(), "the handler failed; claim released");
-        metrics::outcome(metrics::Outcome::HandlerFailed);
         if let Err(error) = self.release_now().await {
             tracing::error!(target: "idem", error = %error_chain(&error), "could not release the claim; it will lapse with its lease");
         }
@@ -800,8 +696,6 @@ mod tests {
         let scope = Scope::new("s");
         let exec = expect_execute(engine.begin(scope.clone(), key("a"), fp(1)).await);
         exec.release().await;
-        let p = engine.handler_failed();
-        assert_eq!((p.kind, p.status), (ProblemKind::HandlerFailed, 500));
         expect_execute(engine.begin(scope.clone(), key("a"), fp(1)).await);
 
         drop(expect_execute(
@@ -1166,26 +1060,6 @@ mod tests {
         assert!(matches!(
             engine.begin(Scope::new("s"), key("k"), fp(1)).await,
             Begin::Unguarded
-        ));
-    }
-
-    #[test]
-    fn admit_covers_methods_and_keys() {
-        let engine = Engine::new(FailingStore, Policy::required());
-        assert!(matches!(engine.admit("GET", [&b"k"[..]]), Ok(None)));
-        assert!(matches!(engine.admit("POST", [&b"k"[..]]), Ok(Some(_))));
-        match engine.admit("POST", std::iter::empty()) {
-            Err(p) => assert_eq!((p.kind, p.status), (ProblemKind::MissingKey, 400)),
-            other => panic!("{other:?}"),
-        }
-        match engine.admit("PATCH", [&b"a"[..], &b"b"[..]]) {
-            Err(p) => assert_eq!((p.kind, p.status), (ProblemKind::InvalidKey, 400)),
-            other => panic!("{other:?}"),
-        }
-        let optional = Engine::new(FailingStore, Policy::optional());
-        assert!(matches!(
-            optional.admit("POST", std::iter::empty()),
-            Ok(None)
         ));
     }
 
