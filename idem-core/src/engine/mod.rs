@@ -1,18 +1,21 @@
-//! The engine: the one place where the state machine lives.
+//! The engine: the one place where the state machine lives, transport-neutral.
 //!
-//! HTTP adapters drive it through the protocol ([`Engine::start`] and the steps
-//! after it); other callers (a message consumer, a job runner) can claim a
-//! fingerprinted request themselves with [`Engine::begin`], run it with
-//! [`Execution::run`] and record its answer with [`Execution::settle`].
+//! The HTTP protocol ([`Engine::start`], then
+//! [`Keyed::respond`](crate::protocol::Keyed::respond)) and the consumer
+//! protocol's [`StoreInbox`](crate::consume::StoreInbox) both drive it; other
+//! callers (a job runner) can claim a fingerprinted request themselves with
+//! [`Engine::begin`], run it with [`Execution::run`] (the lease keeper,
+//! `lease.rs`) and record its answer with [`Execution::settle`] (the
+//! completion, deferred when the store is away, `completion.rs`).
 
-use std::future::Future;
-use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::Poll;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+mod completion;
+mod lease;
 
 use crate::execution::ExecutionInfo;
 use crate::metrics;
@@ -285,183 +288,6 @@ impl Execution {
             self.context.clone(),
             Arc::clone(&self.lease_lost),
         )
-    }
-
-    /// Runs `handler` to completion while keeping the lease, so a handler slower
-    /// than the lease is never run twice. The handler need not be `Send`
-    /// (actix's are not).
-    ///
-    /// The lease is renewed every quarter of it, so that a renewal is due well
-    /// before a third of the lease is gone. A renewal that fails is retried
-    /// promptly (from 50 ms, doubling, at most a tenth of the lease apart), so a
-    /// store outage shorter than the lease less one renewal interval does not
-    /// let it lapse. When the store refuses a renewal (another owner holds the
-    /// record) or renewals fail until the lease has certainly run out, the lease
-    /// is lost: logged at error level, counted (`idem_lease_lost_total`) and
-    /// signalled on [`ExecutionInfo::lease_lost`]; the handler runs on, and its
-    /// answer is sent but not recorded.
-    pub async fn run<F: Future>(&self, handler: F) -> F::Output {
-        let mut handler = pin!(handler);
-        // A handler that answers in its first poll needs no renewal: no clock
-        // reading, no timer.
-        if let Poll::Ready(output) =
-            std::future::poll_fn(|cx| Poll::Ready(handler.as_mut().poll(cx))).await
-        {
-            return output;
-        }
-        let lease = self.claim.lease;
-        let every = (lease / 4).max(Duration::from_millis(1));
-        let retry_cap = (lease / 10).max(Duration::from_millis(1));
-        let mut renewing = true;
-        // The lease certainly holds until this instant: it is counted from
-        // before the renewal was sent.
-        let mut held_until = self.held_until();
-        // The first renewal is due a quarter of the lease after the claim
-        // (however long that first poll took).
-        let mut next = held_until
-            .checked_sub(lease)
-            .map_or(held_until, |claimed_at| claimed_at + every);
-        let mut retry = Duration::from_millis(50).min(retry_cap);
-        loop {
-            let tick = tokio::time::sleep_until(next);
-            tokio::select! {
-                biased;
-                output = &mut handler => return output,
-                () = tick, if renewing => {
-                    let sent = Instant::now();
-                    let timer = metrics::Timer::start();
-                    let renewed = self.engine.store().renew(&self.claim, lease).await;
-                    metrics::store_time("renew", timer);
-                    match renewed {
-                        Ok(()) => {
-                            held_until = sent + lease;
-                            self.hold_until(held_until);
-                            next = Instant::now() + every;
-                            retry = Duration::from_millis(50).min(retry_cap);
-                        }
-                        Err(StoreError::StaleOwner) => {
-                            self.lose_lease("the store refused the renewal: another request holds the key");
-                            renewing = false;
-                        }
-                        Err(error) if Instant::now() + retry >= held_until => {
-                            tracing::warn!(target: "idem", error = %error_chain(&error), "lease renewal failed");
-                            self.lose_lease("renewals failed until the lease ran out");
-                            renewing = false;
-                        }
-                        Err(error) => {
-                            tracing::warn!(target: "idem", error = %error_chain(&error), retry_in_ms = retry.as_millis() as u64, "lease renewal failed; retrying");
-                            next = Instant::now() + retry;
-                            retry = (retry * 2).min(retry_cap);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn held_until(&self) -> Instant {
-        *self.held_until.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn hold_until(&self, until: Instant) {
-        *self.held_until.lock().unwrap_or_else(|p| p.into_inner()) = until;
-    }
-
-    fn lose_lease(&self, why: &str) {
-        self.lease_lost.store(true, Ordering::Release);
-        metrics::lease_lost();
-        tracing::error!(target: "idem", outcome = "lease-lost", scope = %self.claim.scope, key = %self.claim.key.redacted(), "the claim was lost while the handler ran ({why}); another request with the key may run, and this answer will not be recorded");
-    }
-
-    /// Records the handler's answer: completes the record when the policy stores
-    /// `response.status`, releases it otherwise (so a retry runs the handler
-    /// again). A failure is logged and returned.
-    async fn record(&mut self, response: &StoredResponse) -> Result<Recorded, StoreError> {
-        self.settled = true;
-        let engine = self.engine.clone();
-        let policy = engine.policy();
-        if !policy.stores(response.status) {
-            tracing::info!(target: "idem", outcome = "executed", stored = false, status = response.status, scope = %self.claim.scope, key = %self.claim.key.redacted());
-            metrics::outcome(metrics::Outcome::Executed);
-            self.release_now().await?;
-            return Ok(Recorded::Released);
-        }
-        let mut attempt = 1;
-        loop {
-            let timer = metrics::Timer::start();
-            let completed = engine
-                .store()
-                .complete(&self.claim, response, policy.retention)
-                .await;
-            metrics::store_time("complete", timer);
-            match completed {
-                Ok(()) => {
-                    tracing::info!(target: "idem", outcome = "executed", stored = true, replayable = response.replayable, status = response.status, scope = %self.claim.scope, key = %self.claim.key.redacted());
-                    metrics::outcome(metrics::Outcome::Executed);
-                    return Ok(Recorded::Completed);
-                }
-                Err(StoreError::StaleOwner) => {
-                    tracing::warn!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), "completion refused: the claim was lost (lease lapsed) while the handler ran");
-                    metrics::outcome(metrics::Outcome::Executed);
-                    return Err(StoreError::StaleOwner);
-                }
-                // The transaction is gone: trying again cannot bring it back.
-                Err(error @ StoreError::Uncommitted(_)) => {
-                    tracing::error!(target: "idem", outcome = "uncommitted", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "the completion was not committed and the handler's writes were rolled back with it; a retry runs the handler again");
-                    metrics::outcome(metrics::Outcome::StoreFailure);
-                    return Err(error);
-                }
-                // The client is not kept waiting: the record is completed in
-                // the background while the lease holds, so a store blip does
-                // not let the record lapse and the handler run again.
-                Err(error) if attempt >= COMPLETE_ATTEMPTS => {
-                    tracing::warn!(target: "idem", outcome = "executed", stored = false, scope = %self.claim.scope, key = %self.claim.key.redacted(), error = %error_chain(&error), "could not record the answer yet; retrying in the background while the lease holds");
-                    metrics::outcome(metrics::Outcome::Executed);
-                    self.complete_later(response.clone());
-                    return Err(error);
-                }
-                Err(error) => {
-                    tracing::warn!(target: "idem", attempt, error = %error_chain(&error), "completion failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
-                    attempt += 1;
-                }
-            }
-        }
-    }
-
-    /// Goes on completing the record in a task of its own, from 50 ms apart
-    /// doubling to a tenth of the lease (at most 1 s), until it succeeds, the
-    /// store refuses it, or the lease has certainly run out.
-    fn complete_later(&self, response: StoredResponse) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let store = Arc::clone(self.engine.store());
-        let claim = self.claim.clone();
-        let retention = self.engine.policy().retention;
-        let held_until = self.held_until();
-        let cap = (claim.lease / 10).clamp(Duration::from_millis(1), Duration::from_secs(1));
-        runtime.spawn(async move {
-            let mut backoff = Duration::from_millis(50).min(cap);
-            loop {
-                if Instant::now() + backoff >= held_until {
-                    tracing::error!(target: "idem", stored = false, scope = %claim.scope, key = %claim.key.redacted(), "could not record the answer before the lease ran out; a retry after it lapses runs the handler again");
-                    return;
-                }
-                tokio::time::sleep(backoff).await;
-                match store.complete(&claim, &response, retention).await {
-                    Ok(()) => {
-                        tracing::info!(target: "idem", stored = true, scope = %claim.scope, key = %claim.key.redacted(), "the answer was recorded once the store answered again");
-                        return;
-                    }
-                    Err(error @ (StoreError::StaleOwner | StoreError::Uncommitted(_))) => {
-                        tracing::error!(target: "idem", stored = false, scope = %claim.scope, key = %claim.key.redacted(), error = %error_chain(&error), "the answer cannot be recorded any more");
-                        return;
-                    }
-                    Err(_) => backoff = (backoff * 2).min(cap),
-                }
-            }
-        });
     }
 
     /// Records the handler's answer and says what to send: the handler's
