@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken, ReplayCache};
 use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Policy, Scope, Store};
-use idem_diesel::{PgOutbox, PgStore, PgTransaction};
+use idem_diesel::{PgOutbox, PgStore, Transaction};
 
 use crate::BoxError;
 use crate::handler::{self, CONTENT_TYPE, SCOPE};
@@ -207,7 +207,7 @@ async fn axum_server(
     use axum::http::{StatusCode, header};
     use axum::response::IntoResponse;
     use axum::routing::{get, post};
-    use idem_axum::{ExecutionInfo, IdempotencyLayer};
+    use idem_axum::IdempotencyLayer;
 
     async fn charge(body: bytes::Bytes) -> impl axum::response::IntoResponse {
         handler::executed();
@@ -228,15 +228,12 @@ async fn axum_server(
     async fn transactional_charge(
         outbox: Option<PgOutbox>,
         write: bool,
-        execution: Option<ExecutionInfo>,
+        transaction: Transaction,
         body: bytes::Bytes,
     ) -> axum::response::Response {
         use diesel::sql_types::BigInt;
         use diesel_async::RunQueryDsl;
 
-        let Some(transaction) = execution.and_then(|e| e.context::<PgTransaction>()) else {
-            return (StatusCode::INTERNAL_SERVER_ERROR, "no transaction").into_response();
-        };
         let connection = match transaction.connection().await {
             Ok(connection) => connection,
             Err(ended) => {
@@ -274,11 +271,9 @@ async fn axum_server(
     let layered = if outbox.is_none() && !write {
         post(charge)
     } else {
-        post(
-            move |execution: Option<ExecutionInfo>, body: bytes::Bytes| {
-                transactional_charge(outbox.clone(), write, execution, body)
-            },
-        )
+        post(move |transaction: Transaction, body: bytes::Bytes| {
+            transactional_charge(outbox.clone(), write, transaction, body)
+        })
     };
     let app = Router::new()
         .route("/bare", post(charge))

@@ -20,4 +20,4 @@
 /// }
 /// # let _ = actix_web::web::post().to(charge);
 /// ```
-pub use idem_core::{ExecutionInfo, NoIdempotencyKey};
+pub use idem_core::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext};

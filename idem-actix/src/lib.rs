@@ -7,7 +7,7 @@ mod extract;
 mod future;
 mod middleware;
 
-pub use extract::{ExecutionInfo, NoIdempotencyKey};
+pub use extract::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext};
 #[doc(hidden)]
 pub use future::IdempotencyFuture;
 pub use idem_core;

@@ -12,7 +12,7 @@ use std::time::Duration;
 use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
-use idem_actix::{ExecutionInfo, Idempotency};
+use idem_actix::{ExecutionInfo, Idempotency, StoreContext};
 use idem_core::{InProgress, MemoryStore, Policy, Scope, Store};
 use idem_scenarios::{
     ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, routes, scenario_tests,
@@ -712,4 +712,83 @@ mod redis {
         ];
         one_key_over_instances_executes_once(instances).await;
     }
+}
+
+/// A store that hands each execution a `Till` (as a transactional store hands
+/// its transaction).
+struct HandsATill(MemoryStore);
+
+#[derive(Debug)]
+struct Till {
+    name: &'static str,
+}
+
+impl idem_core::store::StoreLayer for HandsATill {
+    fn inner(&self) -> &dyn Store {
+        &self.0
+    }
+
+    fn execution_context(
+        &self,
+        _: &idem_core::store::Claim,
+    ) -> Option<idem_core::store::ExecutionContext> {
+        Some(Arc::new(Till {
+            name: "the request's till",
+        }))
+    }
+}
+
+async fn with_till(till: StoreContext<Till>) -> HttpResponse {
+    HttpResponse::Ok().body(till.name)
+}
+
+async fn maybe_till(till: Option<StoreContext<Till>>) -> HttpResponse {
+    HttpResponse::Ok().body(till.is_some().to_string())
+}
+
+#[actix_web::test]
+async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
+    let global = |store| Idempotency::new(store, Policy::required()).global_scope();
+    let app = actix_web::test::init_service(
+        App::new()
+            .service(
+                web::resource("/handed")
+                    .wrap(global(HandsATill(MemoryStore::new())))
+                    .route(web::post().to(with_till)),
+            )
+            .service(
+                web::resource("/plain")
+                    .wrap(Idempotency::new(MemoryStore::new(), Policy::required()).global_scope())
+                    .route(web::post().to(with_till)),
+            )
+            .service(
+                web::resource("/maybe")
+                    .wrap(Idempotency::new(MemoryStore::new(), Policy::required()).global_scope())
+                    .route(web::post().to(maybe_till)),
+            ),
+    )
+    .await;
+    let post = |uri: &str| {
+        actix_web::test::TestRequest::post()
+            .uri(uri)
+            .insert_header(("idempotency-key", "k-1"))
+            .to_request()
+    };
+    let handed = actix_web::test::call_service(&app, post("/handed")).await;
+    assert_eq!(handed.status(), StatusCode::OK);
+    assert_eq!(
+        actix_web::test::read_body(handed).await,
+        "the request's till"
+    );
+    // A route whose store hands no till: the handler never runs.
+    let refused = actix_web::test::call_service(&app, post("/plain")).await;
+    assert_eq!(refused.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = actix_web::test::read_body(refused).await;
+    let body = String::from_utf8_lossy(&body);
+    assert!(
+        body.contains("http::Till from its idempotency store"),
+        "{body}"
+    );
+    let maybe = actix_web::test::call_service(&app, post("/maybe")).await;
+    assert_eq!(actix_web::test::read_body(maybe).await, "false");
 }

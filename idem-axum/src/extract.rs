@@ -21,18 +21,16 @@
 /// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
 /// ```
 ///
-/// With idem-diesel's transactional store, the handler's writes commit with the
-/// record through the context:
+/// With idem-diesel's transactional store, the handler states that it takes the
+/// request's transaction (a [`StoreContext`], named `idem_diesel::Transaction`),
+/// and its writes commit with the record. On a route whose store is not
+/// transactional the request is refused `500` and the handler does not run:
 ///
 /// ```no_run
-/// use idem_axum::ExecutionInfo;
-/// use idem_diesel::PgTransaction;
+/// use idem_diesel::Transaction;
 /// use http::StatusCode;
 ///
-/// async fn charge(execution: ExecutionInfo) -> StatusCode {
-///     let Some(transaction) = execution.context::<PgTransaction>() else {
-///         return StatusCode::SERVICE_UNAVAILABLE;
-///     };
+/// async fn charge(transaction: Transaction) -> StatusCode {
 ///     let Ok(connection) = transaction.connection().await else {
 ///         return StatusCode::SERVICE_UNAVAILABLE;
 ///     };
@@ -42,4 +40,4 @@
 /// }
 /// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
 /// ```
-pub use idem_core::{ExecutionInfo, NoIdempotencyKey};
+pub use idem_core::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext};

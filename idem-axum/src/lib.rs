@@ -8,7 +8,7 @@ mod layer;
 mod service;
 
 pub use body::{RequestBody, ResponseBody};
-pub use extract::{ExecutionInfo, NoIdempotencyKey};
+pub use extract::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext};
 pub use future::ResponseFuture;
 pub use idem_core;
 pub use layer::IdempotencyLayer;

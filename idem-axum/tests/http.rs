@@ -19,7 +19,7 @@ use axum::routing::{any, get, post};
 use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use idem_axum::{ExecutionInfo, IdempotencyLayer, RequestBody};
+use idem_axum::{ExecutionInfo, IdempotencyLayer, RequestBody, StoreContext};
 use idem_core::{MemoryStore, OnStoreFailure, Policy, Scope, Store};
 use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
 use tower::{ServiceBuilder, ServiceExt};
@@ -371,10 +371,8 @@ async fn problems_use_the_configured_statuses_and_limits() {
             IdempotencyLayer::new(
                 MemoryStore::new(),
                 Policy::required().request_body_limit(4).problem_statuses(
-                    idem_core::ProblemStatuses {
-                        payload_too_large: 400,
-                        ..Default::default()
-                    },
+                    idem_core::ProblemStatuses::default()
+                        .status(idem_core::ProblemKind::PayloadTooLarge, 400),
                 ),
             )
             .global_scope(),
@@ -489,4 +487,87 @@ mod redis {
             .unwrap()
             .unwrap_or_else(|error| panic!("the test Redis failed: {error}"));
     }
+}
+
+/// A store that hands each execution a `Ledger` (as a transactional store
+/// hands its transaction).
+struct HandsALedger(MemoryStore);
+
+#[derive(Debug)]
+struct Ledger {
+    name: &'static str,
+}
+
+impl idem_core::store::StoreLayer for HandsALedger {
+    fn inner(&self) -> &dyn Store {
+        &self.0
+    }
+
+    fn execution_context(
+        &self,
+        _: &idem_core::store::Claim,
+    ) -> Option<idem_core::store::ExecutionContext> {
+        Some(Arc::new(Ledger {
+            name: "the request's ledger",
+        }))
+    }
+}
+
+async fn with_ledger(ledger: StoreContext<Ledger>) -> String {
+    ledger.name.to_owned()
+}
+
+async fn maybe_ledger(ledger: Option<StoreContext<Ledger>>) -> String {
+    format!("{}", ledger.is_some())
+}
+
+#[tokio::test]
+async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
+    let app = Router::new()
+        .route(
+            "/handed",
+            post(with_ledger).route_layer(
+                IdempotencyLayer::new(HandsALedger(MemoryStore::new()), Policy::required())
+                    .global_scope(),
+            ),
+        )
+        .route(
+            "/plain",
+            post(with_ledger).route_layer(
+                IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope(),
+            ),
+        )
+        .route(
+            "/maybe",
+            post(maybe_ledger).route_layer(
+                IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope(),
+            ),
+        );
+    let handed = app
+        .clone()
+        .oneshot(post_with_key("/handed", Some("k-1"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        read(handed).await,
+        (StatusCode::OK, Bytes::from("the request's ledger"))
+    );
+    // A route whose store hands no ledger: the handler never runs.
+    let refused = app
+        .clone()
+        .oneshot(post_with_key("/plain", Some("k-1"), "{}"))
+        .await
+        .unwrap();
+    let (status, body) = read(refused).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    assert!(
+        body.contains("http::Ledger from its idempotency store"),
+        "{body}"
+    );
+    let maybe = app
+        .oneshot(post_with_key("/maybe", Some("k-1"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(read(maybe).await, (StatusCode::OK, Bytes::from("false")));
 }

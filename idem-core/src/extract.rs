@@ -1,10 +1,79 @@
-//! [`ExecutionInfo`] as a framework's extractor: axum's (feature `axum`, on
-//! axum-core) and actix-web's (feature `actix`). The adapters (idem-axum,
-//! idem-actix) turn these on and put the `ExecutionInfo` of each keyed
-//! request they let run in its extensions; a handler takes it as an argument,
-//! or `Option<ExecutionInfo>` where a request may have no key.
+//! [`ExecutionInfo`] and [`StoreContext`] as a framework's extractors: axum's
+//! (feature `axum`, on axum-core) and actix-web's (feature `actix`). The
+//! adapters (idem-axum, idem-actix) turn these on and put the `ExecutionInfo`
+//! of each keyed request they let run in its extensions; a handler takes it as
+//! an argument, or `Option<ExecutionInfo>` where a request may have no key, and
+//! takes what the store hands it (a transaction) as a `StoreContext<T>`.
+
+use std::ops::Deref;
+use std::sync::Arc;
 
 use crate::ExecutionInfo;
+
+/// What the store hands the handler of a keyed request, typed: a handler
+/// states that it takes a `T` by taking a `StoreContext<T>` (idem-diesel names
+/// `StoreContext<PgTransaction>` `Transaction`), and derefs it to the `T`.
+///
+/// A request whose store hands no `T` (its route has no transactional store,
+/// or the request has no key, or it ran unguarded because the store failed and
+/// the route fails open) is refused with [`NoStoreContext`], `500`, and logged
+/// at error level naming `T`: the handler never runs without what it stated
+/// it needs. Take `Option<StoreContext<T>>` where a route may run without one.
+#[derive(Debug)]
+pub struct StoreContext<T>(pub Arc<T>);
+
+impl<T> StoreContext<T> {
+    /// The store's context, shared.
+    pub fn into_inner(self) -> Arc<T> {
+        self.0
+    }
+}
+
+impl<T> Clone for StoreContext<T> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<T> Deref for StoreContext<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// The rejection of [`StoreContext`] when the request's store handed no such
+/// context. `500`: the route is misconfigured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "this request has no {expected} from its idempotency store: is the route behind idem's middleware, over a store that hands one (idem-diesel's TransactionalPgStore hands a PgTransaction), with keys required?"
+)]
+pub struct NoStoreContext {
+    expected: &'static str,
+}
+
+/// The `T` the execution `info` was handed by its store.
+#[cfg(any(feature = "axum", feature = "actix"))]
+fn store_context<T: Send + Sync + 'static>(
+    info: Option<&ExecutionInfo>,
+) -> Result<StoreContext<T>, NoStoreContext> {
+    match info.and_then(ExecutionInfo::context::<T>) {
+        Some(context) => Ok(StoreContext(context)),
+        None => Err(NoStoreContext {
+            expected: std::any::type_name::<T>(),
+        }),
+    }
+}
+
+impl NoStoreContext {
+    /// Logs the refusal as it is answered (not where `Option<StoreContext<T>>`
+    /// takes it as `None`).
+    #[cfg(any(feature = "axum", feature = "actix"))]
+    fn log(&self) {
+        tracing::error!(target: "idem", error = %self, "a handler that takes a store context was refused: its request has none");
+    }
+}
 
 /// The rejection of [`ExecutionInfo`] when the request carries none: the
 /// handler is not behind idem's middleware, or the request had no key. `500`
@@ -23,11 +92,44 @@ mod axum {
     use http::StatusCode;
     use http::request::Parts;
 
-    use super::{ExecutionInfo, NoIdempotencyKey};
+    use super::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext, store_context};
 
     impl IntoResponse for NoIdempotencyKey {
         fn into_response(self) -> Response {
             (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
+    }
+
+    impl IntoResponse for NoStoreContext {
+        fn into_response(self) -> Response {
+            self.log();
+            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
+    }
+
+    impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for StoreContext<T> {
+        type Rejection = NoStoreContext;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Self, Self::Rejection> {
+            store_context(parts.extensions.get::<ExecutionInfo>())
+        }
+    }
+
+    impl<S: Send + Sync, T: Send + Sync + 'static> OptionalFromRequestParts<S> for StoreContext<T> {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts
+                .extensions
+                .get::<ExecutionInfo>()
+                .and_then(ExecutionInfo::context::<T>)
+                .map(StoreContext))
         }
     }
 
@@ -64,13 +166,34 @@ mod actix {
 
     use actix_web::dev::Payload;
     use actix_web::http::StatusCode;
-    use actix_web::{FromRequest, HttpMessage, HttpRequest, ResponseError};
+    use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, ResponseError};
 
-    use super::{ExecutionInfo, NoIdempotencyKey};
+    use super::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext, store_context};
 
     impl ResponseError for NoIdempotencyKey {
         fn status_code(&self) -> StatusCode {
             StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+
+    impl ResponseError for NoStoreContext {
+        fn status_code(&self) -> StatusCode {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+
+        fn error_response(&self) -> HttpResponse {
+            self.log();
+            HttpResponse::InternalServerError().body(self.to_string())
+        }
+    }
+
+    /// `Option<StoreContext<T>>` is actix-web's own: `None` where this refuses.
+    impl<T: Send + Sync + 'static> FromRequest for StoreContext<T> {
+        type Error = NoStoreContext;
+        type Future = Ready<Result<Self, Self::Error>>;
+
+        fn from_request(request: &HttpRequest, _: &mut Payload) -> Self::Future {
+            ready(store_context(request.extensions().get::<ExecutionInfo>()))
         }
     }
 

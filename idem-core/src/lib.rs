@@ -26,7 +26,7 @@ pub mod faults;
 
 pub use engine::{Begin, Engine, Execution, Settlement};
 pub use execution::ExecutionInfo;
-pub use extract::NoIdempotencyKey;
+pub use extract::{NoIdempotencyKey, NoStoreContext, StoreContext};
 pub use fingerprint::{
     BodyMode, Fingerprint, FingerprintHasher, FingerprintSpec, HeaderSource, RequestHead,
 };

@@ -44,7 +44,7 @@ pub use table::DEFAULT_TABLE;
 #[cfg(feature = "postgres")]
 pub use postgres::{
     PgInbox, PgInboxBuilder, PgOutbox, PgPool, PgStore, PgStoreBuilder, PgTransaction,
-    PgTransactionConnection, TransactionEnded, TransactionalPgStore,
+    PgTransactionConnection, Transaction, TransactionEnded, TransactionalPgStore,
 };
 #[cfg(feature = "sqlite")]
 pub use sqlite::{

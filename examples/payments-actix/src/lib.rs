@@ -10,7 +10,8 @@
 //!
 //! Each keyed route runs behind its [`payments::Guard`]: on PostgreSQL in
 //! transactional mode, where the handler hands the request's transaction
-//! (`ExecutionInfo::context::<PgTransaction>()`) to the ledger, so the ledger's
+//! (a `Transaction` argument, `Option<Transaction>` since the same
+//! handlers serve the other stores) to the ledger, so the ledger's
 //! writes commit with the idempotency record.
 //!
 //! ```
@@ -31,7 +32,7 @@ use actix_web::http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use actix_web::middleware::{Next, from_fn};
 use actix_web::{App, Error, HttpMessage, HttpResponse, web};
 use idem_actix::{ExecutionInfo, Idempotency};
-use idem_diesel::PgTransaction;
+use idem_diesel::Transaction;
 use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 
 /// The largest body a handler reads without a key (with one, the idempotency
@@ -104,9 +105,10 @@ async fn charge(
     payments: web::Data<Payments>,
     account_id: web::Path<String>,
     execution: Option<ExecutionInfo>,
+    transaction: Option<Transaction>,
     body: web::Bytes,
 ) -> HttpResponse {
-    let attempt = attempt(execution.as_ref());
+    let attempt = attempt(execution.as_ref(), transaction);
     send(payments.charge(&account_id, &body, &attempt).await.into())
 }
 
@@ -114,9 +116,10 @@ async fn deposit(
     payments: web::Data<Payments>,
     account_id: web::Path<String>,
     execution: Option<ExecutionInfo>,
+    transaction: Option<Transaction>,
     body: web::Bytes,
 ) -> HttpResponse {
-    let attempt = attempt(execution.as_ref());
+    let attempt = attempt(execution.as_ref(), transaction);
     send(payments.deposit(&account_id, &body, &attempt).await.into())
 }
 
@@ -126,10 +129,10 @@ async fn account(payments: web::Data<Payments>, account_id: web::Path<String>) -
 
 /// What the idempotency middleware let through: the key, and in transactional
 /// mode the request's transaction, which the ledger's writes join.
-fn attempt(execution: Option<&ExecutionInfo>) -> Attempt {
+fn attempt(execution: Option<&ExecutionInfo>, transaction: Option<Transaction>) -> Attempt {
     match execution {
         Some(execution) => Attempt::keyed(execution.scope().clone(), execution.key().clone())
-            .within(execution.context::<PgTransaction>()),
+            .within(transaction.map(Transaction::into_inner)),
         None => Attempt::unkeyed(),
     }
 }

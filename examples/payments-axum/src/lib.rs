@@ -10,7 +10,8 @@
 //!
 //! Each keyed route runs behind its [`payments::Guard`]: on PostgreSQL in
 //! transactional mode, where the handler hands the request's transaction
-//! (`ExecutionInfo::context::<PgTransaction>()`) to the ledger, so the ledger's
+//! (a `Transaction` argument, `Option<Transaction>` since the same
+//! handlers serve the other stores) to the ledger, so the ledger's
 //! writes commit with the idempotency record.
 //!
 //! ```
@@ -30,7 +31,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use idem_axum::{ExecutionInfo, IdempotencyLayer};
-use idem_diesel::PgTransaction;
+use idem_diesel::Transaction;
 use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 
 #[cfg(test)]
@@ -76,9 +77,10 @@ async fn charge(
     State(payments): State<Payments>,
     Path(account_id): Path<String>,
     execution: Option<ExecutionInfo>,
+    transaction: Option<Transaction>,
     body: Bytes,
 ) -> Response {
-    let attempt = attempt(execution.as_ref());
+    let attempt = attempt(execution.as_ref(), transaction);
     send(payments.charge(&account_id, &body, &attempt).await.into())
 }
 
@@ -86,9 +88,10 @@ async fn deposit(
     State(payments): State<Payments>,
     Path(account_id): Path<String>,
     execution: Option<ExecutionInfo>,
+    transaction: Option<Transaction>,
     body: Bytes,
 ) -> Response {
-    let attempt = attempt(execution.as_ref());
+    let attempt = attempt(execution.as_ref(), transaction);
     send(payments.deposit(&account_id, &body, &attempt).await.into())
 }
 
@@ -98,10 +101,10 @@ async fn account(State(payments): State<Payments>, Path(account_id): Path<String
 
 /// What the idempotency middleware let through: the key, and in transactional
 /// mode the request's transaction, which the ledger's writes join.
-fn attempt(execution: Option<&ExecutionInfo>) -> Attempt {
+fn attempt(execution: Option<&ExecutionInfo>, transaction: Option<Transaction>) -> Attempt {
     match execution {
         Some(execution) => Attempt::keyed(execution.scope().clone(), execution.key().clone())
-            .within(execution.context::<PgTransaction>()),
+            .within(transaction.map(Transaction::into_inner)),
         None => Attempt::unkeyed(),
     }
 }

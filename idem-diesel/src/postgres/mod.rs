@@ -33,7 +33,7 @@ use statements::Statements;
 pub use consumer_inbox::{PgInbox, PgInboxBuilder};
 pub use outbox::PgOutbox;
 pub use transactional::{
-    PgTransaction, PgTransactionConnection, TransactionEnded, TransactionalPgStore,
+    PgTransaction, PgTransactionConnection, Transaction, TransactionEnded, TransactionalPgStore,
 };
 pub(crate) use transactional::{roll_back, transaction_depth};
 

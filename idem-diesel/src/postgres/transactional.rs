@@ -174,6 +174,15 @@ pub struct PgTransaction {
     connection: Arc<tokio::sync::Mutex<Option<OwnedConnection>>>,
 }
 
+/// The request's [`PgTransaction`], as a handler's argument: an axum or
+/// actix-web handler behind a route over a [`TransactionalPgStore`] states
+/// that it takes the transaction by taking a `Transaction`, and derefs it to
+/// the `PgTransaction`. On a route whose store is not transactional, the
+/// request is refused `500` (logged at error level) and the handler does not
+/// run; take `Option<Transaction>` where a handler also serves routes over
+/// other stores.
+pub type Transaction = idem_core::StoreContext<PgTransaction>;
+
 /// The connection of a [`PgTransaction`], lent until dropped. Dereferences to
 /// [`AsyncPgConnection`].
 pub struct PgTransactionConnection<'a> {
