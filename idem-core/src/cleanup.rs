@@ -196,6 +196,26 @@ impl<S: ExpiredRows> Cleanup<S> {
         self
     }
 
+    /// How many records one statement deletes.
+    pub fn get_batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// The shortest pause between two batches of a sweep.
+    pub fn get_pause(&self) -> Duration {
+        self.pause
+    }
+
+    /// The share of the time the job keeps the store busy.
+    pub fn get_duty_cycle(&self) -> f64 {
+        self.duty
+    }
+
+    /// The time from the end of one sweep to the start of the next.
+    pub fn get_interval(&self) -> Duration {
+        self.interval
+    }
+
     /// Sweeps now, once: takes the lock (if one is set), deletes batches until one
     /// comes back short, and reports what it did. The report is logged and handed
     /// to the callback, as in [`run`](Self::run).

@@ -135,7 +135,27 @@ pub struct RequestHead<'a> {
 }
 
 /// How the fingerprint treats the body and which extra headers it covers.
+///
+/// Built from a constructor for each body mode, [`FingerprintSpec::exact`]
+/// (the default), [`FingerprintSpec::canonical_json`] and
+/// [`FingerprintSpec::fields`], then [`headers`](Self::headers) for further
+/// headers; read through the public fields or [`get_body`](Self::get_body) and
+/// [`get_headers`](Self::get_headers). More settings may come, so it is not
+/// built by a struct literal.
+///
+/// ```
+/// use idem_core::{BodyMode, FingerprintSpec, Policy};
+///
+/// let spec = FingerprintSpec::canonical_json().headers(["x-tenant"]);
+/// assert_eq!(spec.body, BodyMode::CanonicalJson);
+/// assert_eq!(spec.get_headers(), ["x-tenant"]);
+/// let policy = Policy::required().fingerprint(spec.clone());
+/// assert_eq!(policy.get_fingerprint(), &spec);
+/// assert_eq!(FingerprintSpec::default(), FingerprintSpec::exact());
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use]
 pub struct FingerprintSpec {
     /// How the body enters the fingerprint.
     pub body: BodyMode,
@@ -180,6 +200,57 @@ enum BodyFeed {
 }
 
 impl FingerprintSpec {
+    /// The body byte for byte ([`BodyMode::Exact`]), no further headers: the
+    /// default.
+    pub fn exact() -> Self {
+        Self::default()
+    }
+
+    /// A JSON body canonicalized ([`BodyMode::CanonicalJson`]), no further
+    /// headers: for clients that serialize the body again for each attempt.
+    pub fn canonical_json() -> Self {
+        Self::default().body(BodyMode::CanonicalJson)
+    }
+
+    /// Only the JSON fields at `pointers` (`"/amount"`, [`BodyMode::Fields`]),
+    /// no further headers.
+    pub fn fields<I, P>(pointers: I) -> Self
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<String>,
+    {
+        Self::default().body(BodyMode::Fields(
+            pointers.into_iter().map(Into::into).collect(),
+        ))
+    }
+
+    /// How the body enters the fingerprint.
+    pub fn body(mut self, body: BodyMode) -> Self {
+        self.body = body;
+        self
+    }
+
+    /// The further headers whose values enter the fingerprint (names compare
+    /// case-insensitively), in place of any set before.
+    pub fn headers<I, N>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = N>,
+        N: Into<String>,
+    {
+        self.headers = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// How the body enters the fingerprint.
+    pub fn get_body(&self) -> &BodyMode {
+        &self.body
+    }
+
+    /// The further headers whose values enter the fingerprint.
+    pub fn get_headers(&self) -> &[String] {
+        &self.headers
+    }
+
     /// Starts a fingerprint of the request whose head is `head`.
     pub fn start(&self, head: &RequestHead<'_>) -> FingerprintHasher {
         let mut hasher = Sha256::new();
@@ -438,10 +509,9 @@ mod tests {
     }
 
     fn spec(body: BodyMode, headers: &[&str]) -> FingerprintSpec {
-        FingerprintSpec {
-            body,
-            headers: headers.iter().map(|h| (*h).to_owned()).collect(),
-        }
+        FingerprintSpec::exact()
+            .body(body)
+            .headers(headers.iter().copied())
     }
 
     fn fields(pointers: &[&str]) -> BodyMode {

@@ -6,40 +6,49 @@ use std::time::Duration;
 
 use crate::{FingerprintSpec, ProblemKind};
 
-/// How a route treats idempotency keys. Built with consuming setters from
-/// [`Policy::required`] or [`Policy::optional`]; every default is the one the
-/// behaviour specification (`docs/contract.md`) names.
+/// How a route treats idempotency keys. Built from [`Policy::required`] or
+/// [`Policy::optional`] (the one choice every route makes); every default is
+/// the one the behaviour specification (`docs/contract.md`) names.
+///
+/// Each setting is set by the method named for it, which consumes and returns
+/// the policy (`policy.lease(d)`), and read by `get_` and the same name
+/// (`policy.get_lease()`); [`covers`](Self::covers), [`stores`](Self::stores)
+/// and [`status_of`](Self::status_of) are questions asked of the settings.
 ///
 /// ```
 /// use std::time::Duration;
-/// use idem_core::{InProgress, Policy};
+/// use idem_core::{InProgress, KeyRequirement, Policy};
 ///
 /// let policy = Policy::required()
 ///     .lease(Duration::from_secs(10))
 ///     .retention(Duration::from_secs(3600))
 ///     .in_progress(InProgress::Wait { up_to: Duration::from_secs(5) });
+/// assert_eq!(policy.get_lease(), Duration::from_secs(10));
+/// assert_eq!(policy.get_key_requirement(), KeyRequirement::Required);
 /// assert!(policy.covers("POST"));
 /// assert!(!policy.covers("GET"));
 /// ```
 #[derive(Clone, Debug)]
 #[must_use]
 pub struct Policy {
-    pub(crate) requirement: KeyRequirement,
-    pub(crate) methods: Vec<String>,
-    pub(crate) stored: StatusFilter,
-    pub(crate) request_body_limit: usize,
-    pub(crate) request_body_timeout: Duration,
-    pub(crate) stored_body_limit: usize,
-    pub(crate) lease: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) in_progress: InProgress,
-    pub(crate) on_store_failure: OnStoreFailure,
-    pub(crate) store_retry_after: Duration,
-    pub(crate) statuses: ProblemStatuses,
-    pub(crate) fingerprint: FingerprintSpec,
+    key_requirement: KeyRequirement,
+    methods: Vec<String>,
+    stored_statuses: StatusFilter,
+    request_body_limit: usize,
+    request_body_timeout: Duration,
+    stored_body_limit: usize,
+    lease: Duration,
+    retention: Duration,
+    in_progress: InProgress,
+    on_store_failure: OnStoreFailure,
+    store_retry_after: Duration,
+    problem_statuses: ProblemStatuses,
+    fingerprint: FingerprintSpec,
 }
 
-/// Whether a request without a key is refused or passed through.
+/// Whether a request without a key is refused or passed through: chosen by
+/// [`Policy::required`] or [`Policy::optional`], read by
+/// [`Policy::get_key_requirement`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeyRequirement {
     /// Missing key: `400 missing-key`.
@@ -82,8 +91,23 @@ pub enum OnStoreFailure {
 #[derive(Clone)]
 pub struct StatusFilter(Arc<dyn Fn(u16) -> bool + Send + Sync>);
 
-/// The status code of each problem answer.
+/// The status code of each problem answer: one field per [`ProblemKind`], set
+/// by [`status`](Self::status) and read by [`get_status`](Self::get_status) (or
+/// the field). More fields come with more kinds, so it is built from
+/// [`ProblemStatuses::default`], not by a struct literal.
+///
+/// ```
+/// use idem_core::{Policy, ProblemKind, ProblemStatuses};
+///
+/// let statuses = ProblemStatuses::default().status(ProblemKind::KeyReused, 409);
+/// assert_eq!(statuses.get_status(ProblemKind::KeyReused), 409);
+/// assert_eq!(statuses.key_reused, 409);
+/// let policy = Policy::required().problem_statuses(statuses);
+/// assert_eq!(policy.status_of(ProblemKind::KeyReused), 409);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use]
 pub struct ProblemStatuses {
     /// `missing-key`, default 400.
     pub missing_key: u16,
@@ -128,8 +152,14 @@ impl Default for ProblemStatuses {
 }
 
 impl ProblemStatuses {
+    /// Answers problems of `kind` with `status`.
+    pub fn status(mut self, kind: ProblemKind, status: u16) -> Self {
+        *self.slot(kind) = status;
+        self
+    }
+
     /// The status configured for `kind`.
-    pub fn of(&self, kind: ProblemKind) -> u16 {
+    pub fn get_status(&self, kind: ProblemKind) -> u16 {
         match kind {
             ProblemKind::MissingKey => self.missing_key,
             ProblemKind::InvalidKey => self.invalid_key,
@@ -142,6 +172,22 @@ impl ProblemStatuses {
             ProblemKind::ScopeUnavailable => self.scope_unavailable,
             ProblemKind::BodyUnreadable => self.body_unreadable,
             ProblemKind::BodyTimeout => self.body_timeout,
+        }
+    }
+
+    fn slot(&mut self, kind: ProblemKind) -> &mut u16 {
+        match kind {
+            ProblemKind::MissingKey => &mut self.missing_key,
+            ProblemKind::InvalidKey => &mut self.invalid_key,
+            ProblemKind::KeyReused => &mut self.key_reused,
+            ProblemKind::RequestInProgress => &mut self.request_in_progress,
+            ProblemKind::PayloadTooLarge => &mut self.payload_too_large,
+            ProblemKind::StoreUnavailable => &mut self.store_unavailable,
+            ProblemKind::ResponseNotStored => &mut self.response_not_stored,
+            ProblemKind::HandlerFailed => &mut self.handler_failed,
+            ProblemKind::ScopeUnavailable => &mut self.scope_unavailable,
+            ProblemKind::BodyUnreadable => &mut self.body_unreadable,
+            ProblemKind::BodyTimeout => &mut self.body_timeout,
         }
     }
 }
@@ -185,11 +231,11 @@ impl Policy {
         Self::with_requirement(KeyRequirement::Optional)
     }
 
-    fn with_requirement(requirement: KeyRequirement) -> Self {
+    fn with_requirement(key_requirement: KeyRequirement) -> Self {
         Self {
-            requirement,
+            key_requirement,
             methods: vec!["POST".into(), "PATCH".into()],
-            stored: StatusFilter::contract(),
+            stored_statuses: StatusFilter::contract(),
             request_body_limit: MIB,
             request_body_timeout: Duration::from_secs(30),
             stored_body_limit: MIB,
@@ -200,15 +246,9 @@ impl Policy {
             },
             on_store_failure: OnStoreFailure::FailClosed,
             store_retry_after: Duration::from_secs(5),
-            statuses: ProblemStatuses::default(),
+            problem_statuses: ProblemStatuses::default(),
             fingerprint: FingerprintSpec::default(),
         }
-    }
-
-    /// Changes whether keys are required.
-    pub fn requirement(mut self, requirement: KeyRequirement) -> Self {
-        self.requirement = requirement;
-        self
     }
 
     /// The methods covered (default POST and PATCH); others pass through.
@@ -226,7 +266,7 @@ impl Policy {
 
     /// Which statuses are stored (default: `docs/contract.md` §5).
     pub fn stored_statuses(mut self, filter: StatusFilter) -> Self {
-        self.stored = filter;
+        self.stored_statuses = filter;
         self
     }
 
@@ -286,7 +326,7 @@ impl Policy {
 
     /// The status code of each problem answer.
     pub fn problem_statuses(mut self, statuses: ProblemStatuses) -> Self {
-        self.statuses = statuses;
+        self.problem_statuses = statuses;
         self
     }
 
@@ -296,54 +336,86 @@ impl Policy {
         self
     }
 
+    /// Whether keys are required ([`Policy::required`]) or optional
+    /// ([`Policy::optional`]).
+    pub fn get_key_requirement(&self) -> KeyRequirement {
+        self.key_requirement
+    }
+
+    /// The methods covered, upper-case.
+    pub fn get_methods(&self) -> &[String] {
+        &self.methods
+    }
+
+    /// Which statuses are stored; [`stores`](Self::stores) asks it.
+    pub fn get_stored_statuses(&self) -> &StatusFilter {
+        &self.stored_statuses
+    }
+
+    /// The largest request body accepted, in bytes.
+    pub fn get_request_body_limit(&self) -> usize {
+        self.request_body_limit
+    }
+
+    /// The request body's read deadline.
+    pub fn get_request_body_timeout(&self) -> Duration {
+        self.request_body_timeout
+    }
+
+    /// The largest response body kept for replay, in bytes.
+    pub fn get_stored_body_limit(&self) -> usize {
+        self.stored_body_limit
+    }
+
+    /// How long a claim holds without renewal.
+    pub fn get_lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// How long completed records are kept.
+    pub fn get_retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// What a request does while another with its key runs.
+    pub fn get_in_progress(&self) -> InProgress {
+        self.in_progress
+    }
+
+    /// Whether the route fails closed or open when the store fails.
+    pub fn get_on_store_failure(&self) -> OnStoreFailure {
+        self.on_store_failure
+    }
+
+    /// The `Retry-After` of `503 store-unavailable`.
+    pub fn get_store_retry_after(&self) -> Duration {
+        self.store_retry_after
+    }
+
+    /// The status code of each problem answer; [`status_of`](Self::status_of)
+    /// asks it.
+    pub fn get_problem_statuses(&self) -> &ProblemStatuses {
+        &self.problem_statuses
+    }
+
+    /// What the fingerprint covers.
+    pub fn get_fingerprint(&self) -> &FingerprintSpec {
+        &self.fingerprint
+    }
+
     /// Whether requests with `method` are covered.
     pub fn covers(&self, method: &str) -> bool {
         self.methods.iter().any(|m| m.eq_ignore_ascii_case(method))
     }
 
-    /// Whether keys are required.
-    pub fn key_requirement(&self) -> KeyRequirement {
-        self.requirement
-    }
-
-    /// The request body limit.
-    pub fn request_body_limit_bytes(&self) -> usize {
-        self.request_body_limit
-    }
-
-    /// The request body's read deadline.
-    pub fn request_body_timeout_duration(&self) -> Duration {
-        self.request_body_timeout
-    }
-
-    /// The stored-body limit.
-    pub fn stored_body_limit_bytes(&self) -> usize {
-        self.stored_body_limit
-    }
-
-    /// The fingerprint spec.
-    pub fn fingerprint_spec(&self) -> &FingerprintSpec {
-        &self.fingerprint
-    }
-
-    /// The lease.
-    pub fn lease_duration(&self) -> Duration {
-        self.lease
-    }
-
-    /// The retention.
-    pub fn retention_duration(&self) -> Duration {
-        self.retention
-    }
-
     /// Whether a response with `status` is stored.
     pub fn stores(&self, status: u16) -> bool {
-        self.stored.stores(status)
+        self.stored_statuses.stores(status)
     }
 
     /// The status configured for a problem of `kind`.
     pub fn status_of(&self, kind: ProblemKind) -> u16 {
-        self.statuses.of(kind)
+        self.problem_statuses.get_status(kind)
     }
 }
 
@@ -360,6 +432,22 @@ mod tests {
         }
         for released in [408, 425, 429, 500, 502, 503, 599] {
             assert!(!policy.stores(released), "{released} should be released");
+        }
+    }
+
+    #[test]
+    fn each_problem_status_is_set_and_read_by_its_kind() {
+        for kind in ProblemKind::ALL {
+            let statuses = ProblemStatuses::default().status(kind, 599);
+            assert_eq!(statuses.get_status(kind), 599, "{kind:?}");
+            let others = ProblemKind::ALL.into_iter().filter(|other| *other != kind);
+            for other in others {
+                assert_eq!(
+                    statuses.get_status(other),
+                    ProblemStatuses::default().get_status(other),
+                    "setting {kind:?} changed {other:?}"
+                );
+            }
         }
     }
 

@@ -84,6 +84,21 @@ impl Backoff {
         self
     }
 
+    /// The bound of the first retry's delay.
+    pub fn get_base(&self) -> Duration {
+        self.base
+    }
+
+    /// The bound of every delay.
+    pub fn get_cap(&self) -> Duration {
+        self.cap
+    }
+
+    /// How a delay is drawn below its ceiling.
+    pub fn get_jitter(&self) -> Jitter {
+        self.jitter
+    }
+
     /// The longest delay before retry number `attempt` (1 for the first retry):
     /// `min(cap, base · 2^(attempt-1))`.
     pub fn ceiling(&self, attempt: u32) -> Duration {

@@ -23,8 +23,8 @@ pub const TRANSACTIONAL_WAIT: Duration = Duration::from_secs(10);
 ///
 /// let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()));
 /// assert!(!guards.charges.is_transactional());
-/// assert_eq!(guards.charges.policy().key_requirement(), KeyRequirement::Required);
-/// assert_eq!(guards.deposits.policy().key_requirement(), KeyRequirement::Optional);
+/// assert_eq!(guards.charges.policy().get_key_requirement(), KeyRequirement::Required);
+/// assert_eq!(guards.deposits.policy().get_key_requirement(), KeyRequirement::Optional);
 /// ```
 #[derive(Clone, Debug)]
 pub struct Guards {
@@ -116,8 +116,8 @@ impl Guards {
     ///
     /// let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()))
     ///     .retention(Duration::from_secs(60));
-    /// assert_eq!(guards.charges.policy().retention_duration(), Duration::from_secs(60));
-    /// assert_eq!(guards.deposits.policy().retention_duration(), Duration::from_secs(60));
+    /// assert_eq!(guards.charges.policy().get_retention(), Duration::from_secs(60));
+    /// assert_eq!(guards.deposits.policy().get_retention(), Duration::from_secs(60));
     /// ```
     pub fn retention(self, retention: Duration) -> Self {
         let keep = |guard: Guard| Guard {
@@ -143,8 +143,8 @@ impl Guards {
     ///
     /// let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()))
     ///     .lease(Duration::from_secs(1));
-    /// assert_eq!(guards.charges.policy().lease_duration(), Duration::from_secs(1));
-    /// assert_eq!(guards.deposits.policy().lease_duration(), Duration::from_secs(1));
+    /// assert_eq!(guards.charges.policy().get_lease(), Duration::from_secs(1));
+    /// assert_eq!(guards.deposits.policy().get_lease(), Duration::from_secs(1));
     /// ```
     pub fn lease(self, lease: Duration) -> Self {
         let hold = |guard: Guard| Guard {

@@ -213,7 +213,7 @@ impl<I: Inbox> Protocol<I> {
             at: SystemTime::now(),
         };
         async {
-            if message.message_id().is_none() && self.policy().missing_id == MissingId::Refuse {
+            if message.message_id().is_none() && self.policy().get_missing_id() == MissingId::Refuse {
                 tracing::warn!(target: "idem", reason = NO_MESSAGE_ID, "a message without an id cannot be applied exactly once: dead-lettered");
                 return self.bury(&entry, NO_MESSAGE_ID, 1).await;
             }
@@ -265,7 +265,7 @@ impl<I: Inbox> Protocol<I> {
                 let bury_at = if permanent {
                     1
                 } else {
-                    self.policy().max_attempts
+                    self.policy().get_max_attempts()
                 };
                 tracing::info!(target: "idem", attempt, permanent, error = %bounded(&reason), "the handler failed; its writes were rolled back");
                 self.failed(entry, &reason, bury_at).await
@@ -300,8 +300,8 @@ impl<I: Inbox> Protocol<I> {
         };
         match counted.buried {
             None => {
-                let delay = self.policy().backoff.delay(counted.attempts);
-                tracing::info!(target: "idem", outcome = "retried", attempts = counted.attempts, max_attempts = self.policy().max_attempts, delay_ms = delay.as_millis() as u64, "retried after a full-jitter delay");
+                let delay = self.policy().get_backoff().delay(counted.attempts);
+                tracing::info!(target: "idem", outcome = "retried", attempts = counted.attempts, max_attempts = self.policy().get_max_attempts(), delay_ms = delay.as_millis() as u64, "retried after a full-jitter delay");
                 metrics::outcome(Outcome::Retried);
                 Decision::Retry(Retry {
                     message_id: entry.message_id.to_owned(),
@@ -354,7 +354,7 @@ impl<I: Inbox> Protocol<I> {
     }
 
     fn alert_if_crossing(&self, dead_letters: u64) {
-        let threshold = self.policy().alert_threshold;
+        let threshold = self.policy().get_dead_letter_threshold();
         if dead_letters != threshold.saturating_add(1) {
             return;
         }
@@ -369,7 +369,7 @@ impl<I: Inbox> Protocol<I> {
     }
 
     fn unavailable(&self, error: Option<InboxError>) -> Decision {
-        let after = self.policy().unavailable_pause;
+        let after = self.policy().get_unavailable_pause();
         match error {
             Some(error) => {
                 tracing::error!(target: "idem", outcome = "requeued", error = %crate::log::error_chain(&error), "the inbox is unavailable: the delivery goes back to the broker, uncounted");

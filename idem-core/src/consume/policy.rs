@@ -7,11 +7,15 @@ use std::time::Duration;
 
 use crate::retry::Backoff;
 
-/// How a consumer treats failures, built with consuming setters from
-/// [`ConsumerPolicy::new`]. The defaults are `docs/contract.md`'s: 5 attempts,
-/// [`Backoff::for_consumers`] (full jitter, first retry within 5 s, capped at
-/// 5 minutes), messages without an id refused, an alert past 100 dead
-/// letters.
+/// How a consumer treats failures, built from [`ConsumerPolicy::new`]. The
+/// defaults are `docs/contract.md`'s: 5 attempts, [`Backoff::for_consumers`]
+/// (full jitter, first retry within 5 s, capped at 5 minutes), messages
+/// without an id refused, an alert past 100 dead letters.
+///
+/// As on [`Policy`](crate::Policy), each setting is set by the method named
+/// for it, which consumes and returns the policy, and read by `get_` and the
+/// same name; the two callbacks ([`permanent_when`](Self::permanent_when), the
+/// alert of [`dead_letter_alert`](Self::dead_letter_alert)) are not read back.
 ///
 /// ```
 /// use std::time::Duration;
@@ -22,18 +26,19 @@ use crate::retry::Backoff;
 ///     .max_attempts(3)
 ///     .backoff(Backoff::new(Duration::from_millis(200), Duration::from_secs(60)))
 ///     .dead_letter_alert(10, |alert| eprintln!("dead-letter alert: {}", alert.dead_letters));
-/// assert_eq!(policy.max_attempts_count(), 3);
+/// assert_eq!(policy.get_max_attempts(), 3);
+/// assert_eq!(policy.get_dead_letter_threshold(), 10);
 /// ```
 #[derive(Clone)]
 #[must_use]
 pub struct ConsumerPolicy {
-    pub(crate) max_attempts: u32,
-    pub(crate) backoff: Backoff,
-    pub(crate) permanent: Option<Arc<Classifier>>,
-    pub(crate) missing_id: MissingId,
-    pub(crate) alert_threshold: u64,
-    pub(crate) on_alert: Option<Arc<OnAlert>>,
-    pub(crate) unavailable_pause: Duration,
+    max_attempts: u32,
+    backoff: Backoff,
+    permanent: Option<Arc<Classifier>>,
+    missing_id: MissingId,
+    dead_letter_threshold: u64,
+    on_alert: Option<Arc<OnAlert>>,
+    unavailable_pause: Duration,
 }
 
 type Classifier = dyn Fn(&(dyn StdError + 'static)) -> bool + Send + Sync;
@@ -53,6 +58,7 @@ pub enum MissingId {
 
 /// Raised once each time the consumer's dead letters pass the threshold.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeadLetterAlert {
     /// The consumer.
     pub consumer: String,
@@ -70,7 +76,7 @@ impl ConsumerPolicy {
             backoff: Backoff::for_consumers(),
             permanent: None,
             missing_id: MissingId::Refuse,
-            alert_threshold: 100,
+            dead_letter_threshold: 100,
             on_alert: None,
             unavailable_pause: Duration::from_secs(1),
         }
@@ -116,14 +122,15 @@ impl ConsumerPolicy {
         threshold: u64,
         alert: impl Fn(&DeadLetterAlert) + Send + Sync + 'static,
     ) -> Self {
-        self.alert_threshold = threshold;
+        self.dead_letter_threshold = threshold;
         self.on_alert = Some(Arc::new(alert));
         self
     }
 
-    /// The alert's threshold, keeping only the log line and the metric.
+    /// The alert's threshold (default 100), keeping only the log line and the
+    /// metric (or the alert set by [`dead_letter_alert`](Self::dead_letter_alert)).
     pub fn dead_letter_threshold(mut self, threshold: u64) -> Self {
-        self.alert_threshold = threshold;
+        self.dead_letter_threshold = threshold;
         self
     }
 
@@ -136,24 +143,31 @@ impl ConsumerPolicy {
     }
 
     /// Failed attempts after which a message is a dead letter.
-    pub fn max_attempts_count(&self) -> u32 {
+    pub fn get_max_attempts(&self) -> u32 {
         self.max_attempts
     }
 
     /// The retry delays.
-    pub fn backoff_settings(&self) -> Backoff {
+    pub fn get_backoff(&self) -> Backoff {
         self.backoff
+    }
+
+    /// What a message without an id gets.
+    pub fn get_missing_id(&self) -> MissingId {
+        self.missing_id
+    }
+
+    /// The dead-letter alert's threshold (set by
+    /// [`dead_letter_threshold`](Self::dead_letter_threshold) or
+    /// [`dead_letter_alert`](Self::dead_letter_alert)).
+    pub fn get_dead_letter_threshold(&self) -> u64 {
+        self.dead_letter_threshold
     }
 
     /// How long a delivery waits before it is handed back when the inbox is
     /// unavailable.
-    pub fn unavailable_pause_duration(&self) -> Duration {
+    pub fn get_unavailable_pause(&self) -> Duration {
         self.unavailable_pause
-    }
-
-    /// The dead-letter alert's threshold.
-    pub fn alert_threshold(&self) -> u64 {
-        self.alert_threshold
     }
 
     pub(crate) fn classifies_permanent(&self, error: &(dyn StdError + 'static)) -> bool {
@@ -180,7 +194,7 @@ impl fmt::Debug for ConsumerPolicy {
             .field("backoff", &self.backoff)
             .field("permanent_when", &self.permanent.is_some())
             .field("missing_id", &self.missing_id)
-            .field("alert_threshold", &self.alert_threshold)
+            .field("dead_letter_threshold", &self.dead_letter_threshold)
             .field("on_alert", &self.on_alert.is_some())
             .field("unavailable_pause", &self.unavailable_pause)
             .finish()

@@ -147,8 +147,18 @@ impl StoreInbox {
     /// broker redelivers.
     #[must_use]
     pub fn retention(self, retention: Duration) -> Self {
-        let lease = self.inner.engine.policy().lease_duration();
+        let lease = self.inner.engine.policy().get_lease();
         Self::build(Arc::clone(&self.inner.store), lease, retention)
+    }
+
+    /// The lease of a running handler.
+    pub fn get_lease(&self) -> Duration {
+        self.inner.engine.policy().get_lease()
+    }
+
+    /// How long processed messages are remembered.
+    pub fn get_retention(&self) -> Duration {
+        self.inner.retention
     }
 
     fn scope(consumer: &str) -> Scope {
@@ -583,7 +593,7 @@ impl Inbox for StoreInbox {
 impl std::fmt::Debug for StoreInbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreInbox")
-            .field("lease", &self.inner.engine.policy().lease_duration())
+            .field("lease", &self.inner.engine.policy().get_lease())
             .field("retention", &self.inner.retention)
             .finish_non_exhaustive()
     }

@@ -32,7 +32,7 @@ impl Execution {
             let timer = metrics::Timer::start();
             let completed = engine
                 .store()
-                .complete(&self.claim, response, policy.retention)
+                .complete(&self.claim, response, policy.get_retention())
                 .await;
             metrics::store_time("complete", timer);
             match completed {
@@ -79,7 +79,7 @@ impl Execution {
         };
         let store = Arc::clone(self.engine.store());
         let claim = self.claim.clone();
-        let retention = self.engine.policy().retention;
+        let retention = self.engine.policy().get_retention();
         let held_until = self.held_until();
         let cap = (claim.lease / 10).clamp(Duration::from_millis(1), Duration::from_secs(1));
         runtime.spawn(async move {

@@ -131,7 +131,7 @@ impl Engine {
         fingerprint: Fingerprint,
     ) -> Begin {
         let policy = self.policy();
-        let deadline = match policy.in_progress {
+        let deadline = match policy.get_in_progress() {
             InProgress::Wait { up_to } => Some(Instant::now() + up_to),
             InProgress::Reject { .. } => None,
         };
@@ -141,8 +141,8 @@ impl Engine {
             key,
             fingerprint,
             owner: OwnerToken::random(),
-            lease: policy.lease,
-            retention: policy.retention,
+            lease: policy.get_lease(),
+            retention: policy.get_retention(),
         };
         loop {
             let timer = metrics::Timer::start();
@@ -162,7 +162,7 @@ impl Engine {
                         claim,
                         context,
                         lease_lost: Arc::new(AtomicBool::new(false)),
-                        held_until: std::sync::Mutex::new(claimed_at + policy.lease),
+                        held_until: std::sync::Mutex::new(claimed_at + policy.get_lease()),
                         settled: false,
                     });
                 }
@@ -191,7 +191,7 @@ impl Engine {
                 }
                 ClaimOutcome::InProgress { .. } => {
                     let now = Instant::now();
-                    let retry_after = match (policy.in_progress, deadline) {
+                    let retry_after = match (policy.get_in_progress(), deadline) {
                         (_, Some(deadline)) if now < deadline => {
                             let wait = poll.min(deadline - now);
                             let changed = self.store().changed(&request.scope, &request.key, wait);
@@ -232,7 +232,7 @@ impl Engine {
 
     fn store_failed(&self, request: &ClaimRequest, error: StoreError) -> Begin {
         let policy = self.policy();
-        match policy.on_store_failure {
+        match policy.get_on_store_failure() {
             OnStoreFailure::FailOpen => {
                 tracing::warn!(target: "idem", outcome = "unguarded", scope = %request.scope, key = %request.key.redacted(), error = %error_chain(&error), "store failed; failing open: the handler runs without idempotency");
                 metrics::outcome(metrics::Outcome::Unguarded);
@@ -246,7 +246,7 @@ impl Engine {
                         ProblemKind::StoreUnavailable,
                         "the idempotency store is unavailable; the request was not executed",
                     )
-                    .with_retry_after(policy.store_retry_after),
+                    .with_retry_after(policy.get_store_retry_after()),
                 )
             }
         }
@@ -328,7 +328,7 @@ impl Execution {
                             ProblemKind::StoreUnavailable,
                             "the request's outcome could not be committed; retry it with the same key",
                         )
-                        .with_retry_after(engine.policy().store_retry_after),
+                        .with_retry_after(engine.policy().get_store_retry_after()),
                 )
             }
             Ok(_) | Err(_) => Settlement::Deliver,

@@ -45,7 +45,7 @@ where
     B: Stream<Item = Result<Bytes, E>> + Unpin,
     E: Display,
 {
-    let limit = engine.policy().request_body_limit_bytes();
+    let limit = engine.policy().get_request_body_limit();
     if declared.is_some_and(|length| length > limit as u64) {
         drain(body, declared).await;
         let _in_span = span.enter();
@@ -55,7 +55,7 @@ where
     // Started the first time the body is not ready: a body that has arrived
     // costs no clock reading and no timer.
     let mut deadline = pin!(None::<tokio::time::Sleep>);
-    let timeout = engine.policy().request_body_timeout_duration();
+    let timeout = engine.policy().get_request_body_timeout();
     loop {
         let next = std::future::poll_fn(|cx| {
             if let Poll::Ready(next) = Pin::new(&mut *body).poll_next(cx) {

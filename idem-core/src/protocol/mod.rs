@@ -200,7 +200,7 @@ impl Engine {
             method = %crate::log::bounded(head.method),
             path = %crate::log::bounded(head.path),
         );
-        let hasher = self.policy().fingerprint_spec().start(head);
+        let hasher = self.policy().get_fingerprint().start(head);
         Start::Keyed(Keyed {
             engine: self.clone(),
             key,
@@ -448,7 +448,7 @@ impl Run {
             body,
             span: _,
         } = self;
-        let limit = engine.policy().stored_body_limit_bytes();
+        let limit = engine.policy().get_stored_body_limit();
         let work = async move {
             let handled = handler(kept, body, info).await.map_err(Failure::Handler)?;
             capture(handled, limit).await.map_err(Failure::Body)

@@ -24,7 +24,7 @@ impl Engine {
         }
         match IdempotencyKey::from_fields(key_fields) {
             Ok(Some(key)) => Ok(Some(key)),
-            Ok(None) => match policy.key_requirement() {
+            Ok(None) => match policy.get_key_requirement() {
                 KeyRequirement::Optional => Ok(None),
                 KeyRequirement::Required => {
                     tracing::debug!(target: "idem", outcome = "rejected", reason = "missing-key");
@@ -45,7 +45,7 @@ impl Engine {
 
     /// The answer to a request body over the limit.
     pub(super) fn payload_too_large(&self) -> Problem {
-        let limit = self.policy().request_body_limit_bytes();
+        let limit = self.policy().get_request_body_limit();
         tracing::debug!(target: "idem", outcome = "rejected", reason = "payload-too-large", limit);
         metrics::outcome(metrics::Outcome::Refused);
         self.problem(
@@ -65,7 +65,7 @@ impl Engine {
 
     /// The answer to a request body that did not arrive within the deadline.
     pub(super) fn body_timeout(&self) -> Problem {
-        let timeout = self.policy().request_body_timeout_duration();
+        let timeout = self.policy().get_request_body_timeout();
         tracing::debug!(target: "idem", outcome = "rejected", reason = "body-timeout", timeout_ms = timeout.as_millis() as u64);
         metrics::outcome(metrics::Outcome::Refused);
         self.problem(

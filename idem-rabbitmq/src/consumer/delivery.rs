@@ -34,7 +34,7 @@ pub(super) async fn carry_out<I: Inbox, H: Handler<I::Tx> + 'static>(
     let decision = shared.protocol.decide(&message, &shared.handler).await;
     // A copy the broker refused: handed back after the policy's pause, as
     // when the inbox is unavailable.
-    let pause = shared.protocol.policy().unavailable_pause_duration();
+    let pause = shared.protocol.policy().get_unavailable_pause();
     match decision {
         Decision::Ack(_) => ack(&acker).await,
         Decision::Retry(retry) => {

@@ -81,7 +81,7 @@ async fn carry_out<I: Inbox, H>(
             }
             Err(error) => {
                 tracing::warn!(message_id = %redacted(received), error = %error_chain(&error), "the dead letter could not be sent to the dead-letter queue: the message comes back after a pause");
-                let pause = shared.protocol.policy().unavailable_pause_duration();
+                let pause = shared.protocol.policy().get_unavailable_pause();
                 change_visibility(target, received, pause).await?;
                 Ok(false)
             }

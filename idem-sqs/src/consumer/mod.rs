@@ -417,7 +417,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             .dead_letter_queue(&self.client, true)
             .await?
             .ok_or_else(|| Error::Unexpected("no URL for the dead-letter queue".to_owned()))?;
-        let max_attempts = self.protocol().policy().max_attempts_count();
+        let max_attempts = self.protocol().policy().get_max_attempts();
         if let Some(redrive) = &queue.redrive
             && redrive.max_receive_count < max_attempts
         {
