@@ -8,6 +8,7 @@
 use std::ops::Deref;
 use std::sync::Arc;
 
+#[cfg(any(feature = "axum", feature = "actix"))]
 use crate::ExecutionInfo;
 
 /// What the store hands the handler of a keyed request, typed: a handler

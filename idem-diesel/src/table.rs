@@ -43,6 +43,40 @@ pub(crate) struct ColumnRow {
     pub(crate) name: String,
 }
 
+/// Whether a store's table was verified in this process (its `migrate` or
+/// `check_schema` succeeded), or its check explicitly skipped: what the store
+/// answers [`Store::readiness`](idem_core::Store::readiness) with, so a route
+/// built on a store nobody migrated fails at start-up.
+#[derive(Debug, Default)]
+pub(crate) struct SchemaGate {
+    verified: std::sync::atomic::AtomicBool,
+}
+
+impl SchemaGate {
+    /// The table was migrated or checked, or its check is skipped.
+    pub(crate) fn pass(&self) {
+        self.verified
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Ready once verified or skipped; otherwise the fix, named for `builder`.
+    pub(crate) fn readiness(
+        &self,
+        table: &Table,
+        builder: &str,
+    ) -> Result<(), idem_core::store::NotReady> {
+        if self.verified.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        Err(idem_core::store::NotReady(format!(
+            "the idempotency table {} was not verified before a route was built on its store: \
+             call `store.migrate().await` at start-up, or `store.check_schema().await` when the \
+             application's own migrations create the table (`{builder}::skip_schema_check` opts out)",
+            table.display()
+        )))
+    }
+}
+
 /// A validated table name, with an optional schema (PostgreSQL only).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Table {

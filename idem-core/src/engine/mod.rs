@@ -93,12 +93,27 @@ const COMPLETE_ATTEMPTS: u32 = 3;
 
 impl Engine {
     /// An engine over `store` applying `policy`.
+    ///
+    /// # Panics
+    ///
+    /// When the store is not ready; see [`from_shared`](Self::from_shared).
     pub fn new(store: impl Store, policy: Policy) -> Self {
         Self::from_shared(Arc::new(store), policy)
     }
 
     /// An engine over a store already shared as `Arc<dyn Store>`.
+    ///
+    /// # Panics
+    ///
+    /// When the store is not ready ([`Store::readiness`]): with idem-diesel's
+    /// stores, when neither `migrate()` nor `check_schema()` succeeded before
+    /// the route was built. The message names the fix; an application builds
+    /// its routes at start-up, so a forgotten migration stops the start
+    /// instead of answering every keyed request `503`.
     pub fn from_shared(store: Arc<dyn Store>, policy: Policy) -> Self {
+        if let Err(not_ready) = store.readiness() {
+            panic!("idem: {not_ready}");
+        }
         Self {
             inner: Arc::new(Inner { store, policy }),
         }

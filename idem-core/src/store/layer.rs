@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use super::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, Record, Store, StoreFuture};
+use super::{
+    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, NotReady, Record, Store, StoreFuture,
+};
 use crate::{IdempotencyKey, Scope, StoredResponse};
 
 /// A store in front of another (a cache, a fault injector, a wrapper that
@@ -81,6 +83,10 @@ pub trait StoreLayer: Send + Sync + 'static {
     fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
         self.inner().execution_context(claim)
     }
+    /// [`Store::readiness`]; by default the inner store's.
+    fn readiness(&self) -> Result<(), NotReady> {
+        self.inner().readiness()
+    }
 }
 
 impl<L: StoreLayer> Store for L {
@@ -121,5 +127,8 @@ impl<L: StoreLayer> Store for L {
     }
     fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
         StoreLayer::execution_context(self, claim)
+    }
+    fn readiness(&self) -> Result<(), NotReady> {
+        StoreLayer::readiness(self)
     }
 }

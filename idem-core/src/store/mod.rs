@@ -115,7 +115,24 @@ pub trait Store: Send + Sync + 'static {
         let _ = claim;
         None
     }
+
+    /// Whether the store may serve requests: a store with a schema answers
+    /// [`NotReady`] until its schema was verified in this process (idem-diesel's
+    /// stores: `migrate()` or `check_schema()` succeeded), unless the check was
+    /// explicitly skipped. [`Engine::new`](crate::Engine::new) asks once, when
+    /// an application builds a route's layer at start-up, and refuses to build
+    /// on a store that is not ready, so a forgotten migration stops the start
+    /// instead of answering every keyed request `503`. The default: ready.
+    fn readiness(&self) -> Result<(), NotReady> {
+        Ok(())
+    }
 }
+
+/// Why a store may not serve requests yet ([`Store::readiness`]): the message
+/// names the fix.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NotReady(pub String);
 
 /// Why a store step failed.
 #[derive(Debug, thiserror::Error)]
@@ -197,5 +214,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
         (**self).execution_context(claim)
+    }
+    fn readiness(&self) -> Result<(), NotReady> {
+        (**self).readiness()
     }
 }

@@ -25,7 +25,7 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 use crate::pool::{self, ConnectFailures};
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{ColumnRow, DEFAULT_TABLE, Table};
+use crate::table::{ColumnRow, DEFAULT_TABLE, SchemaGate, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::{Cleanup, SweepGuard, SweepLock};
 use statements::Statements;
@@ -88,6 +88,7 @@ struct Inner {
     connection_timeout: Duration,
     /// Set when the store built the pool (see `crate::pool`).
     failures: Option<ConnectFailures>,
+    schema_gate: SchemaGate,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -124,6 +125,7 @@ pub struct PgStoreBuilder {
     table: String,
     max_connections: u32,
     connection_timeout: Duration,
+    skip_schema_check: bool,
 }
 
 /// The claim statement met concurrent changes on every attempt.
@@ -169,6 +171,7 @@ impl PgStore {
             table: DEFAULT_TABLE.to_owned(),
             max_connections: 10,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            skip_schema_check: false,
         }
     }
 
@@ -185,6 +188,7 @@ impl PgStore {
                 table,
                 connection_timeout,
                 failures,
+                schema_gate: SchemaGate::default(),
             }),
         }
     }
@@ -248,7 +252,7 @@ impl PgStore {
             tokio::task::spawn_blocking(move || run_migrations(connection, MIGRATIONS))
                 .await
                 .map_err(|e| failed(e.into()))?
-                .map_err(failed)
+                .map_err(failed)?;
         } else {
             // Several statements in one simple query run as one implicit
             // transaction, which the transaction-scoped lock serializes.
@@ -260,8 +264,10 @@ impl PgStore {
             connection
                 .batch_execute(&sql)
                 .await
-                .map_err(|e| failed(e.into()))
+                .map_err(|e| failed(e.into()))?;
         }
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// Checks that this store's table exists with every column this version
@@ -289,7 +295,9 @@ impl PgStore {
         .load::<ColumnRow>(&mut *connection)
         .await
         .map_err(|e| failed(e.into()))?;
-        table.check_columns(&found)
+        table.check_columns(&found)?;
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// A cleanup job for this store's table, of which one runner at a time
@@ -362,6 +370,16 @@ impl PgStoreBuilder {
         self
     }
 
+    /// Skips the schema check a route's layer makes when it is built
+    /// ([`Store::readiness`](idem_core::Store::readiness)): without it, a
+    /// layer built on a store whose `migrate()` or `check_schema()` has not
+    /// succeeded in this process refuses to build, naming the fix. Skip it
+    /// only when something else guarantees the table.
+    pub fn skip_schema_check(mut self) -> Self {
+        self.skip_schema_check = true;
+        self
+    }
+
     /// Builds a pool for `url` and checks that it connects.
     pub async fn connect(self, url: &str) -> Result<PgStore, SetupError> {
         let table = self.validated_table()?;
@@ -369,18 +387,26 @@ impl PgStoreBuilder {
             build_pool(url, self.max_connections, self.connection_timeout).await?;
         let store = PgStore::with_table(pool, table, self.connection_timeout, Some(failures));
         drop(store.connection().await.map_err(SetupError::connect)?);
-        Ok(store)
+        Ok(self.gated(store))
     }
 
     /// A store over a pool the application already has.
     pub fn build(self, pool: PgPool) -> Result<PgStore, SetupError> {
         let table = self.validated_table()?;
-        Ok(PgStore::with_table(
+        Ok(self.gated(PgStore::with_table(
             pool,
             table,
             self.connection_timeout,
             None,
-        ))
+        )))
+    }
+
+    /// `store`, its schema check skipped if asked.
+    fn gated(&self, store: PgStore) -> PgStore {
+        if self.skip_schema_check {
+            store.inner.schema_gate.pass();
+        }
+        store
     }
 
     fn validated_table(&self) -> Result<Table, SetupError> {
@@ -504,6 +530,12 @@ fn completion_binds<'a>(
 }
 
 impl Store for PgStore {
+    fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
+        self.inner
+            .schema_gate
+            .readiness(&self.inner.table, "PgStoreBuilder")
+    }
+
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
             let mut connection = self.connection().await?;

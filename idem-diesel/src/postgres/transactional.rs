@@ -527,6 +527,10 @@ impl Store for TransactionalPgStore {
         let transaction = self.transactions().get(&claim.owner).cloned()?;
         Some(Arc::new(transaction))
     }
+
+    fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
+        self.store.readiness()
+    }
 }
 
 impl fmt::Debug for TransactionalPgStore {

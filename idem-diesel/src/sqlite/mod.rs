@@ -28,7 +28,7 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{ColumnRow, DEFAULT_TABLE, Table};
+use crate::table::{ColumnRow, DEFAULT_TABLE, SchemaGate, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::Cleanup;
 use statements::Statements;
@@ -83,6 +83,7 @@ struct Inner {
     statements: Arc<Statements>,
     /// Set when the store built the pool (see `crate::pool`).
     failures: Option<ConnectFailures>,
+    schema_gate: SchemaGate,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -102,6 +103,7 @@ pub struct SqliteStoreBuilder {
     max_connections: u32,
     connection_timeout: Duration,
     busy_timeout: Duration,
+    skip_schema_check: bool,
 }
 
 /// What a claim found, read inside its transaction.
@@ -145,6 +147,7 @@ impl SqliteStore {
             max_connections: 4,
             connection_timeout: Duration::from_secs(3),
             busy_timeout: Duration::from_secs(5),
+            skip_schema_check: false,
         }
     }
 
@@ -155,6 +158,7 @@ impl SqliteStore {
                 pool,
                 table,
                 failures,
+                schema_gate: SchemaGate::default(),
             }),
         }
     }
@@ -199,7 +203,9 @@ impl SqliteStore {
                 })
                 .await
         };
-        outcome.map_err(|e| failed(e.into()))?.map_err(failed)
+        outcome.map_err(|e| failed(e.into()))?.map_err(failed)?;
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// Checks that this store's table exists with every column this version
@@ -224,7 +230,9 @@ impl SqliteStore {
                 table: table.display(),
                 source: e.into(),
             })?;
-        table.check_columns(&found)
+        table.check_columns(&found)?;
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// A cleanup job for this store's table. SQLite writers take turns anyway,
@@ -315,6 +323,16 @@ impl SqliteStoreBuilder {
         self
     }
 
+    /// Skips the schema check a route's layer makes when it is built
+    /// ([`Store::readiness`](idem_core::Store::readiness)): without it, a
+    /// layer built on a store whose `migrate()` or `check_schema()` has not
+    /// succeeded in this process refuses to build, naming the fix. Skip it
+    /// only when something else guarantees the table.
+    pub fn skip_schema_check(mut self) -> Self {
+        self.skip_schema_check = true;
+        self
+    }
+
     /// Opens the database at `url` (see [`SqliteStore::connect`]), creating the
     /// file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteStore, SetupError> {
@@ -328,13 +346,21 @@ impl SqliteStoreBuilder {
         .await?;
         let store = SqliteStore::with_table(pool, table, Some(failures));
         drop(store.connection().await.map_err(SetupError::connect)?);
-        Ok(store)
+        Ok(self.gated(store))
     }
 
     /// A store over a pool the application already has.
     pub fn build(self, pool: SqlitePool) -> Result<SqliteStore, SetupError> {
         let table = Table::new(None, &self.table)?;
-        Ok(SqliteStore::with_table(pool, table, None))
+        Ok(self.gated(SqliteStore::with_table(pool, table, None)))
+    }
+
+    /// `store`, its schema check skipped if asked.
+    fn gated(&self, store: SqliteStore) -> SqliteStore {
+        if self.skip_schema_check {
+            store.inner.schema_gate.pass();
+        }
+        store
     }
 }
 
@@ -395,6 +421,12 @@ fn establish(
 }
 
 impl Store for SqliteStore {
+    fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
+        self.inner
+            .schema_gate
+            .readiness(&self.inner.table, "SqliteStoreBuilder")
+    }
+
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
             let (scope, key) = (request.scope.clone(), request.key.clone());

@@ -15,6 +15,9 @@ use crate::postgres::{assert_schema_missing, assert_schema_outdated, claimed, re
 use crate::{Databases, TestFn};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    ("sqlite::a_route_is_not_built_on_an_unverified_store", |d| {
+        Box::pin(a_route_is_not_built_on_an_unverified_store(d))
+    }),
     (
         "sqlite::check_schema_names_a_missing_or_older_table_and_the_fix",
         |d| Box::pin(check_schema_names_a_missing_or_older_table_and_the_fix(d)),
@@ -229,6 +232,45 @@ async fn url_forms_open_the_same_file(databases: Arc<Databases>) {
             .unwrap();
         assert!(found.is_some(), "{url} opens the same file");
     }
+}
+
+/// What building a route's engine on `store` says: `Ok` or the panic's message.
+fn build_route(store: impl Store) -> Result<(), String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        drop(idem_core::Engine::new(store, idem_core::Policy::required()));
+    }))
+    .map_err(|panic| panic.downcast_ref::<String>().cloned().unwrap_or_default())
+}
+
+async fn a_route_is_not_built_on_an_unverified_store(databases: Arc<Databases>) {
+    let url = databases.fresh_sqlite_url();
+    let store = SqliteStore::connect(&url).await.expect("connect");
+    let refused = build_route(store.clone()).expect_err("no migrate, no check: refused");
+    assert_eq!(
+        refused,
+        "idem: the idempotency table idem_records was not verified before a route was built \
+         on its store: call `store.migrate().await` at start-up, or `store.check_schema().await` \
+         when the application's own migrations create the table \
+         (`SqliteStoreBuilder::skip_schema_check` opts out)"
+    );
+    // A failed check does not open the gate.
+    assert!(store.check_schema().await.is_err());
+    assert!(build_route(store.clone()).is_err());
+    // Migrating opens it for every clone of the store.
+    store.migrate().await.expect("migrate");
+    assert_eq!(build_route(store.clone()), Ok(()));
+    // A store that checked the table its migrations made passes too.
+    let checked = SqliteStore::connect(&url).await.expect("connect");
+    checked.check_schema().await.expect("the table is there");
+    assert_eq!(build_route(checked), Ok(()));
+    // The explicit opt-out.
+    let skipped = SqliteStore::builder()
+        .table("unmade")
+        .skip_schema_check()
+        .connect(&url)
+        .await
+        .expect("connect");
+    assert_eq!(build_route(skipped), Ok(()));
 }
 
 async fn check_schema_names_a_missing_or_older_table_and_the_fix(databases: Arc<Databases>) {
