@@ -267,7 +267,8 @@ async fn axum_server(
     }
 
     let layer =
-        IdempotencyLayer::new(store, Policy::required()).scope_with(|_| Some(Scope::new(SCOPE)));
+        IdempotencyLayer::from_engine(idem_core::Engine::from_shared(store, Policy::required()))
+            .scope_with(|_| Some(Scope::new(SCOPE)));
     let layered = if outbox.is_none() && !write {
         post(charge)
     } else {
@@ -304,12 +305,13 @@ async fn actix_server(
             .body(handler::answer(body.len()))
     }
 
+    let engine = idem_core::Engine::from_shared(store, Policy::required());
     announce(&listener)?;
     HttpServer::new(move || {
         App::new().route("/bare", web::post().to(charge)).service(
             web::resource("/layered")
                 .wrap(
-                    Idempotency::new(Arc::clone(&store), Policy::required())
+                    Idempotency::from_engine(engine.clone())
                         .scope_with(|_| Some(Scope::new(SCOPE))),
                 )
                 .route(web::post().to(charge)),

@@ -73,8 +73,15 @@ impl Idempotency<Unscoped> {
     /// Idempotency over `store` applying `policy`; its scope is still to be
     /// chosen.
     pub fn new(store: impl Store, policy: Policy) -> Self {
+        Self::from_engine(Engine::new(store, policy))
+    }
+
+    /// Idempotency over `engine` (its store and policy); its scope is still
+    /// to be chosen. For a store already shared as `Arc<dyn Store>`,
+    /// [`Engine::from_shared`] builds the engine without wrapping it again.
+    pub fn from_engine(engine: Engine) -> Self {
         Self {
-            engine: Engine::new(store, policy),
+            engine,
             scope: Unscoped,
         }
     }

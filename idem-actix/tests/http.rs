@@ -13,7 +13,7 @@ use actix_web::dev::ServerHandle;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
 use idem_actix::{ExecutionInfo, Idempotency, StoreContext};
-use idem_core::{InProgress, MemoryStore, Policy, Scope, Store};
+use idem_core::{Engine, InProgress, MemoryStore, Policy, Scope, Store};
 use idem_scenarios::{
     ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, routes, scenario_tests,
 };
@@ -87,8 +87,11 @@ async fn start_scenario_app(store: Arc<dyn Store>) -> Target {
             config.service(
                 web::resource(route.path)
                     .wrap(
-                        Idempotency::new(Arc::clone(&store), route.policy)
-                            .scope_from_extension::<Scope>(),
+                        Idempotency::from_engine(Engine::from_shared(
+                            Arc::clone(&store),
+                            route.policy,
+                        ))
+                        .scope_from_extension::<Scope>(),
                     )
                     // The app's authentication: it names the principal first.
                     .wrap_fn(|request, service| {

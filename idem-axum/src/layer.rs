@@ -56,8 +56,15 @@ pub struct IdempotencyLayer<Sc = ScopeSource<Parts>> {
 impl IdempotencyLayer<Unscoped> {
     /// A layer over `store` applying `policy`; its scope is still to be chosen.
     pub fn new(store: impl Store, policy: Policy) -> Self {
+        Self::from_engine(Engine::new(store, policy))
+    }
+
+    /// A layer over `engine` (its store and policy); its scope is still to be
+    /// chosen. For a store already shared as `Arc<dyn Store>`,
+    /// [`Engine::from_shared`] builds the engine without wrapping it again.
+    pub fn from_engine(engine: Engine) -> Self {
         Self {
-            engine: Engine::new(store, policy),
+            engine,
             scope: Unscoped,
         }
     }

@@ -20,7 +20,7 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_axum::{ExecutionInfo, IdempotencyLayer, RequestBody, StoreContext};
-use idem_core::{MemoryStore, OnStoreFailure, Policy, Scope, Store};
+use idem_core::{Engine, MemoryStore, OnStoreFailure, Policy, Scope, Store};
 use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -89,8 +89,9 @@ fn scenario_router(store: &Arc<dyn Store>) -> Router {
         .route("/executions", get(executions))
         .route("/gates/{name}", post(open_gate));
     for route in idem_scenarios::routes() {
-        let idempotency = IdempotencyLayer::new(Arc::clone(store), route.policy)
-            .scope_from_extension::<Principal>();
+        let idempotency =
+            IdempotencyLayer::from_engine(Engine::from_shared(Arc::clone(store), route.policy))
+                .scope_from_extension::<Principal>();
         // `any` routes have no method routes for `route_layer` to wrap.
         router = router.route(route.path, any(guarded).layer(idempotency));
     }
