@@ -15,7 +15,7 @@ use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
 use idem_actix::{ExecutionInfo, Idempotency, StoreContext};
 use idem_core::{Engine, InProgress, MemoryStore, Policy, Scope, Store};
 use idem_scenarios::{
-    ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, routes, scenario_tests,
+    HandsATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, Till, routes, scenario_tests,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Notify;
@@ -717,30 +717,6 @@ mod redis {
     }
 }
 
-/// A store that hands each execution a `Till` (as a transactional store hands
-/// its transaction).
-struct HandsATill(MemoryStore);
-
-#[derive(Debug)]
-struct Till {
-    name: &'static str,
-}
-
-impl idem_core::store::StoreLayer for HandsATill {
-    fn inner(&self) -> &dyn Store {
-        &self.0
-    }
-
-    fn execution_context(
-        &self,
-        _: &idem_core::store::Claim,
-    ) -> Option<idem_core::store::ExecutionContext> {
-        Some(Arc::new(Till {
-            name: "the request's till",
-        }))
-    }
-}
-
 async fn with_till(till: StoreContext<Till>) -> HttpResponse {
     HttpResponse::Ok().body(till.name)
 }
@@ -789,7 +765,7 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
     let body = actix_web::test::read_body(refused).await;
     let body = String::from_utf8_lossy(&body);
     assert!(
-        body.contains("http::Till from its idempotency store"),
+        body.contains("idem_scenarios::hands_a_till::Till from its idempotency store"),
         "{body}"
     );
     let maybe = actix_web::test::call_service(&app, post("/maybe")).await;

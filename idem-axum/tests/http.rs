@@ -21,7 +21,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_axum::{ExecutionInfo, IdempotencyLayer, RequestBody, StoreContext};
 use idem_core::{Engine, MemoryStore, OnStoreFailure, Policy, Scope, Store};
-use idem_scenarios::{FailingStore, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
+use idem_scenarios::{
+    FailingStore, HandsATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, Till,
+};
 use tower::{ServiceBuilder, ServiceExt};
 
 // ---------------------------------------------------------------------------
@@ -490,36 +492,12 @@ mod redis {
     }
 }
 
-/// A store that hands each execution a `Ledger` (as a transactional store
-/// hands its transaction).
-struct HandsALedger(MemoryStore);
-
-#[derive(Debug)]
-struct Ledger {
-    name: &'static str,
+async fn with_till(till: StoreContext<Till>) -> String {
+    till.name.to_owned()
 }
 
-impl idem_core::store::StoreLayer for HandsALedger {
-    fn inner(&self) -> &dyn Store {
-        &self.0
-    }
-
-    fn execution_context(
-        &self,
-        _: &idem_core::store::Claim,
-    ) -> Option<idem_core::store::ExecutionContext> {
-        Some(Arc::new(Ledger {
-            name: "the request's ledger",
-        }))
-    }
-}
-
-async fn with_ledger(ledger: StoreContext<Ledger>) -> String {
-    ledger.name.to_owned()
-}
-
-async fn maybe_ledger(ledger: Option<StoreContext<Ledger>>) -> String {
-    format!("{}", ledger.is_some())
+async fn maybe_till(till: Option<StoreContext<Till>>) -> String {
+    format!("{}", till.is_some())
 }
 
 #[tokio::test]
@@ -527,20 +505,20 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
     let app = Router::new()
         .route(
             "/handed",
-            post(with_ledger).route_layer(
-                IdempotencyLayer::new(HandsALedger(MemoryStore::new()), Policy::required())
+            post(with_till).route_layer(
+                IdempotencyLayer::new(HandsATill(MemoryStore::new()), Policy::required())
                     .global_scope(),
             ),
         )
         .route(
             "/plain",
-            post(with_ledger).route_layer(
+            post(with_till).route_layer(
                 IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope(),
             ),
         )
         .route(
             "/maybe",
-            post(maybe_ledger).route_layer(
+            post(maybe_till).route_layer(
                 IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope(),
             ),
         );
@@ -551,9 +529,9 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
         .unwrap();
     assert_eq!(
         read(handed).await,
-        (StatusCode::OK, Bytes::from("the request's ledger"))
+        (StatusCode::OK, Bytes::from(Till::NAME))
     );
-    // A route whose store hands no ledger: the handler never runs.
+    // A route whose store hands no till: the handler never runs.
     let refused = app
         .clone()
         .oneshot(post_with_key("/plain", Some("k-1"), "{}"))
@@ -563,7 +541,7 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     let body = String::from_utf8(body.to_vec()).unwrap();
     assert!(
-        body.contains("http::Ledger from its idempotency store"),
+        body.contains("idem_scenarios::hands_a_till::Till from its idempotency store"),
         "{body}"
     );
     let maybe = app

@@ -5,6 +5,7 @@ mod cases;
 mod client;
 pub mod durable;
 mod failing_store;
+mod hands_a_till;
 pub mod stores;
 mod target;
 
@@ -19,6 +20,7 @@ pub use app::{
     ScenarioRoute, pattern, principal, routes,
 };
 pub use failing_store::{FAILING_STORE_SECRET, FailingStore};
+pub use hands_a_till::{HandsATill, Till};
 pub use target::{RECEIVE_BUFFER, Target, bind};
 
 /// The future of one case.
