@@ -291,6 +291,13 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
             .name("idem-kafka-poll".into())
             .spawn(move || {
                 poll(&consumer, &polling, &received);
+                // Closing serves the revoke that leaving triggers and sends the
+                // group its LeaveGroup. It is done before `run` returns, so a
+                // process that exits right after leaves no member behind (a
+                // broker that does not expire members, as tansu 0.6, would
+                // keep its partitions with it).
+                drop(consumer);
+                tracing::info!(target: "idem_kafka", "left the group");
                 let _ = ended.send(());
             })
             .map_err(Error::Thread)?;
@@ -508,7 +515,7 @@ fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
         tracing::debug!(target: "idem_kafka", error = %error_chain(&error), "final commit of the broker's offsets failed");
     }
     consumer.unsubscribe();
-    tracing::info!(target: "idem_kafka", "left the group");
+    tracing::info!(target: "idem_kafka", "leaving the group");
 }
 
 /// Stores the workers' applied offsets for the broker's auto-commit (for lag
