@@ -3,11 +3,13 @@
 //!
 //! moto implements SQS's standard and FIFO queues in memory: visibility
 //! timeouts, `ApproximateReceiveCount`, redrive policies, FIFO groups and
-//! deduplication within 5 minutes. It is `moto_server` when that is on
-//! `PATH`, else `python3 -m moto.server`. The server is ready when it answers
-//! an SQS call (`ListQueues`) with `200 OK`. It accepts any credentials; the
-//! region is the client's. A test binary starts one and gives each case a
-//! queue of its own ([`TestSqs::fresh_name`]).
+//! deduplication within 5 minutes. It runs on the Python that imports
+//! moto (`python3`, else the one `moto_server` on `PATH` names), through a
+//! launcher that makes each queue's message operations atomic. The
+//! server is ready when it answers an SQS call (`ListQueues`) with `200 OK`.
+//! It accepts any credentials; the region is the client's. A test binary
+//! starts one and gives each case a queue of its own
+//! ([`TestSqs::fresh_name`]).
 //!
 //! ```no_run
 //! use idem_testkit::TestSqs;
@@ -40,6 +42,43 @@ read _ignored
 kill $pid 2>/dev/null
 wait $pid 2>/dev/null
 rm -rf "$IDEM_DIR"
+"#;
+
+/// moto's server, with each queue's receive, delete, visibility change and
+/// purge made atomic under the queue's own lock.
+///
+/// moto serves each request on a thread of its own, and its delete rebuilds
+/// the queue's message list without a lock: two deletes at once can put a
+/// deleted message back, where it stays in flight for good (seen as one
+/// message left after a drain of 200 with ten deletes at a time, and
+/// reproduced with 2,000 messages and ten threads deleting). The lock is
+/// the `Condition` moto's own send takes; a long-polling receive waits on
+/// it, which releases it, so a send still wakes the receive at once.
+const LAUNCHER: &str = r#"
+import functools
+import sys
+
+from moto.sqs import models
+
+
+def atomic(name):
+    original = getattr(models.SQSBackend, name)
+
+    @functools.wraps(original)
+    def method(self, queue_name, *args, **kwargs):
+        with self.get_queue(queue_name)._messages_lock:
+            return original(self, queue_name, *args, **kwargs)
+
+    setattr(models.SQSBackend, name, method)
+
+
+for name in ("receive_message", "delete_message", "change_message_visibility", "purge_queue"):
+    atomic(name)
+
+from moto.server import main
+
+sys.argv[0] = "moto_server"
+main()
 "#;
 
 /// What to install when moto is missing.
@@ -153,35 +192,52 @@ impl std::fmt::Debug for TestSqs {
     }
 }
 
-/// The command that runs moto's server: `moto_server`, else `python3 -m
-/// moto.server` when python3 can import it.
+/// The command that runs moto's server: [`LAUNCHER`] on `python3` when it
+/// imports moto, else on the Python that `moto_server` on `PATH` runs (its
+/// `#!` line).
 fn server() -> Result<Vec<String>, Error> {
-    if let Some(path) = process::find_in([], "moto_server") {
-        // pyenv's shim is on PATH whether or not this Python has moto: ask it.
-        let works = Command::new(&path)
-            .arg("--help")
-            .output()
-            .is_ok_and(|output| output.status.success());
-        if works {
-            return Ok(vec![path.display().to_string()]);
+    let python = if imports_moto(&["python3".to_owned()]) {
+        Some(vec!["python3".to_owned()])
+    } else {
+        // pyenv's shim is on PATH whether or not this Python has moto: ask
+        // the interpreter the script names.
+        process::find_in([], "moto_server")
+            .and_then(|path| interpreter(&path))
+            .filter(|python| imports_moto(python))
+    };
+    match python {
+        Some(mut command) => {
+            command.extend(["-c".to_owned(), LAUNCHER.to_owned()]);
+            Ok(command)
         }
+        None => Err(Error::NotInstalled {
+            what: "moto's server (a Python that imports moto.server, flask and flask_cors)",
+            searched: "python3 and the interpreter of moto_server on PATH".to_owned(),
+            fix: FIX,
+        }),
     }
-    let imports = Command::new("python3")
+}
+
+/// Whether `python` (a program and its first arguments) imports moto's
+/// server.
+fn imports_moto(python: &[String]) -> bool {
+    let Some((program, args)) = python.split_first() else {
+        return false;
+    };
+    Command::new(program)
+        .args(args)
         .args(["-c", "import moto.server, flask, flask_cors"])
         .output()
-        .is_ok_and(|output| output.status.success());
-    if imports {
-        return Ok(vec![
-            "python3".to_owned(),
-            "-m".to_owned(),
-            "moto.server".to_owned(),
-        ]);
-    }
-    Err(Error::NotInstalled {
-        what: "moto's server (moto_server, or python3 -m moto.server)",
-        searched: "PATH and python3's modules".to_owned(),
-        fix: FIX,
-    })
+        .is_ok_and(|output| output.status.success())
+}
+
+/// The interpreter a script's `#!` line names, with its arguments.
+fn interpreter(script: &std::path::Path) -> Option<Vec<String>> {
+    let text = std::fs::read(script).ok()?;
+    let first = text.split(|&b| b == b'\n').next()?;
+    let line = std::str::from_utf8(first).ok()?.strip_prefix("#!")?;
+    let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+    (!words.is_empty()).then_some(words)
 }
 
 /// `Ok` once the server on `port` answers `ListQueues` with `200 OK`.
