@@ -9,9 +9,15 @@
 //!   workers committed for the broker's next auto-commit.
 //! - **One worker per assigned partition** (a Tokio task) applies its records
 //!   in order, one at a time; partitions run side by side. A worker's queue is
-//!   bounded: when it is full, its partition's records wait on the polling
-//!   thread, so a partition that retries in place holds back no other. (The
-//!   partition is not paused at the broker: see `dispatch`.)
+//!   bounded, and so is what a partition holds in memory: each partition's
+//!   records arrive in a queue of its own in librdkafka (split off the
+//!   consumer's queue when the partition is assigned), and the polling thread
+//!   takes one from there only when the worker's queue has room. The others
+//!   wait in librdkafka, which stops fetching the partition while its queue
+//!   holds `queued.min.messages` (the worker queue's size) or
+//!   `queued.max.messages.kbytes`. A partition that retries in place holds
+//!   back no other. (The partition is neither paused at the broker nor
+//!   sought back: see `feed`.)
 //! - **On assignment**, each partition's position is read from the database
 //!   and the partition is assigned at it (a partition without a row starts
 //!   from the group's committed offset, or `auto.offset.reset`, `earliest`
@@ -26,10 +32,10 @@
 //! would hand over partitions incrementally, which this member's callback
 //! does not do.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc as std_mpsc};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak, mpsc as std_mpsc};
 use std::time::Duration;
 
 use idem_core::consume::{Acked, ConsumerPolicy, Decision, Handler, Letter, Protocol};
@@ -37,6 +43,7 @@ use idem_core::log::{bounded, error_chain};
 use rdkafka::ClientConfig;
 use rdkafka::Message as _;
 use rdkafka::client::ClientContext;
+use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedMessage;
@@ -51,14 +58,20 @@ use crate::offsets::{Advance, Offsets};
 use crate::record::{dead_letter_headers, message_of};
 use crate::topics;
 
-/// How many records wait in a partition's worker's queue (more wait on the
-/// polling thread).
+/// How many records wait in a partition's worker's queue, and in its queue
+/// in librdkafka before it stops fetching the partition: see
+/// [`ConsumerBuilder::queue`].
 pub const DEFAULT_QUEUE: usize = 256;
 /// How long a revocation or a stop waits for a worker's record to finish.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long the polling thread waits for a record at a time (and so how soon
-/// it sees a stop or a worker's offset).
+/// How long the polling thread waits at most for a word from a worker or
+/// librdkafka (and so how soon it sees a stop, or a second event queued in
+/// librdkafka at once).
 const POLL: Duration = Duration::from_millis(50);
+/// How often librdkafka looks again at a partition whose queue was full
+/// (`fetch.queue.backoff.ms`, 1000 by librdkafka's default, made for queues
+/// of 100 000 records): the worker's queue drains in less.
+const FETCH_QUEUE_BACKOFF_MS: &str = "50";
 /// The pause before trying the database or the broker again.
 const AGAIN: Duration = Duration::from_millis(500);
 
@@ -155,8 +168,23 @@ impl<I, H> ConsumerBuilder<I, H> {
         self
     }
 
-    /// How many records wait in a partition's worker's queue
-    /// ([`DEFAULT_QUEUE`]; more wait on the polling thread).
+    /// How many records wait in each partition's worker's queue
+    /// ([`DEFAULT_QUEUE`]); it bounds what a slow partition holds in memory.
+    ///
+    /// Each partition's records arrive in a queue of its own in librdkafka,
+    /// and one is taken from there only when the worker's queue has room.
+    /// The consumer sets librdkafka's `queued.min.messages` to the same size:
+    /// librdkafka stops fetching a partition while its queue holds that many
+    /// records, and fetches again once the worker has drained it below (it
+    /// looks again every `fetch.queue.backoff.ms`, which the consumer sets to
+    /// 50). So a partition's records in memory are at most twice this size
+    /// and one fetch (`max.partition.fetch.bytes`, 1 MiB by default), or
+    /// `queued.max.messages.kbytes` (per partition) and one fetch if that
+    /// comes first. Each of these can be set with [`config`](Self::config).
+    ///
+    /// No record is dropped or fetched twice for it, and the broker sees
+    /// nothing of it: the partition is not paused (with tansu 0.6, a
+    /// partition paused then resumed received nothing more).
     pub fn queue(mut self, records: usize) -> Self {
         self.queue = records.max(1);
         self
@@ -262,6 +290,7 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
         let (assigned, first_assignment) = oneshot::channel();
         let context = Context {
             shared: Arc::clone(&shared),
+            consumer: OnceLock::new(),
             workers: Mutex::new(HashMap::new()),
             assigned: Mutex::new(Some(assigned)),
         };
@@ -269,7 +298,10 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
         config
             .set("bootstrap.servers", &self.servers)
             .set("auto.offset.reset", "earliest")
-            .set("enable.auto.commit", "true");
+            .set("enable.auto.commit", "true")
+            // What a partition holds in librdkafka, fetched ahead: see `queue`.
+            .set("queued.min.messages", self.queue.to_string())
+            .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS);
         for (key, value) in &self.config {
             config.set(key, value);
         }
@@ -277,9 +309,13 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
             .set("group.id", &self.group)
             .set("enable.auto.offset.store", "false")
             .set("enable.partition.eof", "false");
-        let consumer: BaseConsumer<Context<I, H>> = config
+        let mut consumer: BaseConsumer<Context<I, H>> = config
             .create_with_context(context)
             .map_err(Error::kafka("create the consumer"))?;
+        // A rebalance, an error or a commit's result wakes the polling thread.
+        consumer.set_nonempty_callback(waker(&shared.commands));
+        let consumer = Arc::new(consumer);
+        let _ = consumer.context().consumer.set(Arc::downgrade(&consumer));
         consumer
             .subscribe(&[self.topic.as_str()])
             .map_err(Error::kafka("subscribe"))?;
@@ -331,25 +367,45 @@ struct Shared<I: Offsets, H> {
     stopping: AtomicBool,
 }
 
-/// A worker's word to the polling thread.
+/// A word to the polling thread, from a worker or librdkafka.
 enum Command {
     /// The partition's records up to this offset (excluded) are applied:
-    /// stored for the broker's next auto-commit.
+    /// stored for the broker's next auto-commit. The worker has room again.
     Applied { partition: i32, next: i64 },
+    /// Something to serve: a queue in librdkafka (the consumer's, or a
+    /// partition's) was empty and is not, or a worker has room again.
+    Wake,
+}
+
+/// A callback for librdkafka (it runs on librdkafka's threads) that wakes the
+/// polling thread.
+fn waker(commands: &std_mpsc::Sender<Command>) -> impl Fn() + Send + Sync + 'static {
+    let commands = commands.clone();
+    move || {
+        let _ = commands.send(Command::Wake);
+    }
 }
 
 /// librdkafka's callbacks: the rebalances.
-struct Context<I: Offsets, H> {
+struct Context<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> {
     shared: Arc<Shared<I, H>>,
-    workers: Mutex<HashMap<i32, Worker>>,
+    /// The consumer, once created: an assigned partition's queue is split off
+    /// it, which takes an `Arc`. (Weak: the consumer owns this context.)
+    consumer: OnceLock<Weak<BaseConsumer<Self>>>,
+    workers: Mutex<HashMap<i32, Worker<Self>>>,
     assigned: Mutex<Option<oneshot::Sender<Vec<i32>>>>,
 }
 
 /// A partition's worker, as the polling thread holds it.
-struct Worker {
+struct Worker<C: ConsumerContext> {
+    /// The partition's records in librdkafka, fetched ahead of the worker.
+    /// (It holds the consumer: the workers are dropped before the consumer
+    /// is, in `poll`.)
+    records: PartitionQueue<C>,
+    /// The worker's bounded queue.
     queue: mpsc::Sender<OwnedMessage>,
-    /// Records the queue had no room for, in order.
-    waiting: VecDeque<OwnedMessage>,
+    /// The most records `queue` held so far.
+    peak: usize,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -358,7 +414,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl<I: Offsets, H: Send + Sync + 'static> ClientContext for Context<I, H> {}
+impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> ClientContext for Context<I, H> {}
 
 impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerContext for Context<I, H> {
     fn rebalance(
@@ -432,27 +488,30 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
                 tracing::warn!(target: "idem_kafka", partition, error = %error_chain(&error), "the stored position could not be set");
             }
         }
+        let split = self.split(&assigned);
         if let Err(error) = consumer.assign(tpl) {
             tracing::error!(target: "idem_kafka", error = %error_chain(&error), "assign failed");
             return;
         }
         tracing::info!(target: "idem_kafka", partitions = ?assigned, positions = ?positions, "partitions assigned at their stored positions");
         let mut workers = lock(&self.workers);
-        for &partition in &assigned {
-            let (queue, records) = mpsc::channel(shared.queue);
+        for (partition, mut records) in split {
+            records.set_nonempty_callback(waker(&shared.commands));
+            let (queue, received) = mpsc::channel(shared.queue);
             let (stop, stopped) = watch::channel(false);
             let task = shared.runtime.spawn(work(
                 Arc::clone(shared),
                 partition,
                 positions.get(&partition).copied(),
-                records,
+                received,
                 stopped,
             ));
             workers.insert(
                 partition,
                 Worker {
+                    records,
                     queue,
-                    waiting: VecDeque::new(),
+                    peak: 0,
                     stop,
                     task,
                 },
@@ -464,9 +523,35 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
         }
     }
 
+    /// Splits each partition's queue off the consumer's, before the partitions
+    /// are assigned: librdkafka then never sends their records to the
+    /// consumer's queue, where they would have to be taken (and held) to
+    /// reach the rebalances behind them.
+    ///
+    /// A partition whose queue cannot be split (librdkafka could not create
+    /// its local topic) gets no worker: this member leaves it alone, its
+    /// position unmoved, until the next rebalance.
+    fn split(&self, assigned: &[i32]) -> Vec<(i32, PartitionQueue<Self>)> {
+        let topic = &self.shared.topic;
+        let consumer = self.consumer.get().and_then(Weak::upgrade);
+        let mut split = Vec::with_capacity(assigned.len());
+        for &partition in assigned {
+            match consumer
+                .as_ref()
+                .and_then(|consumer| consumer.split_partition_queue(topic, partition))
+            {
+                Some(records) => split.push((partition, records)),
+                None => {
+                    tracing::error!(target: "idem_kafka", partition, "the partition's queue could not be split off: not consumed by this member until the next rebalance");
+                }
+            }
+        }
+        split
+    }
+
     /// Stops every worker and waits (bounded) for the record each is on.
     fn stop_workers(&self) {
-        let workers: Vec<(i32, Worker)> = lock(&self.workers).drain().collect();
+        let workers: Vec<(i32, Worker<Self>)> = lock(&self.workers).drain().collect();
         if workers.is_empty() {
             return;
         }
@@ -497,18 +582,14 @@ fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 ) {
     let context = consumer.context();
     while !shared.stopping.load(Ordering::SeqCst) {
-        store_applied(consumer, shared, commands);
-        flush(context);
-        match consumer.poll(POLL) {
-            None => {}
-            Some(Ok(record)) => dispatch(context, record.detach()),
-            Some(Err(error)) => {
-                tracing::warn!(target: "idem_kafka", error = %error_chain(&error), "the consumer reported an error; librdkafka carries on");
-            }
-        }
+        serve(consumer);
+        feed(context);
+        store_applied(consumer, shared, commands, POLL);
     }
+    // The workers hold the consumer (their partitions' queues): dropped here,
+    // they let it close when this thread drops it.
     context.stop_workers();
-    store_applied(consumer, shared, commands);
+    store_applied(consumer, shared, commands, Duration::ZERO);
     if let Err(error) = consumer.commit_consumer_state(CommitMode::Sync) {
         // Nothing stored since the last auto-commit, or the broker is away:
         // the positions that matter are in the database.
@@ -518,23 +599,29 @@ fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     tracing::info!(target: "idem_kafka", "leaving the group");
 }
 
-/// Stores the workers' applied offsets for the broker's auto-commit (for lag
-/// tools only: positions come from the database).
-fn store_applied<I: Offsets, H>(
+/// Waits up to `wait` for a word from a worker or librdkafka, then stores
+/// the workers' applied offsets for the broker's auto-commit (for lag tools
+/// only: positions come from the database).
+fn store_applied<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     consumer: &BaseConsumer<Context<I, H>>,
     shared: &Shared<I, H>,
     commands: &std_mpsc::Receiver<Command>,
-) where
-    Context<I, H>: ConsumerContext,
-{
+    wait: Duration,
+) {
     let mut tpl = TopicPartitionList::new();
     let mut any = false;
-    while let Ok(Command::Applied { partition, next }) = commands.try_recv() {
-        // A later offset of the same partition replaces an earlier one.
-        let _ = tpl
-            .add_partition_offset(&shared.topic, partition, Offset::Offset(next))
-            .or_else(|_| tpl.set_partition_offset(&shared.topic, partition, Offset::Offset(next)));
-        any = true;
+    let mut received = commands.recv_timeout(wait).ok();
+    while let Some(command) = received {
+        if let Command::Applied { partition, next } = command {
+            // A later offset of the same partition replaces an earlier one.
+            let _ = tpl
+                .add_partition_offset(&shared.topic, partition, Offset::Offset(next))
+                .or_else(|_| {
+                    tpl.set_partition_offset(&shared.topic, partition, Offset::Offset(next))
+                });
+            any = true;
+        }
+        received = commands.try_recv().ok();
     }
     if any && let Err(error) = consumer.store_offsets(&tpl) {
         // A partition revoked since: its new owner stores its own.
@@ -542,54 +629,74 @@ fn store_applied<I: Offsets, H>(
     }
 }
 
-/// Hands a record to its partition's worker, or holds it when the worker's
-/// queue is full.
-///
-/// The partition is not paused at the broker meanwhile: with tansu 0.6, a
-/// partition paused and then resumed received nothing more (its consumer
-/// stalled at its first full queue, even with a seek back after the
-/// resume), so records beyond the queue wait here, in memory, up to what
-/// librdkafka prefetches.
-fn dispatch<I: Offsets, H>(context: &Context<I, H>, record: OwnedMessage)
-where
-    Context<I, H>: ConsumerContext,
-{
-    let partition = record.partition();
-    let mut workers = lock(&context.workers);
-    let Some(worker) = workers.get_mut(&partition) else {
-        // Revoked since it was fetched: its new owner reads it again.
-        return;
-    };
-    if !worker.waiting.is_empty() {
-        worker.waiting.push_back(record);
-        return;
-    }
-    match worker.queue.try_send(record) {
-        Ok(()) => {}
-        Err(mpsc::error::TrySendError::Full(record)) => worker.waiting.push_back(record),
-        Err(mpsc::error::TrySendError::Closed(_)) => {}
+/// Serves the consumer's own queue: the rebalances (librdkafka's callback
+/// runs in its poll), the errors, the commits' results. Records do not come
+/// this way: each assigned partition's go to its own queue (see `feed`).
+fn serve<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+    consumer: &BaseConsumer<Context<I, H>>,
+) {
+    while let Some(polled) = consumer.poll(Duration::ZERO) {
+        match polled {
+            Ok(record) => stray(consumer.context(), record.partition()),
+            Err(error) => {
+                tracing::warn!(target: "idem_kafka", error = %error_chain(&error), "the consumer reported an error; librdkafka carries on");
+            }
+        }
     }
 }
 
-/// Moves held records into the queues that have room.
-fn flush<I: Offsets, H>(context: &Context<I, H>)
-where
-    Context<I, H>: ConsumerContext,
-{
+/// A record that came through the consumer's queue, not its partition's:
+/// only a partition whose queue could not be split off sends its records
+/// there, and it has no worker; the record is left, its position unmoved.
+/// Should a partition with a worker ever send one, its worker stops, lest
+/// it apply the partition's next records past this one; the partition waits
+/// for the next rebalance.
+fn stray<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+    context: &Context<I, H>,
+    partition: i32,
+) {
+    if let Some(worker) = lock(&context.workers).get(&partition) {
+        tracing::error!(target: "idem_kafka", partition, "a record came through the consumer's queue instead of its partition's: the partition's worker stops until the next rebalance");
+        let _ = worker.stop.send(true);
+    }
+}
+
+/// Tops each worker's queue up from its partition's queue in librdkafka, as
+/// far as it has room: a partition's records in this crate's memory are at
+/// most its worker's queue (and the record being applied).
+///
+/// The records beyond wait in librdkafka, which fetches a partition only
+/// while its queue holds fewer than `queued.min.messages` records and
+/// `queued.max.messages.kbytes` (per partition: the queues are split), so
+/// what a slow partition holds is bounded there too, and no record is
+/// dropped or fetched twice. The broker sees nothing of it:
+///
+/// - the partition is not paused: with tansu 0.6, a partition paused and
+///   then resumed received nothing more (its consumer stalled at its first
+///   full queue, even with a seek back after the resume);
+/// - it is not sought back to the first record with no room either (the
+///   records after it dropped). That works with tansu, but librdkafka
+///   fetches again from there as soon as it has sought, so a partition
+///   behind its worker is fetched over and over: with a queue of 4 records
+///   and 4 held beside it, a seek every 8 records, each refetch taking a
+///   quarter of a second on tansu.
+fn feed<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(context: &Context<I, H>) {
+    let topic = &context.shared.topic;
     let mut workers = lock(&context.workers);
-    for worker in workers.values_mut() {
-        while let Some(record) = worker.waiting.pop_front() {
-            match worker.queue.try_send(record) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(record)) => {
-                    worker.waiting.push_front(record);
-                    break;
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => {
-                    worker.waiting.clear();
-                    break;
+    for (&partition, worker) in workers.iter_mut() {
+        while let Ok(room) = worker.queue.try_reserve() {
+            match worker.records.poll(Duration::ZERO) {
+                None => break,
+                Some(Ok(record)) => room.send(record.detach()),
+                Some(Err(error)) => {
+                    tracing::warn!(target: "idem_kafka", partition, error = %error_chain(&error), "the partition's queue reported an error; librdkafka carries on");
                 }
             }
+        }
+        let held = worker.queue.max_capacity() - worker.queue.capacity();
+        if held > worker.peak {
+            worker.peak = held;
+            tracing::trace!(target: "idem_kafka", topic = %bounded(topic), partition, held, "records waiting in the partition's worker's queue: a new high");
         }
     }
 }
@@ -614,6 +721,8 @@ async fn work<I: Offsets, H: Handler<I::Tx>>(
         };
         if next.is_some_and(|next| record.offset() < next) {
             // Applied before (the broker's position was behind the database's).
+            // Its room in the queue is free again.
+            let _ = shared.commands.send(Command::Wake);
             continue;
         }
         match apply(&shared, partition, next, &record, &mut stop).await {

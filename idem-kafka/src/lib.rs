@@ -27,9 +27,10 @@
 //! [rdkafka](https://docs.rs/rdkafka) binds librdkafka, the C client that
 //! Confluent maintains and that most Kafka clients outside the JVM are built
 //! on: consumer groups with rebalance callbacks (this crate positions
-//! partitions from its database inside one), pause and resume per
-//! partition, offsets stored for auto-commit, the idempotent producer, and
-//! the admin API. It is the most used Kafka crate, maintained since 2016.
+//! partitions from its database inside one), a queue per partition (a
+//! partition's records wait there, fetched ahead, until its worker has
+//! room), offsets stored for auto-commit, the idempotent producer, and the
+//! admin API. It is the most used Kafka crate, maintained since 2016.
 //! librdkafka is built from the source rdkafka-sys bundles (with zlib):
 //! Debian 12's `librdkafka-dev` is 2.0.2, older than the 2.12 this rdkafka
 //! is made for, so linking the system's library is not an option there.

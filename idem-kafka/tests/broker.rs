@@ -11,7 +11,7 @@
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use idem_diesel::diesel::sql_types::{BigInt, Text};
@@ -25,8 +25,8 @@ use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::{
-    Advance, Attempt, Backoff, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture,
-    Offsets, OffsetsTx, Subscription,
+    Advance, Attempt, Backoff, Consumer, ConsumerPolicy, DEFAULT_QUEUE, Handler, HandlerError,
+    HandlerFuture, Offsets, OffsetsTx, Subscription,
 };
 use idem_testkit::{TestKafka, TestPostgres};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -60,12 +60,58 @@ fn main() -> ExitCode {
             "the_outbox_relay_publishes_each_event_and_the_consumer_applies_it_once",
             outbox_to_consumer,
         ),
+        trial(
+            "a_slow_handler_keeps_at_most_the_queue_in_memory_and_applies_each_record_once_in_order",
+            slow_handler_bounded,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, trials);
     conclusion.exit_code()
 }
 
-fn tracing_subscriber_init() {}
+/// Every event of this crate, at every level, for the cases that read them.
+fn tracing_subscriber_init() {
+    let logs = Captured::default();
+    let _ = LOGS.set(logs.clone());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("idem_kafka=trace"))
+        .with_writer(logs)
+        .with_ansi(false)
+        .init();
+}
+
+/// What the log events wrote.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+static LOGS: OnceLock<Captured> = OnceLock::new();
+
+impl Captured {
+    fn text() -> String {
+        LOGS.get()
+            .map(|logs| String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
 
 fn trial<F>(name: &'static str, case: fn() -> F) -> Trial
 where
@@ -261,19 +307,37 @@ impl Inboxes {
 
     /// [`consume`](Self::consume), under the inbox name `name`.
     async fn consume_as(&self, name: &str, topic: &str, group: &str, handler: Apply) -> Running {
+        self.consume_queued(name, topic, group, DEFAULT_QUEUE, handler)
+            .await
+    }
+
+    /// [`consume_as`](Self::consume_as), `queue` records in each
+    /// partition's worker's queue.
+    async fn consume_queued(
+        &self,
+        name: &str,
+        topic: &str,
+        group: &str,
+        queue: usize,
+        handler: Apply,
+    ) -> Running {
         match self {
-            Self::Sqlite { inbox, .. } => run(inbox.clone(), name, topic, group, handler).await,
-            Self::Postgres(inbox) => run(inbox.clone(), name, topic, group, handler).await,
+            Self::Sqlite { inbox, .. } => {
+                run(inbox.clone(), name, topic, group, queue, handler).await
+            }
+            Self::Postgres(inbox) => run(inbox.clone(), name, topic, group, queue, handler).await,
         }
     }
 }
 
 /// The test's handler: applies the record's value, or fails on a value
-/// starting with `fail` until healed; logs what it did.
+/// starting with `fail` until healed; logs what it did; takes `slow` longer
+/// on each record.
 #[derive(Clone, Default)]
 struct Apply {
     healed: Arc<AtomicBool>,
     log: Arc<Mutex<Vec<String>>>,
+    slow: Duration,
 }
 
 impl<Tx: Effect + ?Sized> Handler<Tx> for Apply {
@@ -281,6 +345,9 @@ impl<Tx: Effect + ?Sized> Handler<Tx> for Apply {
         Box::pin(async move {
             let value = String::from_utf8_lossy(attempt.body()).into_owned();
             self.log.lock().unwrap().push(value.clone());
+            if !self.slow.is_zero() {
+                tokio::time::sleep(self.slow).await;
+            }
             if value.starts_with("fail") && !AtomicBool::load(&self.healed, Ordering::SeqCst) {
                 return Err(HandlerError::transient("a failing record"));
             }
@@ -307,7 +374,14 @@ impl Running {
     }
 }
 
-async fn run<I>(inbox: I, name: &str, topic: &str, group: &str, handler: Apply) -> Running
+async fn run<I>(
+    inbox: I,
+    name: &str,
+    topic: &str,
+    group: &str,
+    queue: usize,
+    handler: Apply,
+) -> Running
 where
     I: Offsets + Clone,
     I::Tx: Effect,
@@ -322,6 +396,7 @@ where
         )))
         .config("session.timeout.ms", "6000")
         .config("heartbeat.interval.ms", "500")
+        .queue(queue)
         .handler(handler)
         .build();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -776,6 +851,102 @@ async fn two_owners() -> Outcome {
     let applied = inboxes.applied().await;
     if applied != (200, 200) {
         return Err(format!("applied {applied:?}, expected each of 200 once").into());
+    }
+    Ok(())
+}
+
+/// A slow handler and queues of 4 records: 200 records over 2 partitions,
+/// fetched far ahead of the handler. Each record is applied once, each
+/// partition in order, and no partition ever had more than its queue's 4
+/// records in the consumer's memory (the `held` of its trace events).
+async fn slow_handler_bounded() -> Outcome {
+    const QUEUE: usize = 4;
+    const PER_PARTITION: usize = 100;
+    const END: i64 = PER_PARTITION as i64;
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("bounded");
+    create_topic(&topic, 2).await;
+    let inboxes = database(Db::Sqlite).await;
+    let producer = producer();
+    for i in 0..PER_PARTITION {
+        for partition in 0..2 {
+            let value = format!("p{partition}-{i:03}");
+            produce(&producer, &topic, partition, &value, &value).await;
+        }
+    }
+    let apply = Apply {
+        slow: Duration::from_millis(5),
+        ..Apply::default()
+    };
+    let running = inboxes
+        .consume_queued(&topic, &topic, &topic, QUEUE, apply.clone())
+        .await;
+    eventually("every record applied, positions at the ends", || async {
+        let positions = positions(&inboxes, &topic, &topic).await;
+        match inboxes.applied().await {
+            (200, 200) if positions == [(0, END), (1, END)] => Ok(()),
+            other => Err(format!("applied {other:?}, positions {positions:?}")),
+        }
+    })
+    .await?;
+    running.stop().await;
+
+    let log = apply.log.lock().unwrap().clone();
+    for partition in 0..2 {
+        let prefix = format!("p{partition}-");
+        let ran: Vec<&String> = log.iter().filter(|v| v.starts_with(&prefix)).collect();
+        let expected: Vec<String> = (0..PER_PARTITION)
+            .map(|i| format!("{prefix}{i:03}"))
+            .collect();
+        if ran != expected.iter().collect::<Vec<_>>() {
+            return Err(format!(
+                "partition {partition}: the handler ran {ran:?}, expected each of \
+                 {prefix}000..{prefix}{:03} once, in order",
+                PER_PARTITION - 1
+            )
+            .into());
+        }
+    }
+
+    // The consumer's trace of the records it held: `topic=… partition=N held=N`.
+    let logs = Captured::text();
+    let topic_field = format!("topic={topic}");
+    let mut peaks = [None::<usize>; 2];
+    for line in logs.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if !fields.contains(&topic_field.as_str()) {
+            continue;
+        }
+        let field = |name: &str| {
+            fields.iter().find_map(|f| {
+                f.strip_prefix(name)?
+                    .strip_prefix('=')?
+                    .parse::<usize>()
+                    .ok()
+            })
+        };
+        if let (Some(partition), Some(held)) = (field("partition"), field("held")) {
+            let peak = &mut peaks[partition];
+            *peak = Some(peak.map_or(held, |p| p.max(held)));
+        }
+    }
+    for (partition, peak) in peaks.iter().enumerate() {
+        match peak {
+            Some(peak) if *peak <= QUEUE => {}
+            Some(peak) => {
+                return Err(format!(
+                    "partition {partition} had {peak} records in the consumer's memory, \
+                     more than its queue's {QUEUE}"
+                )
+                .into());
+            }
+            None => {
+                return Err(format!(
+                    "no trace of the records partition {partition} held (`held=`)"
+                )
+                .into());
+            }
+        }
     }
     Ok(())
 }
