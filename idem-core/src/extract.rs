@@ -17,9 +17,10 @@ use crate::ExecutionInfo;
 ///
 /// A request whose store hands no `T` (its route has no transactional store,
 /// or the request has no key, or it ran unguarded because the store failed and
-/// the route fails open) is refused with [`NoStoreContext`], `500`, and logged
-/// at error level naming `T`: the handler never runs without what it stated
-/// it needs. Take `Option<StoreContext<T>>` where a route may run without one.
+/// the route fails open) is refused with [`NoStoreContext`], `500
+/// route-misconfigured`, and logged at error level naming `T`: the handler
+/// never runs without what it stated it needs. Take `Option<StoreContext<T>>`
+/// where a route may run without one.
 #[derive(Debug)]
 pub struct StoreContext<T>(pub Arc<T>);
 
@@ -45,7 +46,8 @@ impl<T> Deref for StoreContext<T> {
 }
 
 /// The rejection of [`StoreContext`] when the request's store handed no such
-/// context. `500`: the route is misconfigured.
+/// context: `500 route-misconfigured` (`docs/contract.md` §4), its detail
+/// generic, this message (naming the context's type) in the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
     "this request has no {expected} from its idempotency store: is the route behind idem's middleware, over a store that hands one (idem-diesel's TransactionalPgStore hands a PgTransaction), with keys required?"
@@ -77,34 +79,66 @@ impl NoStoreContext {
 }
 
 /// The rejection of [`ExecutionInfo`] when the request carries none: the
-/// handler is not behind idem's middleware, or the request had no key. `500`
-/// (as axum's `Extension` answers a missing one): the route is
-/// misconfigured.
+/// handler is not behind idem's middleware, or the request had no key. `500
+/// route-misconfigured` (`docs/contract.md` §4), this message in the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
     "this request has no idempotency key: is the handler behind idem's middleware, with keys required?"
 )]
 pub struct NoIdempotencyKey;
 
+impl NoIdempotencyKey {
+    /// Logs the refusal as it is answered.
+    #[cfg(any(feature = "axum", feature = "actix"))]
+    fn log(&self) {
+        tracing::error!(target: "idem", error = %self, "a handler that takes the execution's info was refused: its request has none");
+    }
+}
+
+/// What a refused request is answered: the detail says no more than that
+/// the route is misconfigured (the log names what is missing).
+#[cfg(any(feature = "axum", feature = "actix"))]
+fn misconfigured() -> String {
+    crate::Problem::new(
+        crate::ProblemKind::RouteMisconfigured,
+        500,
+        "this route's handler takes what idem's middleware did not give the request; the server's log says what",
+    )
+    .body()
+}
+
 #[cfg(feature = "axum")]
 mod axum {
     use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
     use axum_core::response::{IntoResponse, Response};
-    use http::StatusCode;
     use http::request::Parts;
+    use http::{StatusCode, header};
 
-    use super::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext, store_context};
+    use super::{
+        ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext, misconfigured, store_context,
+    };
+    use crate::PROBLEM_CONTENT_TYPE;
+
+    fn answer() -> Response {
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, PROBLEM_CONTENT_TYPE)],
+            misconfigured(),
+        )
+            .into_response()
+    }
 
     impl IntoResponse for NoIdempotencyKey {
         fn into_response(self) -> Response {
-            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+            self.log();
+            answer()
         }
     }
 
     impl IntoResponse for NoStoreContext {
         fn into_response(self) -> Response {
             self.log();
-            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+            answer()
         }
     }
 
@@ -169,11 +203,25 @@ mod actix {
     use actix_web::http::StatusCode;
     use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, ResponseError};
 
-    use super::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext, store_context};
+    use super::{
+        ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext, misconfigured, store_context,
+    };
+    use crate::PROBLEM_CONTENT_TYPE;
+
+    fn answer() -> HttpResponse {
+        HttpResponse::InternalServerError()
+            .content_type(PROBLEM_CONTENT_TYPE)
+            .body(misconfigured())
+    }
 
     impl ResponseError for NoIdempotencyKey {
         fn status_code(&self) -> StatusCode {
             StatusCode::INTERNAL_SERVER_ERROR
+        }
+
+        fn error_response(&self) -> HttpResponse {
+            self.log();
+            answer()
         }
     }
 
@@ -184,7 +232,7 @@ mod actix {
 
         fn error_response(&self) -> HttpResponse {
             self.log();
-            HttpResponse::InternalServerError().body(self.to_string())
+            answer()
         }
     }
 
@@ -211,5 +259,28 @@ mod actix {
                     .ok_or(NoIdempotencyKey),
             )
         }
+    }
+}
+
+#[cfg(all(test, any(feature = "axum", feature = "actix")))]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// What the log says of a refusal names the context the handler takes;
+    /// the answer's detail does not.
+    #[test]
+    fn a_refusal_names_what_the_handler_takes_in_the_log_only() {
+        let refused = store_context::<String>(None).map(|_| ()).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "this request has no alloc::string::String from its idempotency store: is the route behind idem's middleware, over a store that hands one (idem-diesel's TransactionalPgStore hands a PgTransaction), with keys required?"
+        );
+        let answer: serde_json::Value = serde_json::from_str(&misconfigured()).unwrap();
+        assert_eq!(
+            answer["type"],
+            "https://idem.rs/problems/route-misconfigured"
+        );
+        assert!(!answer["detail"].to_string().contains("String"));
     }
 }

@@ -152,9 +152,13 @@ impl Default for ProblemStatuses {
 }
 
 impl ProblemStatuses {
-    /// Answers problems of `kind` with `status`.
+    /// Answers problems of `kind` with `status`. `route-misconfigured` is
+    /// always `500` (idem's extractors answer it, past the layer): setting it
+    /// changes nothing.
     pub fn status(mut self, kind: ProblemKind, status: u16) -> Self {
-        *self.slot(kind) = status;
+        if let Some(slot) = self.slot(kind) {
+            *slot = status;
+        }
         self
     }
 
@@ -172,11 +176,12 @@ impl ProblemStatuses {
             ProblemKind::ScopeUnavailable => self.scope_unavailable,
             ProblemKind::BodyUnreadable => self.body_unreadable,
             ProblemKind::BodyTimeout => self.body_timeout,
+            ProblemKind::RouteMisconfigured => 500,
         }
     }
 
-    fn slot(&mut self, kind: ProblemKind) -> &mut u16 {
-        match kind {
+    fn slot(&mut self, kind: ProblemKind) -> Option<&mut u16> {
+        Some(match kind {
             ProblemKind::MissingKey => &mut self.missing_key,
             ProblemKind::InvalidKey => &mut self.invalid_key,
             ProblemKind::KeyReused => &mut self.key_reused,
@@ -188,7 +193,8 @@ impl ProblemStatuses {
             ProblemKind::ScopeUnavailable => &mut self.scope_unavailable,
             ProblemKind::BodyUnreadable => &mut self.body_unreadable,
             ProblemKind::BodyTimeout => &mut self.body_timeout,
-        }
+            ProblemKind::RouteMisconfigured => return None,
+        })
     }
 }
 
@@ -439,7 +445,12 @@ mod tests {
     fn each_problem_status_is_set_and_read_by_its_kind() {
         for kind in ProblemKind::ALL {
             let statuses = ProblemStatuses::default().status(kind, 599);
-            assert_eq!(statuses.get_status(kind), 599, "{kind:?}");
+            let set = if kind == ProblemKind::RouteMisconfigured {
+                500
+            } else {
+                599
+            };
+            assert_eq!(statuses.get_status(kind), set, "{kind:?}");
             let others = ProblemKind::ALL.into_iter().filter(|other| *other != kind);
             for other in others {
                 assert_eq!(

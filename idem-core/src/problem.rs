@@ -40,6 +40,15 @@ pub enum ProblemKind {
     /// The route's scope could not be determined (a configuration error).
     /// `500 scope-unavailable`.
     ScopeUnavailable,
+    /// A handler takes what idem did not give its request (a configuration
+    /// error): an [`ExecutionInfo`](crate::ExecutionInfo) on a route that is
+    /// not behind idem's middleware, or whose keys are optional; a
+    /// [`StoreContext`](crate::StoreContext) over a store that hands none.
+    /// `500 route-misconfigured`; the handler does not run, and the log names
+    /// what it takes. Always `500`: idem's extractors answer it, past the
+    /// layer whose [`ProblemStatuses`](crate::ProblemStatuses) they cannot
+    /// see.
+    RouteMisconfigured,
 }
 
 /// A problem answer: kind, status and a human-readable detail.
@@ -57,7 +66,7 @@ pub struct Problem {
 
 impl ProblemKind {
     /// Every kind, for tests and documentation.
-    pub const ALL: [ProblemKind; 11] = [
+    pub const ALL: [ProblemKind; 12] = [
         Self::MissingKey,
         Self::InvalidKey,
         Self::KeyReused,
@@ -69,6 +78,7 @@ impl ProblemKind {
         Self::ResponseNotStored,
         Self::HandlerFailed,
         Self::ScopeUnavailable,
+        Self::RouteMisconfigured,
     ];
 
     /// The stable slug that ends the `type` URI.
@@ -85,6 +95,7 @@ impl ProblemKind {
             Self::ScopeUnavailable => "scope-unavailable",
             Self::BodyUnreadable => "body-unreadable",
             Self::BodyTimeout => "body-timeout",
+            Self::RouteMisconfigured => "route-misconfigured",
         }
     }
 
@@ -102,6 +113,7 @@ impl ProblemKind {
             Self::ScopeUnavailable => "Idempotency scope unavailable",
             Self::BodyUnreadable => "Request body unreadable",
             Self::BodyTimeout => "Request body timed out",
+            Self::RouteMisconfigured => "The route is misconfigured",
         }
     }
 

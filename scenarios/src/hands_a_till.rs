@@ -32,3 +32,27 @@ impl StoreLayer for HandsATill {
         Some(Arc::new(Till { name: Till::NAME }))
     }
 }
+
+/// Asserts that an answer is idem's `500 route-misconfigured` problem
+/// (`docs/contract.md` §4): what a handler that takes a [`Till`] is answered
+/// on a route whose store hands none.
+///
+/// # Panics
+///
+/// When it is not, saying what it is.
+pub fn assert_route_misconfigured(status: u16, content_type: Option<&str>, body: &[u8]) {
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(body));
+    assert_eq!(content_type, Some(idem_core::PROBLEM_CONTENT_TYPE));
+    let problem: serde_json::Value = serde_json::from_slice(body)
+        .unwrap_or_else(|error| panic!("not JSON ({error}): {}", String::from_utf8_lossy(body)));
+    assert_eq!(
+        problem["type"],
+        "https://idem.rs/problems/route-misconfigured"
+    );
+    assert_eq!(problem["title"], "The route is misconfigured");
+    assert_eq!(problem["status"], 500);
+    assert_eq!(
+        problem["detail"],
+        "this route's handler takes what idem's middleware did not give the request; the server's log says what"
+    );
+}
