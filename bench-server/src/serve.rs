@@ -270,15 +270,18 @@ async fn axum_server(
         IdempotencyLayer::from_engine(idem_core::Engine::from_shared(store, Policy::required()))
             .scope_with(|_| Some(Scope::new(SCOPE)));
     let layered = if outbox.is_none() && !write {
-        post(charge)
+        post(charge).route_layer(layer.clone())
     } else {
-        post(move |transaction: Transaction, body: bytes::Bytes| {
-            transactional_charge(outbox.clone(), write, transaction, body)
-        })
+        layer.on(
+            axum::http::Method::POST,
+            move |transaction: Transaction, body: bytes::Bytes| {
+                transactional_charge(outbox.clone(), write, transaction, body)
+            },
+        )?
     };
     let app = Router::new()
         .route("/bare", post(charge))
-        .route("/layered", layered.route_layer(layer.clone()))
+        .route("/layered", layered)
         .route("/layered-slow", post(slow_charge).route_layer(layer))
         .route(
             "/executions",

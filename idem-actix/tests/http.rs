@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use actix_web::dev::ServerHandle;
-use actix_web::http::StatusCode;
+use actix_web::http::{Method, StatusCode};
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
-use idem_actix::{ExecutionInfo, Idempotency, StoreContext};
-use idem_core::{Engine, InProgress, MemoryStore, Policy, Scope, Store};
+use idem_actix::{ContextRouteError, ExecutionInfo, Idempotency, StoreContext};
+use idem_core::{Engine, InProgress, MemoryStore, OnStoreFailure, Policy, Scope, Store};
 use idem_scenarios::{
-    HandsATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, Till,
+    HandsATill, PromisesATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, Till,
     assert_route_misconfigured, routes, scenario_tests,
 };
 use tokio::io::AsyncWriteExt;
@@ -718,11 +718,16 @@ mod redis {
     }
 }
 
-async fn with_till(till: StoreContext<Till>) -> HttpResponse {
-    HttpResponse::Ok().body(till.name)
+async fn with_till(
+    till: StoreContext<Till>,
+    order: web::Path<String>,
+    body: String,
+) -> HttpResponse {
+    HttpResponse::Ok().body(format!("{} for {order}: {body}", till.name))
 }
 
-async fn maybe_till(till: Option<StoreContext<Till>>) -> HttpResponse {
+async fn maybe_till(execution: Option<ExecutionInfo>) -> HttpResponse {
+    let till = execution.and_then(|execution| execution.context::<Till>());
     HttpResponse::Ok().body(till.is_some().to_string())
 }
 
@@ -756,14 +761,21 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
     let app = actix_web::test::init_service(
         App::new()
             .service(
-                web::resource("/handed")
-                    .wrap(global(HandsATill(MemoryStore::new())))
-                    .route(web::post().to(with_till)),
+                web::resource("/handed/{order}")
+                    .route(
+                        global(HandsATill(MemoryStore::new()))
+                            .on(Method::POST, with_till)
+                            .unwrap(),
+                    )
+                    .route(web::get().to(|| async { HttpResponse::Ok().body("not keyed") })),
             )
             .service(
-                web::resource("/plain")
-                    .wrap(Idempotency::new(MemoryStore::new(), Policy::required()).global_scope())
-                    .route(web::post().to(with_till)),
+                web::resource("/promised/{order}").route(
+                    Idempotency::new(PromisesATill(MemoryStore::new()), Policy::required())
+                        .global_scope()
+                        .on(Method::POST, with_till)
+                        .unwrap(),
+                ),
             )
             .service(
                 web::resource("/maybe")
@@ -776,16 +788,25 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
         actix_web::test::TestRequest::post()
             .uri(uri)
             .insert_header(("idempotency-key", "k-1"))
+            .set_payload("{}")
             .to_request()
     };
-    let handed = actix_web::test::call_service(&app, post("/handed")).await;
+    let handed = actix_web::test::call_service(&app, post("/handed/o-1")).await;
     assert_eq!(handed.status(), StatusCode::OK);
     assert_eq!(
         actix_web::test::read_body(handed).await,
-        "the request's till"
+        "the request's till for o-1: {}"
     );
-    // A route whose store hands no till: the handler never runs.
-    let refused = actix_web::test::call_service(&app, post("/plain")).await;
+    // The resource's other routes are its own.
+    let get = actix_web::test::TestRequest::get()
+        .uri("/handed/o-1")
+        .to_request();
+    assert_eq!(
+        actix_web::test::call_and_read_body(&app, get).await,
+        "not keyed"
+    );
+    // A store that declares a till and hands none: the handler never runs.
+    let refused = actix_web::test::call_service(&app, post("/promised/o-1")).await;
     let status = refused.status().as_u16();
     let content_type = refused
         .headers()
@@ -795,4 +816,58 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
     assert_route_misconfigured(status, content_type.as_deref(), &body);
     let maybe = actix_web::test::call_service(&app, post("/maybe")).await;
     assert_eq!(actix_web::test::read_body(maybe).await, "false");
+}
+
+/// `on` refuses, as the route is built, a route that would hand the handler
+/// no till: the engine's check, answered as it is.
+#[test]
+fn a_route_that_cannot_hand_what_its_handler_takes_is_refused_when_built() {
+    let expected = std::any::type_name::<Till>();
+    let refused = |store: Arc<dyn Store>, policy: Policy, method: Method| {
+        Idempotency::from_engine(Engine::from_shared(store, policy))
+            .global_scope()
+            .on(method, with_till)
+            .map(|_| ())
+            .unwrap_err()
+    };
+    assert_eq!(
+        refused(
+            Arc::new(MemoryStore::new()),
+            Policy::required(),
+            Method::POST
+        ),
+        ContextRouteError::NotHanded {
+            expected,
+            handed: None
+        }
+    );
+    let tilled = || Arc::new(HandsATill(MemoryStore::new()));
+    assert_eq!(
+        refused(tilled(), Policy::optional(), Method::POST),
+        ContextRouteError::OptionalKeys { expected }
+    );
+    assert_eq!(
+        refused(
+            tilled(),
+            Policy::required().on_store_failure(OnStoreFailure::FailOpen),
+            Method::POST
+        ),
+        ContextRouteError::FailsOpen { expected }
+    );
+    // actix-web routes any method; the policy must cover it.
+    let custom = Method::from_bytes(b"CHARGE").unwrap();
+    assert_eq!(
+        refused(tilled(), Policy::required(), custom.clone()),
+        ContextRouteError::MethodNotCovered {
+            expected,
+            method: "CHARGE".into()
+        }
+    );
+    Idempotency::new(
+        HandsATill(MemoryStore::new()),
+        Policy::required().methods(["CHARGE"]),
+    )
+    .global_scope()
+    .on(custom, with_till)
+    .unwrap();
 }

@@ -21,23 +21,32 @@
 /// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
 /// ```
 ///
-/// With idem-diesel's transactional store, the handler states that it takes the
-/// request's transaction (a [`StoreContext`], named `idem_diesel::Transaction`),
-/// and its writes commit with the record. On a route whose store is not
-/// transactional the request is refused `500` and the handler does not run:
+/// With idem-diesel's transactional store, the handler states that it takes
+/// the request's transaction (a [`StoreContext`], named
+/// `idem_diesel::Transaction`) as its first argument and is mounted with
+/// [`IdempotencyLayer::on`](crate::IdempotencyLayer::on), which checks as the
+/// route is built that every request it sees has one; its writes commit with
+/// the record:
 ///
 /// ```no_run
-/// use idem_diesel::Transaction;
-/// use http::StatusCode;
+/// use axum::Router;
+/// use axum::http::{Method, StatusCode};
+/// use idem_axum::{ContextRouteError, IdempotencyLayer};
+/// use idem_core::Policy;
+/// use idem_diesel::{PgStore, Transaction};
 ///
-/// async fn charge(transaction: Transaction) -> StatusCode {
+/// async fn charge(transaction: Transaction, body: String) -> StatusCode {
 ///     let Ok(connection) = transaction.connection().await else {
 ///         return StatusCode::SERVICE_UNAVAILABLE;
 ///     };
 ///     // … diesel-async writes on `&mut *connection`, committed with the answer.
-///     # drop(connection);
+///     drop(connection);
 ///     StatusCode::CREATED
 /// }
-/// # let _: axum::routing::MethodRouter = axum::routing::post(charge);
+///
+/// fn app(store: &PgStore) -> Result<Router, ContextRouteError> {
+///     let charges = IdempotencyLayer::new(store.transactional(), Policy::required()).global_scope();
+///     Ok(Router::new().route("/charges", charges.on(Method::POST, charge)?))
+/// }
 /// ```
 pub use idem_core::{ExecutionInfo, NoIdempotencyKey, NoStoreContext, StoreContext};

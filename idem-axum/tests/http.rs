@@ -19,11 +19,11 @@ use axum::routing::{any, get, post};
 use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use idem_axum::{ExecutionInfo, IdempotencyLayer, RequestBody, StoreContext};
+use idem_axum::{ContextRouteError, ExecutionInfo, IdempotencyLayer, RequestBody, StoreContext};
 use idem_core::{Engine, MemoryStore, OnStoreFailure, Policy, Scope, Store};
 use idem_scenarios::{
-    FailingStore, HandsATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, Till,
-    assert_route_misconfigured,
+    FailingStore, HandsATill, PromisesATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target,
+    Till, assert_route_misconfigured,
 };
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -498,49 +498,58 @@ mod redis {
     }
 }
 
-async fn with_till(till: StoreContext<Till>) -> String {
-    till.name.to_owned()
+async fn with_till(till: StoreContext<Till>, Path(order): Path<String>, body: String) -> String {
+    format!("{} for {order}: {body}", till.name)
 }
 
-async fn maybe_till(till: Option<StoreContext<Till>>) -> String {
+async fn maybe_till(execution: Option<ExecutionInfo>) -> String {
+    let till = execution.and_then(|execution| execution.context::<Till>());
     format!("{}", till.is_some())
 }
 
 #[tokio::test]
 async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
+    let handed = IdempotencyLayer::new(HandsATill(MemoryStore::new()), Policy::required())
+        .global_scope()
+        .on(Method::POST, with_till)
+        .unwrap()
+        .get(|| async { "not keyed" });
+    let promised = IdempotencyLayer::new(PromisesATill(MemoryStore::new()), Policy::required())
+        .global_scope()
+        .on(Method::POST, with_till)
+        .unwrap();
     let app = Router::new()
-        .route(
-            "/handed",
-            post(with_till).route_layer(
-                IdempotencyLayer::new(HandsATill(MemoryStore::new()), Policy::required())
-                    .global_scope(),
-            ),
-        )
-        .route(
-            "/plain",
-            post(with_till).route_layer(
-                IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope(),
-            ),
-        )
+        .route("/handed/{order}", handed)
+        .route("/promised/{order}", promised)
         .route(
             "/maybe",
             post(maybe_till).route_layer(
                 IdempotencyLayer::new(MemoryStore::new(), Policy::required()).global_scope(),
             ),
         );
-    let handed = app
+    let answer = app
         .clone()
-        .oneshot(post_with_key("/handed", Some("k-1"), "{}"))
+        .oneshot(post_with_key("/handed/o-1", Some("k-1"), "{}"))
         .await
         .unwrap();
     assert_eq!(
-        read(handed).await,
-        (StatusCode::OK, Bytes::from(Till::NAME))
+        read(answer).await,
+        (
+            StatusCode::OK,
+            Bytes::from("the request's till for o-1: {}")
+        )
     );
-    // A route whose store hands no till: the handler never runs.
+    // The route's other methods, chained on what `on` built, are its own.
+    let get = Request::get("/handed/o-1").body(Body::empty()).unwrap();
+    let answer = app.clone().oneshot(get).await.unwrap();
+    assert_eq!(
+        read(answer).await,
+        (StatusCode::OK, Bytes::from("not keyed"))
+    );
+    // A store that declares a till and hands none: the handler never runs.
     let refused = app
         .clone()
-        .oneshot(post_with_key("/plain", Some("k-1"), "{}"))
+        .oneshot(post_with_key("/promised/o-1", Some("k-1"), "{}"))
         .await
         .unwrap();
     let content_type = refused
@@ -554,4 +563,49 @@ async fn a_handler_takes_what_its_store_hands_it_typed_or_is_refused() {
         .await
         .unwrap();
     assert_eq!(read(maybe).await, (StatusCode::OK, Bytes::from("false")));
+}
+
+/// `on` refuses, as the route is built, a route that would hand the handler
+/// no till: the engine's check, answered as it is.
+#[test]
+fn a_route_that_cannot_hand_what_its_handler_takes_is_refused_when_built() {
+    let expected = std::any::type_name::<Till>();
+    assert_eq!(
+        IdempotencyLayer::new(MemoryStore::new(), Policy::required())
+            .global_scope()
+            .on(Method::POST, with_till)
+            .map(|_: axum::routing::MethodRouter| ())
+            .unwrap_err(),
+        ContextRouteError::NotHanded {
+            expected,
+            handed: None
+        }
+    );
+    let tilled =
+        IdempotencyLayer::new(HandsATill(MemoryStore::new()), Policy::required()).global_scope();
+    assert_eq!(
+        tilled
+            .on(Method::GET, with_till)
+            .map(|_: axum::routing::MethodRouter| ())
+            .unwrap_err(),
+        ContextRouteError::MethodNotCovered {
+            expected,
+            method: "GET".into()
+        }
+    );
+    let custom = Method::from_bytes(b"CHARGE").unwrap();
+    let tilled = IdempotencyLayer::new(
+        HandsATill(MemoryStore::new()),
+        Policy::required().methods(["CHARGE"]),
+    )
+    .global_scope();
+    assert_eq!(
+        tilled
+            .on(custom, with_till)
+            .map(|_: axum::routing::MethodRouter| ())
+            .unwrap_err(),
+        ContextRouteError::UnroutableMethod {
+            method: "CHARGE".into()
+        }
+    );
 }

@@ -26,7 +26,7 @@ pub mod faults;
 
 pub use engine::{Begin, Engine, Execution, Settlement};
 pub use execution::ExecutionInfo;
-pub use extract::{NoIdempotencyKey, NoStoreContext, StoreContext};
+pub use extract::{ContextRouteError, NoIdempotencyKey, NoStoreContext, StoreContext};
 pub use fingerprint::{
     BodyMode, Fingerprint, FingerprintHasher, FingerprintSpec, HeaderSource, RequestHead,
 };
@@ -41,6 +41,7 @@ pub use response::{Header, REPLAYED_HEADER, StoredResponse};
 /// framework's requests and answers into idem's and back. An application
 /// needs none of it.
 pub mod adapter {
+    pub use crate::extract::store_context;
     pub use crate::response::{KEYED_REQUEST_HEADERS, keyed_request_header};
 }
 pub use scope::{ChosenScope, Scope, ScopeSource, Unscoped};

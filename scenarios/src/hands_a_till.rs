@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use idem_core::store::{Claim, ExecutionContext, StoreLayer};
+use idem_core::store::{Claim, ContextType, ExecutionContext, StoreLayer};
 use idem_core::{MemoryStore, Store};
 
 /// A [`MemoryStore`] that hands each execution a [`Till`] (see
@@ -30,6 +30,26 @@ impl StoreLayer for HandsATill {
 
     fn execution_context(&self, _: &Claim) -> Option<ExecutionContext> {
         Some(Arc::new(Till { name: Till::NAME }))
+    }
+
+    fn execution_context_type(&self) -> Option<ContextType> {
+        Some(ContextType::of::<Till>())
+    }
+}
+
+/// A [`MemoryStore`] that declares it hands a [`Till`] and hands none: a
+/// store's bug, which the adapters' `on` answers `500 route-misconfigured`
+/// without running the handler.
+#[derive(Clone, Debug, Default)]
+pub struct PromisesATill(pub MemoryStore);
+
+impl StoreLayer for PromisesATill {
+    fn inner(&self) -> &dyn Store {
+        &self.0
+    }
+
+    fn execution_context_type(&self) -> Option<ContextType> {
+        Some(ContextType::of::<Till>())
     }
 }
 

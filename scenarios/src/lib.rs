@@ -20,7 +20,7 @@ pub use app::{
     ScenarioRoute, pattern, principal, routes,
 };
 pub use failing_store::{FAILING_STORE_SECRET, FailingStore};
-pub use hands_a_till::{HandsATill, Till, assert_route_misconfigured};
+pub use hands_a_till::{HandsATill, PromisesATill, Till, assert_route_misconfigured};
 pub use target::{RECEIVE_BUFFER, Target, bind};
 
 /// The future of one case.

@@ -32,6 +32,31 @@ mod tests {
         found
     }
 
+    /// Whether rustdoc reads a fence with this info string as Rust (and
+    /// hides its `# ` lines): when it is empty or names only rustdoc's own
+    /// attributes (`no_run`, `ignore`, `edition2021`, …).
+    fn is_rust(info: &str) -> bool {
+        info.split([',', ' '])
+            .filter(|token| !token.is_empty())
+            .all(|token| {
+                matches!(
+                    token,
+                    "rust" | "no_run" | "ignore" | "should_panic" | "compile_fail" | "test_harness"
+                ) || token.starts_with("edition")
+                    || token.starts_with("ignore-")
+            })
+    }
+
+    #[test]
+    fn rustdoc_reads_bare_and_attribute_fences_as_rust() {
+        for rust in ["", "rust", "no_run", "rust,no_run", "ignore", "edition2021"] {
+            assert!(is_rust(rust), "{rust:?}");
+        }
+        for other in ["sh", "text", "toml", "console", "json"] {
+            assert!(!is_rust(other), "{other:?}");
+        }
+    }
+
     #[test]
     fn readme_rust_snippets_hide_no_line() {
         let mut hidden = Vec::new();
@@ -40,7 +65,7 @@ mod tests {
             let mut in_rust = false;
             for (n, line) in text.lines().enumerate() {
                 if let Some(fence) = line.strip_prefix("```") {
-                    in_rust = !in_rust && fence.starts_with("rust");
+                    in_rust = !in_rust && is_rust(fence);
                     continue;
                 }
                 if in_rust && (line == "#" || line.starts_with("# ")) {

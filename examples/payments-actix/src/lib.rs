@@ -10,9 +10,9 @@
 //!
 //! Each keyed route runs behind its [`payments::Guard`]: on PostgreSQL in
 //! transactional mode, where the handler hands the request's transaction
-//! (a `Transaction` argument, `Option<Transaction>` since the same
-//! handlers serve the other stores) to the ledger, so the ledger's
-//! writes commit with the idempotency record.
+//! (its `ExecutionInfo`'s context, since the same handlers serve the other
+//! stores: [`payments::Attempt::of`]) to the ledger, so the ledger's writes
+//! commit with the idempotency record.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -32,7 +32,6 @@ use actix_web::http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use actix_web::middleware::{Next, from_fn};
 use actix_web::{App, Error, HttpMessage, HttpResponse, web};
 use idem_actix::{ExecutionInfo, Idempotency};
-use idem_diesel::Transaction;
 use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 
 /// The largest body a handler reads without a key (with one, the idempotency
@@ -105,10 +104,9 @@ async fn charge(
     payments: web::Data<Payments>,
     account_id: web::Path<String>,
     execution: Option<ExecutionInfo>,
-    transaction: Option<Transaction>,
     body: web::Bytes,
 ) -> HttpResponse {
-    let attempt = attempt(execution.as_ref(), transaction);
+    let attempt = Attempt::of(execution.as_ref());
     send(payments.charge(&account_id, &body, &attempt).await.into())
 }
 
@@ -116,25 +114,14 @@ async fn deposit(
     payments: web::Data<Payments>,
     account_id: web::Path<String>,
     execution: Option<ExecutionInfo>,
-    transaction: Option<Transaction>,
     body: web::Bytes,
 ) -> HttpResponse {
-    let attempt = attempt(execution.as_ref(), transaction);
+    let attempt = Attempt::of(execution.as_ref());
     send(payments.deposit(&account_id, &body, &attempt).await.into())
 }
 
 async fn account(payments: web::Data<Payments>, account_id: web::Path<String>) -> HttpResponse {
     send(payments.account(&account_id).await.into())
-}
-
-/// What the idempotency middleware let through: the key, and in transactional
-/// mode the request's transaction, which the ledger's writes join.
-fn attempt(execution: Option<&ExecutionInfo>, transaction: Option<Transaction>) -> Attempt {
-    match execution {
-        Some(execution) => Attempt::keyed(execution.scope().clone(), execution.key().clone())
-            .within(transaction.map(Transaction::into_inner)),
-        None => Attempt::unkeyed(),
-    }
 }
 
 /// The domain's answer as an actix-web response.

@@ -10,9 +10,9 @@
 //!
 //! Each keyed route runs behind its [`payments::Guard`]: on PostgreSQL in
 //! transactional mode, where the handler hands the request's transaction
-//! (a `Transaction` argument, `Option<Transaction>` since the same
-//! handlers serve the other stores) to the ledger, so the ledger's
-//! writes commit with the idempotency record.
+//! (its `ExecutionInfo`'s context, since the same handlers serve the other
+//! stores: [`payments::Attempt::of`]) to the ledger, so the ledger's writes
+//! commit with the idempotency record.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -31,7 +31,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use idem_axum::{ExecutionInfo, IdempotencyLayer};
-use idem_diesel::Transaction;
 use payments::{Answer, Attempt, Guard, Guards, Payments, Principal};
 
 #[cfg(test)]
@@ -77,10 +76,9 @@ async fn charge(
     State(payments): State<Payments>,
     Path(account_id): Path<String>,
     execution: Option<ExecutionInfo>,
-    transaction: Option<Transaction>,
     body: Bytes,
 ) -> Response {
-    let attempt = attempt(execution.as_ref(), transaction);
+    let attempt = Attempt::of(execution.as_ref());
     send(payments.charge(&account_id, &body, &attempt).await.into())
 }
 
@@ -88,25 +86,14 @@ async fn deposit(
     State(payments): State<Payments>,
     Path(account_id): Path<String>,
     execution: Option<ExecutionInfo>,
-    transaction: Option<Transaction>,
     body: Bytes,
 ) -> Response {
-    let attempt = attempt(execution.as_ref(), transaction);
+    let attempt = Attempt::of(execution.as_ref());
     send(payments.deposit(&account_id, &body, &attempt).await.into())
 }
 
 async fn account(State(payments): State<Payments>, Path(account_id): Path<String>) -> Response {
     send(payments.account(&account_id).await.into())
-}
-
-/// What the idempotency middleware let through: the key, and in transactional
-/// mode the request's transaction, which the ledger's writes join.
-fn attempt(execution: Option<&ExecutionInfo>, transaction: Option<Transaction>) -> Attempt {
-    match execution {
-        Some(execution) => Attempt::keyed(execution.scope().clone(), execution.key().clone())
-            .within(transaction.map(Transaction::into_inner)),
-        None => Attempt::unkeyed(),
-    }
 }
 
 fn send(answer: Answer) -> Response {

@@ -8,6 +8,7 @@
 //! `lease.rs`) and record its answer with [`Execution::settle`] (the
 //! completion, deferred when the store is away, `completion.rs`).
 
+use std::any::Any;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -22,8 +23,8 @@ use crate::metrics;
 
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, OwnerToken};
 use crate::{
-    Fingerprint, Header, IdempotencyKey, InProgress, OnStoreFailure, Policy, Problem, ProblemKind,
-    REPLAYED_HEADER, Scope, Store, StoreError, StoredResponse,
+    Fingerprint, Header, IdempotencyKey, InProgress, KeyRequirement, OnStoreFailure, Policy,
+    Problem, ProblemKind, REPLAYED_HEADER, Scope, Store, StoreError, StoredResponse,
 };
 
 /// The state machine over a store, with a route's policy. Cheap to clone.
@@ -127,6 +128,49 @@ impl Engine {
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// Whether every request a handler mounted on `method` behind this
+    /// engine sees has a `T` from the store, as a handler that takes a
+    /// [`StoreContext<T>`](crate::StoreContext) needs: the store declares that
+    /// it hands a `T` ([`Store::execution_context_type`]), keys are required
+    /// (a request without one has no execution), the route fails closed (a
+    /// failed store runs no handler), and the policy covers `method` (an
+    /// uncovered request passes through without a key). The adapters' `on`
+    /// asks when the route is built, so a route that cannot hand the handler
+    /// its `T` fails the start.
+    ///
+    /// ```
+    /// use idem_core::{ContextRouteError, Engine, MemoryStore, Policy};
+    ///
+    /// let engine = Engine::new(MemoryStore::new(), Policy::required());
+    /// let refused = engine.check_context::<String>("POST").unwrap_err();
+    /// assert_eq!(
+    ///     refused,
+    ///     ContextRouteError::NotHanded { expected: "alloc::string::String", handed: None }
+    /// );
+    /// ```
+    pub fn check_context<T: Any>(&self, method: &str) -> Result<(), crate::ContextRouteError> {
+        use crate::ContextRouteError::{FailsOpen, MethodNotCovered, NotHanded, OptionalKeys};
+        let expected = std::any::type_name::<T>();
+        let policy = self.policy();
+        let handed = self.store().execution_context_type();
+        if !handed.is_some_and(|handed| handed.is::<T>()) {
+            return Err(NotHanded { expected, handed });
+        }
+        if policy.get_key_requirement() != KeyRequirement::Required {
+            return Err(OptionalKeys { expected });
+        }
+        if policy.get_on_store_failure() != OnStoreFailure::FailClosed {
+            return Err(FailsOpen { expected });
+        }
+        if !policy.covers(method) {
+            return Err(MethodNotCovered {
+                expected,
+                method: method.to_ascii_uppercase(),
+            });
+        }
+        Ok(())
     }
 
     /// A problem of `kind` with the status the policy gives it.

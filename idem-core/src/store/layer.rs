@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use super::{
-    Claim, ClaimOutcome, ClaimRequest, ExecutionContext, NotReady, Record, Store, StoreFuture,
+    Claim, ClaimOutcome, ClaimRequest, ContextType, ExecutionContext, NotReady, Record, Store,
+    StoreFuture,
 };
 use crate::{IdempotencyKey, Scope, StoredResponse};
 
@@ -83,6 +84,11 @@ pub trait StoreLayer: Send + Sync + 'static {
     fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
         self.inner().execution_context(claim)
     }
+    /// [`Store::execution_context_type`]; by default the inner store's. A
+    /// layer that hands a context of its own declares its type here.
+    fn execution_context_type(&self) -> Option<ContextType> {
+        self.inner().execution_context_type()
+    }
     /// [`Store::readiness`]; by default the inner store's.
     fn readiness(&self) -> Result<(), NotReady> {
         self.inner().readiness()
@@ -127,6 +133,9 @@ impl<L: StoreLayer> Store for L {
     }
     fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
         StoreLayer::execution_context(self, claim)
+    }
+    fn execution_context_type(&self) -> Option<ContextType> {
+        StoreLayer::execution_context_type(self)
     }
     fn readiness(&self) -> Result<(), NotReady> {
         StoreLayer::readiness(self)

@@ -1,6 +1,6 @@
 //! The `Store` trait: where records live, each step atomic.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
@@ -116,6 +116,18 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// The type of what [`execution_context`](Self::execution_context) hands
+    /// every claim, for a store that hands one (idem-diesel's
+    /// `TransactionalPgStore`: a `PgTransaction`). The adapters' `on`, which
+    /// mounts a handler that takes a [`StoreContext<T>`](crate::StoreContext),
+    /// compares it with `T` when the route is built
+    /// ([`Engine::check_context`](crate::Engine::check_context)), so that a
+    /// route whose store hands no `T` fails the start. The default is `None`:
+    /// the store hands nothing.
+    fn execution_context_type(&self) -> Option<ContextType> {
+        None
+    }
+
     /// Whether the store may serve requests: a store with a schema answers
     /// [`NotReady`] until its schema was verified in this process (idem-diesel's
     /// stores: `migrate()` or `check_schema()` succeeded), unless the check was
@@ -127,6 +139,51 @@ pub trait Store: Send + Sync + 'static {
         Ok(())
     }
 }
+
+/// The type of what a store hands each execution
+/// ([`Store::execution_context_type`]): compared by identity, named by
+/// [`std::any::type_name`] in messages.
+///
+/// ```
+/// use idem_core::store::ContextType;
+///
+/// struct Till;
+/// assert!(ContextType::of::<Till>().is::<Till>());
+/// assert!(!ContextType::of::<Till>().is::<String>());
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct ContextType {
+    id: TypeId,
+    name: &'static str,
+}
+
+impl ContextType {
+    /// The type `T`.
+    pub fn of<T: Any>() -> Self {
+        Self {
+            id: TypeId::of::<T>(),
+            name: std::any::type_name::<T>(),
+        }
+    }
+
+    /// Whether this is `T`.
+    pub fn is<T: Any>(&self) -> bool {
+        self.id == TypeId::of::<T>()
+    }
+
+    /// The type's name, for messages.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+impl PartialEq for ContextType {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl Eq for ContextType {}
 
 /// Why a store may not serve requests yet ([`Store::readiness`]): the message
 /// names the fix.
@@ -214,6 +271,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
         (**self).execution_context(claim)
+    }
+    fn execution_context_type(&self) -> Option<ContextType> {
+        (**self).execution_context_type()
     }
     fn readiness(&self) -> Result<(), NotReady> {
         (**self).readiness()

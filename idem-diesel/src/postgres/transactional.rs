@@ -174,13 +174,15 @@ pub struct PgTransaction {
     connection: Arc<tokio::sync::Mutex<Option<OwnedConnection>>>,
 }
 
-/// The request's [`PgTransaction`], as a handler's argument: an axum or
-/// actix-web handler behind a route over a [`TransactionalPgStore`] states
-/// that it takes the transaction by taking a `Transaction`, and derefs it to
-/// the `PgTransaction`. On a route whose store is not transactional, the
-/// request is refused `500` (logged at error level) and the handler does not
-/// run; take `Option<Transaction>` where a handler also serves routes over
-/// other stores.
+/// The request's [`PgTransaction`], as a handler's first argument: an axum or
+/// actix-web handler states that it takes the transaction by taking a
+/// `Transaction`, which derefs to the `PgTransaction`, and is mounted with the
+/// adapter's `on` (`idem_axum::IdempotencyLayer::on`,
+/// `idem_actix::Idempotency::on`), which checks when the route is built that
+/// its store is a [`TransactionalPgStore`] with keys required and failing
+/// closed: a route that would hand the handler no transaction fails the
+/// start. Where a handler also serves routes over other stores, take
+/// `Option<ExecutionInfo>` and ask it for `context::<PgTransaction>()`.
 pub type Transaction = idem_core::StoreContext<PgTransaction>;
 
 /// The connection of a [`PgTransaction`], lent until dropped. Dereferences to
@@ -526,6 +528,10 @@ impl Store for TransactionalPgStore {
     fn execution_context(&self, claim: &Claim) -> Option<ExecutionContext> {
         let transaction = self.transactions().get(&claim.owner).cloned()?;
         Some(Arc::new(transaction))
+    }
+
+    fn execution_context_type(&self) -> Option<idem_core::store::ContextType> {
+        Some(idem_core::store::ContextType::of::<PgTransaction>())
     }
 
     fn readiness(&self) -> Result<(), idem_core::store::NotReady> {

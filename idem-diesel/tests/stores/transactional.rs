@@ -810,16 +810,14 @@ struct Charges {
 }
 
 /// A charge, as an application's axum handler writes it: in the request's
-/// transaction, taken from `ExecutionInfo::context`.
+/// transaction, which it states it takes (mounted with `on`).
 async fn charge(
+    transaction: idem_diesel::Transaction,
     axum::extract::State(charges): axum::extract::State<Charges>,
     execution: idem_axum::ExecutionInfo,
 ) -> (axum::http::StatusCode, String) {
     use axum::http::StatusCode;
 
-    let Some(transaction) = execution.context::<PgTransaction>() else {
-        return (StatusCode::SERVICE_UNAVAILABLE, "no transaction".to_owned());
-    };
     let key = execution.key().as_str().to_owned();
     let pid = {
         let Ok(mut connection) = transaction.connection().await else {
@@ -875,9 +873,12 @@ async fn an_axum_handler_writes_in_the_requests_transaction(databases: Arc<Datab
         plain: plain.clone(),
         kill_next: Arc::default(),
     };
+    let charged = idem_axum::IdempotencyLayer::new(store.clone(), Policy::required())
+        .global_scope()
+        .on(axum::http::Method::POST, charge)
+        .expect("a transactional store hands the handler its transaction");
     let app = axum::Router::new()
-        .route("/charges", axum::routing::post(charge))
-        .layer(idem_axum::IdempotencyLayer::new(store.clone(), Policy::required()).global_scope())
+        .route("/charges", charged)
         .with_state(charges.clone());
     let send = |key: &'static str| {
         let app = app.clone();

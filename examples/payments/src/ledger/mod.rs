@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::store::BoxError;
-use idem_core::{IdempotencyKey, Scope};
+use idem_core::{ExecutionInfo, IdempotencyKey, Scope};
 use idem_diesel::{PgPool, PgTransaction, SqlitePool};
 use serde::Serialize;
 use uuid::Uuid;
@@ -342,6 +342,19 @@ impl Attempt {
         Self {
             key: Some((scope, key)),
             transaction: None,
+        }
+    }
+
+    /// The delivery the idempotency middleware let through with `execution`
+    /// (`None`: the request had no key): keyed by its scope and key, its
+    /// writes joining the request's transaction in transactional mode (what
+    /// its store handed it), so that they commit with its idempotency record,
+    /// or not at all.
+    pub fn of(execution: Option<&ExecutionInfo>) -> Self {
+        match execution {
+            Some(execution) => Self::keyed(execution.scope().clone(), execution.key().clone())
+                .within(execution.context::<PgTransaction>()),
+            None => Self::unkeyed(),
         }
     }
 
