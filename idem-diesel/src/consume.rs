@@ -9,11 +9,64 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use idem_core::StoreError;
 use idem_core::consume::InboxError;
 
+use crate::SetupError;
 use crate::row::{duration_micros, time_from_micros};
+use crate::table::ColumnRow;
 
 /// How long an inbox remembers a processed message by default: 7 days, longer
 /// than any broker redelivers.
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// The consumer inboxes' tables, with the columns both backends' statements
+/// use: what `check_schema` verifies.
+pub(crate) const INBOX_SCHEMA: [(&str, &[&str]); 3] = [
+    (
+        "idem_consumer_inbox",
+        &["consumer", "message_id", "fingerprint", "processed_at"],
+    ),
+    (
+        "idem_consumer_failures",
+        &["consumer", "message_id", "attempted_at", "last_attempt_at"],
+    ),
+    (
+        "idem_consumer_dead_letters",
+        &[
+            "consumer",
+            "message_id",
+            "reason",
+            "attempted_at",
+            "dead_at",
+            "published",
+        ],
+    ),
+];
+
+/// The consumer inboxes' tables.
+pub(crate) const INBOX_TABLES: [&str; 3] =
+    [INBOX_SCHEMA[0].0, INBOX_SCHEMA[1].0, INBOX_SCHEMA[2].0];
+
+/// Whether the columns the database described for each of the inbox's
+/// tables (none: the table does not exist), in [`INBOX_SCHEMA`]'s order, are
+/// what the inbox's statements need.
+pub(crate) fn check_inbox_columns(found: &[Vec<ColumnRow>]) -> Result<(), SetupError> {
+    let mut missing = Vec::new();
+    for ((table, columns), found) in INBOX_SCHEMA.iter().zip(found) {
+        if found.is_empty() {
+            missing.push((*table).to_owned());
+            continue;
+        }
+        for column in columns.iter() {
+            if !found.iter().any(|row| row.name == *column) {
+                missing.push(format!("{table}.{column}"));
+            }
+        }
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(SetupError::InboxSchema { missing })
+    }
+}
 
 /// The handler broke the transaction's shape: it left savepoints open.
 #[derive(Debug, thiserror::Error)]

@@ -47,6 +47,19 @@ pub enum SetupError {
         /// The columns this library needs that the table lacks.
         missing: Vec<String>,
     },
+    /// A consumer inbox's tables are missing, or lack columns this version of
+    /// idem-diesel uses: nothing migrated this database for the inbox yet, or
+    /// an older version did.
+    #[error(
+        "the consumer inbox's tables are missing or older than this library (it lacks {}): \
+         run inbox.migrate() at start-up",
+        .missing.join(", ")
+    )]
+    InboxSchema {
+        /// What the database lacks: a table (`idem_consumer_inbox`) or a
+        /// table's column (`idem_consumer_failures.last_attempt_at`).
+        missing: Vec<String>,
+    },
     /// The table's columns could not be read.
     #[error("could not read the columns of the idempotency table {table}")]
     SchemaCheck {

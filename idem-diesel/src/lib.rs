@@ -45,6 +45,7 @@ pub use table::DEFAULT_TABLE;
 pub use postgres::{
     PgInbox, PgInboxBuilder, PgOutbox, PgPool, PgStore, PgStoreBuilder, PgTransaction,
     PgTransactionConnection, Transaction, TransactionEnded, TransactionalPgStore,
+    TransactionalPgStoreBuilder,
 };
 #[cfg(feature = "sqlite")]
 pub use sqlite::{

@@ -65,15 +65,38 @@ impl SchemaGate {
         table: &Table,
         builder: &str,
     ) -> Result<(), idem_core::store::NotReady> {
+        self.verified_or(|| {
+            format!(
+                "the idempotency table {} was not verified before a route was built on its store: \
+                 call `store.migrate().await` at start-up, or `store.check_schema().await` when the \
+                 application's own migrations create the table (`{builder}::skip_schema_check` opts out)",
+                table.display()
+            )
+        })
+    }
+
+    /// An inbox's: ready once verified or skipped; otherwise the fix, named
+    /// for `builder`.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn inbox_readiness(&self, builder: &str) -> Result<(), idem_core::store::NotReady> {
+        self.verified_or(|| {
+            format!(
+                "the consumer inbox's tables ({}) were not verified before a consumer started on it: \
+                 call `inbox.migrate().await` at start-up, or `inbox.check_schema().await` when the \
+                 application's own migrations create them (`{builder}::skip_schema_check` opts out)",
+                crate::consume::INBOX_TABLES.join(", ")
+            )
+        })
+    }
+
+    fn verified_or(
+        &self,
+        not_ready: impl FnOnce() -> String,
+    ) -> Result<(), idem_core::store::NotReady> {
         if self.verified.load(std::sync::atomic::Ordering::Acquire) {
             return Ok(());
         }
-        Err(idem_core::store::NotReady(format!(
-            "the idempotency table {} was not verified before a route was built on its store: \
-             call `store.migrate().await` at start-up, or `store.check_schema().await` when the \
-             application's own migrations create the table (`{builder}::skip_schema_check` opts out)",
-            table.display()
-        )))
+        Err(idem_core::store::NotReady(not_ready()))
     }
 }
 

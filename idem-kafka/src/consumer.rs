@@ -263,6 +263,10 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
     /// records being applied finish (they commit or roll back), the broker's
     /// offsets are committed, and the member leaves its group.
     ///
+    /// **Start:** an inbox that is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness):
+    /// idem-diesel's, neither migrated nor checked in this process) is
+    /// [`Error::NotReady`] at once, before anything is contacted.
+    ///
     /// Must run on a multi-threaded Tokio runtime or a current-thread one
     /// alike: the polling thread is a thread of its own.
     pub async fn run(
@@ -270,6 +274,7 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
         stop: impl Future<Output = ()>,
         subscribed: impl FnOnce(&Subscription),
     ) -> Result<(), Error> {
+        self.inbox.readiness()?;
         self.inbox.migrate_offsets().await.map_err(Error::Offsets)?;
         let dlq = self.dead_letter_topic();
         topics::ensure(&self.servers, &dlq).await?;

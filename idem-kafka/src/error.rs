@@ -18,6 +18,11 @@ pub enum Error {
         #[source]
         source: KafkaError,
     },
+    /// The inbox is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness)):
+    /// its tables were not verified in this process. The consumer did not
+    /// start; the message names the fix.
+    #[error("the consumer did not start: {0}")]
+    NotReady(#[from] idem_core::store::NotReady),
     /// The offsets table could not be created.
     #[error("the offsets table could not be created")]
     Offsets(#[source] InboxError),

@@ -126,4 +126,8 @@ impl<I: Offsets> Inbox for Fenced<I> {
     fn is_permanent(&self, error: &(dyn StdError + 'static)) -> bool {
         self.inner.is_permanent(error)
     }
+
+    fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
+        self.inner.readiness()
+    }
 }

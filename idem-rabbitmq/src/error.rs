@@ -7,6 +7,11 @@ use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// The inbox is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness)):
+    /// its tables were not verified in this process. The consumer did not
+    /// start; the message names the fix.
+    #[error("the consumer did not start: {0}")]
+    NotReady(#[from] idem_core::store::NotReady),
     /// The AMQP URL could not be parsed (the URL itself is not repeated).
     #[error("the AMQP URL is invalid: {0}")]
     InvalidUrl(String),
@@ -67,7 +72,7 @@ impl Error {
     /// an error instead of reconnecting.
     pub fn is_permanent(&self) -> bool {
         match self {
-            Self::InvalidUrl(_) | Self::Invalid(_) => true,
+            Self::InvalidUrl(_) | Self::Invalid(_) | Self::NotReady(_) => true,
             Self::Declare { source, .. } => amqp_error(source).is_some_and(|kind| {
                 matches!(
                     kind,

@@ -108,6 +108,11 @@ const SCENARIOS: &[Scenario] = &[
         alone: false,
         run: |case| outbox_an_event_the_broker_refuses_is_parked(case).boxed(),
     },
+    Scenario {
+        name: "a_consumer_on_an_inbox_nobody_migrated_does_not_start",
+        alone: false,
+        run: |case| a_consumer_on_an_unverified_inbox_does_not_start(case).boxed(),
+    },
 ];
 
 fn main() -> ExitCode {
@@ -1545,4 +1550,60 @@ async fn outbox_an_event_the_broker_refuses_is_parked(case: Case) -> Outcome {
     // RabbitMQ 3.10's default.
     set_limit(134_217_728)?;
     outcome
+}
+
+/// A consumer whose SQLite inbox was neither migrated nor checked in this
+/// process: `run` answers `Error::NotReady`, naming the fix, before it
+/// connects; once the inbox is migrated the same consumer subscribes.
+async fn a_consumer_on_an_unverified_inbox_does_not_start(case: Case) -> Outcome {
+    let dir = std::env::temp_dir().join(format!("idem-rabbitmq-inbox-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(failed)?;
+    let path = dir.join(format!("{}.db", case.queue));
+    let _ = std::fs::remove_file(&path);
+    let inbox = idem_diesel::SqliteInbox::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .map_err(failed)?;
+    let nothing = idem_core::consume::handler(
+        |_: Attempt<'_>, _: &mut AsyncSqliteConnection| -> HandlerFuture<'_> {
+            Box::pin(async { Ok(()) })
+        },
+    );
+    let consumer = Consumer::builder(&case.url, &case.queue)
+        .inbox(inbox.clone())
+        .handler(nothing)
+        .build()
+        .map_err(failed)?;
+    let refused = consumer.run(std::future::pending(), |_| {}).await;
+    let Err(Error::NotReady(not_ready)) = refused else {
+        return Err(failed(format!("expected NotReady, got {refused:?}")));
+    };
+    ensure(
+        not_ready.0.starts_with("the consumer inbox's tables (idem_consumer_inbox, idem_consumer_failures, idem_consumer_dead_letters) were not verified before a consumer started on it: call `inbox.migrate().await` at start-up"),
+        format!("the refusal: {not_ready}"),
+    )?;
+    inbox.migrate().await.map_err(failed)?;
+    let (on_subscribed, subscribed) = oneshot::channel();
+    let mut on_subscribed = Some(on_subscribed);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        consumer
+            .run(
+                async move {
+                    let _ = stopped.await;
+                },
+                move |_| {
+                    if let Some(on_subscribed) = on_subscribed.take() {
+                        let _ = on_subscribed.send(());
+                    }
+                },
+            )
+            .await
+    });
+    tokio::time::timeout(Duration::from_secs(30), subscribed)
+        .await
+        .map_err(|_| failed("the migrated inbox's consumer did not subscribe in 30 s"))?
+        .map_err(failed)?;
+    let _ = stop.send(());
+    running.await.map_err(failed)?.map_err(failed)?;
+    Ok("refused, then subscribed once migrated".to_owned())
 }

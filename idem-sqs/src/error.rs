@@ -13,6 +13,11 @@ pub enum Error {
         "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary ones)"
     )]
     NoCredentials,
+    /// The inbox is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness)):
+    /// its tables were not verified in this process. The consumer did not
+    /// start; the message names the fix.
+    #[error("the consumer did not start: {0}")]
+    NotReady(#[from] idem_core::store::NotReady),
     /// A queue URL this crate cannot read a queue name from.
     #[error("the queue URL is invalid: {0}")]
     InvalidQueueUrl(String),
@@ -82,7 +87,10 @@ impl Error {
     /// carry. The consumer stops on such an error instead of polling again.
     pub fn is_permanent(&self) -> bool {
         match self {
-            Self::NoCredentials | Self::InvalidQueueUrl(_) | Self::Invalid(_) => true,
+            Self::NoCredentials
+            | Self::InvalidQueueUrl(_)
+            | Self::Invalid(_)
+            | Self::NotReady(_) => true,
             Self::Sqs { code, .. } => code
                 .as_deref()
                 .is_some_and(|code| PERMANENT_CODES.contains(&code)),

@@ -33,7 +33,7 @@ pub mod actix {
 /// | item | feature |
 /// |---|---|
 /// | `SqliteStore`, `SqliteInbox`, `SqliteOutbox`, `AsyncSqliteConnection` | `sqlite` |
-/// | `PgStore`, `TransactionalPgStore`, `PgTransaction`, `PgInbox`, `PgOutbox` | `postgres` |
+/// | `PgStore`, `TransactionalPgStore`, `TransactionalPgStoreBuilder`, `PgTransaction`, `Transaction`, `PgInbox`, `PgOutbox` | `postgres` |
 /// | `Relay`, `Outbox`, `Cleanup`, `SetupError`, `diesel`, `diesel_async` | either |
 ///
 /// See idem-diesel's documentation, whose `idem_diesel::` paths are

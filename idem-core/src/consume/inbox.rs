@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use super::{Handler, HandlerError, Message};
 use crate::Fingerprint;
-use crate::store::BoxError;
+use crate::store::{BoxError, NotReady};
 
 /// The future an inbox step answers.
 pub type InboxFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, InboxError>> + Send + 'a>>;
@@ -102,6 +102,18 @@ pub trait Inbox: Send + Sync + 'static {
     fn is_permanent(&self, error: &(dyn StdError + 'static)) -> bool {
         let _ = error;
         false
+    }
+
+    /// Whether the inbox may take messages: a database inbox answers
+    /// [`NotReady`] until its tables were verified in this process
+    /// (idem-diesel's inboxes: `migrate()` or `check_schema()` succeeded),
+    /// unless the check was explicitly skipped. The broker crates' consumers
+    /// ask once, when they start ([`Protocol::readiness`](super::Protocol::readiness)),
+    /// and refuse to run on an inbox that is not ready, so a forgotten
+    /// migration stops the start instead of failing every message. The
+    /// default: ready.
+    fn readiness(&self) -> Result<(), NotReady> {
+        Ok(())
     }
 }
 

@@ -189,6 +189,12 @@ impl<I: Inbox> Protocol<I> {
         &self.inner.inbox
     }
 
+    /// Whether the inbox may take messages ([`Inbox::readiness`]): what a
+    /// broker crate's consumer asks when it starts, refusing to run otherwise.
+    pub fn readiness(&self) -> Result<(), crate::store::NotReady> {
+        self.inner.inbox.readiness()
+    }
+
     /// The policy.
     pub fn policy(&self) -> &ConsumerPolicy {
         &self.inner.policy

@@ -365,6 +365,11 @@ impl Inbox for StoreInbox {
     type Tx = ();
     const TRANSACTIONAL: bool = false;
 
+    /// The store's: an engine was built on it, so it was ready then.
+    fn readiness(&self) -> Result<(), crate::store::NotReady> {
+        self.inner.store.readiness()
+    }
+
     fn process<'a>(
         &'a self,
         entry: &'a Entry<'a>,

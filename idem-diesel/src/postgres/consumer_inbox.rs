@@ -26,9 +26,12 @@ use super::{
     run_migrations, transaction_depth,
 };
 use crate::SetupError;
-use crate::consume::{self, DEFAULT_RETENTION, NestedOpen, micros, time};
+use crate::consume::{
+    self, DEFAULT_RETENTION, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time,
+};
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
+use crate::table::{ColumnRow, SchemaGate};
 
 /// The migrations that create the inbox's tables.
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres_consumer_inbox");
@@ -204,6 +207,7 @@ struct Inner {
     retention: Duration,
     connection_timeout: Duration,
     statements: Statements,
+    schema_gate: SchemaGate,
 }
 
 /// The inbox's hot statements, kept prepared on every connection.
@@ -237,6 +241,7 @@ pub struct PgInboxBuilder {
     retention: Duration,
     max_connections: u32,
     connection_timeout: Duration,
+    skip_schema_check: bool,
 }
 
 #[derive(QueryableByName)]
@@ -336,6 +341,7 @@ impl PgInbox {
             retention: DEFAULT_RETENTION,
             max_connections: 10,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            skip_schema_check: false,
         }
     }
 
@@ -344,10 +350,15 @@ impl PgInbox {
         failures: Option<ConnectFailures>,
         builder: &PgInboxBuilder,
     ) -> Self {
+        let schema_gate = SchemaGate::default();
+        if builder.skip_schema_check {
+            schema_gate.pass();
+        }
         Self {
             inner: Arc::new(Inner {
                 pool,
                 failures,
+                schema_gate,
                 retention: builder.retention,
                 connection_timeout: builder.connection_timeout,
                 statements: Statements {
@@ -387,7 +398,37 @@ impl PgInbox {
         tokio::task::spawn_blocking(move || run_migrations(connection, MIGRATIONS))
             .await
             .map_err(|e| failed(e.into()))?
-            .map_err(failed)
+            .map_err(failed)?;
+        self.inner.schema_gate.pass();
+        Ok(())
+    }
+
+    /// Checks that the inbox's tables exist with every column this version
+    /// uses, so that a forgotten migration stops the consumer's start,
+    /// naming the fix, instead of failing every message. [`migrate`](Self::migrate)
+    /// makes it pass; call it at start-up when your own migration tool
+    /// creates the tables. It fails with [`SetupError::InboxSchema`].
+    pub async fn check_schema(&self) -> Result<(), SetupError> {
+        let failed = |source: BoxError| SetupError::SchemaCheck {
+            table: INBOX_TABLE.to_owned(),
+            source,
+        };
+        let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
+        let mut found = Vec::with_capacity(INBOX_SCHEMA.len());
+        for (table, _) in INBOX_SCHEMA {
+            let columns = diesel::sql_query(
+                "SELECT attname::text AS name FROM pg_attribute \
+                 WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+            )
+            .bind::<Text, _>(table)
+            .load::<ColumnRow>(&mut *connection)
+            .await
+            .map_err(|e| failed(e.into()))?;
+            found.push(columns);
+        }
+        check_inbox_columns(&found)?;
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// A cleanup job that deletes processed messages and abandoned failure
@@ -688,6 +729,15 @@ impl PgInboxBuilder {
         Ok(PgInbox::with_pool(pool, Some(failures), &self))
     }
 
+    /// Skips the schema check: the inbox is ready without
+    /// [`migrate`](PgInbox::migrate) or [`check_schema`](PgInbox::check_schema)
+    /// (when the tables are known to be there, and a check at start-up is
+    /// not wanted).
+    pub fn skip_schema_check(mut self) -> Self {
+        self.skip_schema_check = true;
+        self
+    }
+
     /// An inbox over a pool the application already has.
     pub fn build(self, pool: PgPool) -> PgInbox {
         PgInbox::with_pool(pool, None, &self)
@@ -783,6 +833,10 @@ impl Inbox for PgInbox {
 
     fn is_permanent(&self, error: &(dyn std::error::Error + 'static)) -> bool {
         consume::is_permanent(error)
+    }
+
+    fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
+        self.inner.schema_gate.inbox_readiness("PgInboxBuilder")
     }
 }
 

@@ -34,6 +34,7 @@ pub use consumer_inbox::{PgInbox, PgInboxBuilder};
 pub use outbox::PgOutbox;
 pub use transactional::{
     PgTransaction, PgTransactionConnection, Transaction, TransactionEnded, TransactionalPgStore,
+    TransactionalPgStoreBuilder,
 };
 pub(crate) use transactional::{roll_back, transaction_depth};
 

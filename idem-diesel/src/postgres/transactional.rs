@@ -83,7 +83,7 @@ const EXECUTION_RUNNING: &str =
 ///
 /// **Lock waits.** Every lock wait in the transaction, the claim's and the
 /// handler's own (an `UPDATE` behind another transaction's row lock), is bounded
-/// by [`lock_timeout`](Self::lock_timeout) (default 5 s): past it the statement
+/// by [`lock_timeout`](TransactionalPgStoreBuilder::lock_timeout) (default 5 s): past it the statement
 /// fails, and the execution is released rather than held open.
 ///
 /// **Slow handlers.** A handler slower than the lease keeps its transaction
@@ -95,7 +95,7 @@ const EXECUTION_RUNNING: &str =
 /// statements (a payment provider) may take as long as it takes, as long as
 /// the handler lets go of [`PgTransaction::connection`] meanwhile; holding the
 /// connection without using it counts as idle, up to
-/// [`idle_timeout`](Self::idle_timeout).
+/// [`idle_timeout`](TransactionalPgStoreBuilder::idle_timeout).
 ///
 /// **Vanished executions.** A transaction ends, and the key is free again, when
 /// its session does:
@@ -112,7 +112,7 @@ const EXECUTION_RUNNING: &str =
 ///   database's machine and its exit closes the socket;
 /// - the execution stalls with nobody renewing it (its handler returned but the
 ///   request never settled), or the handler holds the connection without using
-///   it: after [`idle_timeout`](Self::idle_timeout) (default 60 s, and at least
+///   it: after [`idle_timeout`](TransactionalPgStoreBuilder::idle_timeout) (default 60 s, and at least
 ///   the lease) of idleness (`idle_in_transaction_session_timeout`). The client
 ///   then gets `503` and the handler's writes are rolled back.
 ///
@@ -130,7 +130,10 @@ const EXECUTION_RUNNING: &str =
 /// # async fn run() -> Result<(), idem_diesel::SetupError> {
 /// let store = PgStore::connect("postgres://app@db.internal/app").await?;
 /// store.migrate().await?;
-/// let transactional = store.transactional().lock_timeout(Duration::from_secs(2));
+/// let transactional = store
+///     .transactional_builder()
+///     .lock_timeout(Duration::from_secs(2))
+///     .build();
 /// let engine = Engine::new(transactional, Policy::required());
 /// # let _ = engine;
 /// # Ok(())
@@ -217,23 +220,38 @@ struct RunningRow {
 
 impl PgStore {
     /// This store in transactional mode, over the same pool and table (see
-    /// [`TransactionalPgStore`]). Routes whose handlers write to the same
-    /// database use it; the others keep the plain store.
+    /// [`TransactionalPgStore`]), with the default settings. Routes whose
+    /// handlers write to the same database use it; the others keep the plain
+    /// store.
     pub fn transactional(&self) -> TransactionalPgStore {
-        TransactionalPgStore {
+        self.transactional_builder().build()
+    }
+
+    /// This store in transactional mode, its settings still to be chosen.
+    pub fn transactional_builder(&self) -> TransactionalPgStoreBuilder {
+        TransactionalPgStoreBuilder {
             store: self.clone(),
-            open: Arc::default(),
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
         }
     }
 }
 
-impl TransactionalPgStore {
+/// The settings of a [`TransactionalPgStore`] ([`PgStore::transactional_builder`]),
+/// each with its default; building cannot fail (the pool and the table are
+/// the plain store's).
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct TransactionalPgStoreBuilder {
+    store: PgStore,
+    lock_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+impl TransactionalPgStoreBuilder {
     /// Bounds every lock wait inside an execution's transaction (default 5 s;
     /// at least 1 ms): the claim's, and the handler's own statements'. Past it
     /// the waiting statement fails.
-    #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
         self.lock_timeout = timeout.max(Duration::from_millis(1));
         self
@@ -245,10 +263,33 @@ impl TransactionalPgStore {
     /// handler holding [`PgTransaction::connection`] without using it.
     /// Renewals keep a running handler's transaction from idling while the
     /// handler lets go of the connection.
-    #[must_use]
     pub fn idle_timeout(mut self, timeout: Duration) -> Self {
         self.idle_timeout = timeout.max(Duration::from_millis(1));
         self
+    }
+
+    /// The store in transactional mode.
+    pub fn build(self) -> TransactionalPgStore {
+        TransactionalPgStore {
+            store: self.store,
+            open: Arc::default(),
+            lock_timeout: self.lock_timeout,
+            idle_timeout: self.idle_timeout,
+        }
+    }
+}
+
+impl TransactionalPgStore {
+    /// How long a lock wait inside an execution's transaction may take
+    /// ([`TransactionalPgStoreBuilder::lock_timeout`]).
+    pub fn get_lock_timeout(&self) -> Duration {
+        self.lock_timeout
+    }
+
+    /// How long an execution's transaction may sit idle
+    /// ([`TransactionalPgStoreBuilder::idle_timeout`]).
+    pub fn get_idle_timeout(&self) -> Duration {
+        self.idle_timeout
     }
 
     /// The plain store over the same table (for `migrate`, the pool, or routes

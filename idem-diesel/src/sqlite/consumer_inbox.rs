@@ -20,10 +20,13 @@ use idem_core::{Redacted, StoreError};
 use super::statements::NOW;
 use super::{AsyncSqliteConnection, SqlitePool, build_pool};
 use crate::SetupError;
-use crate::consume::{self, DEFAULT_RETENTION, NestedOpen, micros, time};
+use crate::consume::{
+    self, DEFAULT_RETENTION, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time,
+};
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::duration_micros;
+use crate::table::{ColumnRow, SchemaGate};
 
 /// The migrations that create the inbox's tables.
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite_consumer_inbox");
@@ -106,6 +109,7 @@ struct Inner {
     /// Set when the inbox built the pool (see `crate::pool`).
     failures: Option<ConnectFailures>,
     retention: Duration,
+    schema_gate: SchemaGate,
 }
 
 /// Configures a [`SqliteInbox`]: its retention and the pool it builds.
@@ -116,6 +120,7 @@ pub struct SqliteInboxBuilder {
     max_connections: u32,
     connection_timeout: Duration,
     busy_timeout: Duration,
+    skip_schema_check: bool,
 }
 
 #[derive(QueryableByName)]
@@ -214,15 +219,25 @@ impl SqliteInbox {
             max_connections: 4,
             connection_timeout: Duration::from_secs(3),
             busy_timeout: Duration::from_secs(5),
+            skip_schema_check: false,
         }
     }
 
-    fn with_pool(pool: SqlitePool, failures: Option<ConnectFailures>, retention: Duration) -> Self {
+    fn with_pool(
+        pool: SqlitePool,
+        failures: Option<ConnectFailures>,
+        builder: &SqliteInboxBuilder,
+    ) -> Self {
+        let schema_gate = SchemaGate::default();
+        if builder.skip_schema_check {
+            schema_gate.pass();
+        }
         Self {
             inner: Arc::new(Inner {
                 pool,
                 failures,
-                retention,
+                retention: builder.retention,
+                schema_gate,
             }),
         }
     }
@@ -252,7 +267,38 @@ impl SqliteInbox {
             })
             .await
             .map_err(|e| failed(e.into()))?
-            .map_err(failed)
+            .map_err(failed)?;
+        self.inner.schema_gate.pass();
+        Ok(())
+    }
+
+    /// Checks that the inbox's tables exist with every column this version
+    /// uses, so that a forgotten migration stops the consumer's start,
+    /// naming the fix, instead of failing every message. [`migrate`](Self::migrate)
+    /// makes it pass; call it at start-up when your own migration tool
+    /// creates the tables. It fails with [`SetupError::InboxSchema`].
+    pub async fn check_schema(&self) -> Result<(), SetupError> {
+        let failed = |source: BoxError| SetupError::SchemaCheck {
+            table: INBOX_SCHEMA[0].0.to_owned(),
+            source,
+        };
+        let mut connection = self.connection().await.map_err(|e| failed(Box::new(e)))?;
+        let found = connection
+            .spawn_blocking(|c| {
+                INBOX_SCHEMA
+                    .iter()
+                    .map(|(table, _)| {
+                        diesel::sql_query("SELECT name FROM pragma_table_info(?)")
+                            .bind::<Text, _>(*table)
+                            .load::<ColumnRow>(c)
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await
+            .map_err(|e| failed(e.into()))?;
+        check_inbox_columns(&found)?;
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// A cleanup job that deletes processed messages and abandoned failure
@@ -410,12 +456,21 @@ impl SqliteInboxBuilder {
                 .await
                 .map_err(SetupError::connect)?,
         );
-        Ok(SqliteInbox::with_pool(pool, Some(failures), self.retention))
+        Ok(SqliteInbox::with_pool(pool, Some(failures), &self))
+    }
+
+    /// Skips the schema check: the inbox is ready without
+    /// [`migrate`](SqliteInbox::migrate) or
+    /// [`check_schema`](SqliteInbox::check_schema) (when the tables are known
+    /// to be there, and a check at start-up is not wanted).
+    pub fn skip_schema_check(mut self) -> Self {
+        self.skip_schema_check = true;
+        self
     }
 
     /// An inbox over a pool the application already has.
     pub fn build(self, pool: SqlitePool) -> SqliteInbox {
-        SqliteInbox::with_pool(pool, None, self.retention)
+        SqliteInbox::with_pool(pool, None, &self)
     }
 }
 
@@ -539,6 +594,10 @@ impl Inbox for SqliteInbox {
 
     fn is_permanent(&self, error: &(dyn std::error::Error + 'static)) -> bool {
         consume::is_permanent(error)
+    }
+
+    fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
+        self.inner.schema_gate.inbox_readiness("SqliteInboxBuilder")
     }
 }
 

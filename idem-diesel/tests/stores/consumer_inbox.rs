@@ -59,7 +59,91 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         "consumer_inbox::sqlite_inbox_shares_the_file_with_the_store",
         |d| Box::pin(sqlite_inbox_shares_the_file_with_the_store(d)),
     ),
+    (
+        "consumer_inbox::postgres_an_inbox_is_ready_once_its_tables_are_verified",
+        |d| Box::pin(postgres_an_inbox_is_ready_once_its_tables_are_verified(d)),
+    ),
+    (
+        "consumer_inbox::sqlite_an_inbox_is_ready_once_its_tables_are_verified",
+        |d| Box::pin(sqlite_an_inbox_is_ready_once_its_tables_are_verified(d)),
+    ),
 ];
+
+/// What an inbox not verified yet answers [`Inbox::readiness`] with.
+fn not_verified(builder: &str) -> String {
+    format!(
+        "the consumer inbox's tables (idem_consumer_inbox, idem_consumer_failures, idem_consumer_dead_letters) were not verified before a consumer started on it: call `inbox.migrate().await` at start-up, or `inbox.check_schema().await` when the application's own migrations create them (`{builder}::skip_schema_check` opts out)"
+    )
+}
+
+/// What `check_schema` answers on a database without the inbox's tables.
+const ALL_MISSING: &str = "the consumer inbox's tables are missing or older than this library (it lacks idem_consumer_inbox, idem_consumer_failures, idem_consumer_dead_letters): run inbox.migrate() at start-up";
+
+async fn postgres_an_inbox_is_ready_once_its_tables_are_verified(databases: Arc<Databases>) {
+    let url = databases.fresh_postgres().await;
+    let inbox = PgInbox::connect(&url).await.expect("connect");
+    assert_eq!(
+        inbox.readiness().unwrap_err().0,
+        not_verified("PgInboxBuilder")
+    );
+    assert_eq!(
+        inbox.check_schema().await.unwrap_err().to_string(),
+        ALL_MISSING
+    );
+    assert!(
+        inbox.readiness().is_err(),
+        "a failed check verifies nothing"
+    );
+    // A table older than this library: the column it lacks is named.
+    inbox.migrate().await.expect("migrate");
+    assert_eq!(inbox.readiness(), Ok(()));
+    let other = PgInbox::new(inbox.pool().clone());
+    assert!(other.readiness().is_err(), "each handle verifies");
+    pg_execute(
+        inbox.pool(),
+        "ALTER TABLE idem_consumer_failures DROP COLUMN last_attempt_at",
+    )
+    .await;
+    assert_eq!(
+        other.check_schema().await.unwrap_err().to_string(),
+        "the consumer inbox's tables are missing or older than this library (it lacks idem_consumer_failures.last_attempt_at): run inbox.migrate() at start-up"
+    );
+    pg_execute(
+        inbox.pool(),
+        "ALTER TABLE idem_consumer_failures ADD COLUMN last_attempt_at timestamptz NOT NULL DEFAULT now()",
+    )
+    .await;
+    other.check_schema().await.expect("the tables are there");
+    assert_eq!(other.readiness(), Ok(()));
+    let skipped = PgInbox::builder()
+        .skip_schema_check()
+        .build(inbox.pool().clone());
+    assert_eq!(skipped.readiness(), Ok(()));
+}
+
+async fn sqlite_an_inbox_is_ready_once_its_tables_are_verified(databases: Arc<Databases>) {
+    let inbox = SqliteInbox::connect(&databases.fresh_sqlite_url())
+        .await
+        .expect("connect");
+    assert_eq!(
+        inbox.readiness().unwrap_err().0,
+        not_verified("SqliteInboxBuilder")
+    );
+    assert_eq!(
+        inbox.check_schema().await.unwrap_err().to_string(),
+        ALL_MISSING
+    );
+    inbox.migrate().await.expect("migrate");
+    assert_eq!(inbox.readiness(), Ok(()));
+    let other = SqliteInbox::new(inbox.pool().clone());
+    assert!(other.readiness().is_err(), "each handle verifies");
+    other.check_schema().await.expect("the tables are there");
+    assert_eq!(other.readiness(), Ok(()));
+    let skipped = SqliteInbox::builder()
+        .skip_schema_check()
+        .build(inbox.pool().clone());
+    assert_eq!(skipped.readiness(), Ok(()));
+}
 
 /// Makes a fresh subject of one inbox and runs a conformance case on it.
 pub(crate) type RunCase =
@@ -670,6 +754,7 @@ async fn sqlite_inbox_shares_the_file_with_the_store(databases: Arc<Databases>) 
     let inbox = SqliteInbox::new(store.pool().clone());
     inbox.migrate().await.expect("migrate the inbox");
     store.migrate().await.expect("the store's migration again");
+    assert_eq!(inbox.readiness(), Ok(()));
     assert_eq!(
         sqlite_count(
             store.pool(),

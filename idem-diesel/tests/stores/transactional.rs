@@ -470,7 +470,11 @@ async fn a_duplicate_during_the_transaction_gets_409(databases: Arc<Databases>) 
 async fn a_lock_wait_past_lock_timeout_fails_and_rolls_back(databases: Arc<Databases>) {
     let store = fresh_transactional(&databases)
         .await
-        .lock_timeout(Duration::from_millis(200));
+        .plain()
+        .transactional_builder()
+        .lock_timeout(Duration::from_millis(200))
+        .build();
+    assert_eq!(store.get_lock_timeout(), Duration::from_millis(200));
     let plain = store.plain().clone();
     let engine = engine(&store, Policy::required());
 
@@ -577,7 +581,11 @@ async fn an_execution_stalled_past_its_idle_timeout_is_ended_by_the_server(
 ) {
     let store = fresh_transactional(&databases)
         .await
-        .idle_timeout(Duration::from_millis(300));
+        .plain()
+        .transactional_builder()
+        .idle_timeout(Duration::from_millis(300))
+        .build();
+    assert_eq!(store.get_idle_timeout(), Duration::from_millis(300));
     let plain = store.plain().clone();
     let engine = engine(
         &store,
@@ -652,7 +660,11 @@ async fn a_handler_slower_than_the_lease_runs_once_and_delivers(databases: Arc<D
     let store = fresh_transactional(&databases).await;
     let plain = store.plain().clone();
     for (name, store, hold) in [
-        ("lets-go", store.clone().idle_timeout(lease), false),
+        (
+            "lets-go",
+            plain.transactional_builder().idle_timeout(lease).build(),
+            false,
+        ),
         ("holds", store.clone(), true),
     ] {
         let engine = engine(&store, Policy::required().lease(lease));

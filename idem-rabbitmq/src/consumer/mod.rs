@@ -282,6 +282,10 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
     /// Connects, declares the topology, subscribes, calls `on_subscribed`,
     /// and consumes until `shutdown` resolves.
     ///
+    /// **Start:** an inbox that is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness):
+    /// idem-diesel's, neither migrated nor checked in this process) is
+    /// [`Error::NotReady`] at once, before anything is contacted.
+    ///
     /// **Across failures:** a dropped connection, a broker restart or a
     /// broker that is not up yet is not an error: the consumer waits for the
     /// running handlers, reconnects after a full-jitter delay
@@ -303,6 +307,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         shutdown: impl Future<Output = ()>,
         mut on_subscribed: impl FnMut(&Subscribed),
     ) -> Result<(), Error> {
+        self.shared.protocol.readiness()?;
         tokio::pin!(shutdown);
         let mut subscriptions = 0u64;
         let mut failures = 0u32;

@@ -279,6 +279,10 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
     /// Reads the queue, finds or creates its dead-letter queue, calls
     /// `on_polling`, and consumes until `shutdown` resolves.
     ///
+    /// **Start:** an inbox that is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness):
+    /// idem-diesel's, neither migrated nor checked in this process) is
+    /// [`Error::NotReady`] at once, before anything is contacted.
+    ///
     /// **Across failures:** SQS unreachable, throttling or a server error is
     /// not an error: the consumer polls again after a full-jitter delay
     /// ([`error_backoff`](ConsumerBuilder::error_backoff)). It answers an
@@ -296,6 +300,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         shutdown: impl Future<Output = ()>,
         on_polling: impl FnOnce(&Polling),
     ) -> Result<(), Error> {
+        self.shared.protocol.readiness()?;
         tokio::pin!(shutdown);
         let target = tokio::select! {
             biased;
