@@ -41,7 +41,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use diesel::connection::{AnsiTransactionManager as SyncTransactions, TransactionManager as _};
@@ -283,6 +283,7 @@ pub(crate) struct Apply {
 impl<Tx: Ledger> Handler<Tx> for Apply {
     fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut Tx) -> HandlerFuture<'a> {
         Box::pin(async move {
+            self.progress.begin();
             let payment: Payment = attempt.json().map_err(HandlerError::permanent)?;
             tx.apply(&payment).await?;
             self.progress.one();
@@ -291,10 +292,13 @@ impl<Tx: Ledger> Handler<Tx> for Apply {
     }
 }
 
-/// Counts messages; says so when the target is reached.
+/// Counts messages; says so when the first one reaches the handler and
+/// when the target is reached.
 pub(crate) struct Progress {
     done: AtomicUsize,
     target: usize,
+    begun: AtomicBool,
+    pub(crate) first: Notify,
     pub(crate) reached: Notify,
 }
 
@@ -303,8 +307,17 @@ impl Progress {
         Arc::new(Self {
             done: AtomicUsize::new(0),
             target,
+            begun: AtomicBool::new(false),
+            first: Notify::new(),
             reached: Notify::new(),
         })
+    }
+
+    /// A message reached the handler: the first one says so (once).
+    pub(crate) fn begin(&self) {
+        if !self.begun.swap(true, Ordering::Relaxed) {
+            self.first.notify_one();
+        }
     }
 
     pub(crate) fn one(&self) {

@@ -55,6 +55,13 @@ pub struct IdempotencyLayer<Sc = ScopeSource<Parts>> {
 
 impl IdempotencyLayer<Unscoped> {
     /// A layer over `store` applying `policy`; its scope is still to be chosen.
+    ///
+    /// # Panics
+    ///
+    /// When the store is not ready ([`Engine::new`]: idem-diesel's stores
+    /// before `migrate()` or `check_schema()`), with the fix in the message.
+    /// `from_engine(Engine::try_new(store, policy)?)` answers it as a
+    /// `Result` instead.
     pub fn new(store: impl Store, policy: Policy) -> Self {
         Self::from_engine(Engine::new(store, policy))
     }

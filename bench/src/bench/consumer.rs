@@ -214,8 +214,9 @@ fn rows(
         On::Kafka(_) => format!(
             "kafka rows: req/s is messages/s, the drain of {} pre-produced records (after {} of \
              warm-up) on tansu (in memory); c is the topic's partitions: idem-kafka applies each \
-             in order, the bare consumer up to c records at once in no order; srv is the consumer \
-             process; nothing pinned",
+             in order, the bare consumer up to c records at once in no order; each window opens \
+             at the consumer's first record (not its join and first fetch) and closes once it \
+             stopped; srv is the consumer process; nothing pinned",
             settings.consumer_messages, settings.consumer_warmup,
         ),
         On::Sqs(..) => format!(

@@ -21,7 +21,7 @@ mod lease;
 use crate::execution::ExecutionInfo;
 use crate::metrics;
 
-use crate::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, OwnerToken};
+use crate::store::{Claim, ClaimOutcome, ClaimRequest, ExecutionContext, NotReady, OwnerToken};
 use crate::{
     Fingerprint, Header, IdempotencyKey, InProgress, KeyRequirement, OnStoreFailure, Policy,
     Problem, ProblemKind, REPLAYED_HEADER, Scope, Store, StoreError, StoredResponse,
@@ -97,7 +97,8 @@ impl Engine {
     ///
     /// # Panics
     ///
-    /// When the store is not ready; see [`from_shared`](Self::from_shared).
+    /// When the store is not ready; see [`from_shared`](Self::from_shared),
+    /// and [`try_new`](Self::try_new) for the refusal as a `Result`.
     pub fn new(store: impl Store, policy: Policy) -> Self {
         Self::from_shared(Arc::new(store), policy)
     }
@@ -110,14 +111,36 @@ impl Engine {
     /// stores, when neither `migrate()` nor `check_schema()` succeeded before
     /// the route was built. The message names the fix; an application builds
     /// its routes at start-up, so a forgotten migration stops the start
-    /// instead of answering every keyed request `503`.
+    /// instead of answering every keyed request `503`. An application that
+    /// would rather handle the refusal itself builds with
+    /// [`try_from_shared`](Self::try_from_shared) (each adapter's layer has
+    /// `from_engine`).
     pub fn from_shared(store: Arc<dyn Store>, policy: Policy) -> Self {
-        if let Err(not_ready) = store.readiness() {
-            panic!("idem: {not_ready}");
+        match Self::try_from_shared(store, policy) {
+            Ok(engine) => engine,
+            Err(not_ready) => panic!("idem: {not_ready}"),
         }
-        Self {
+    }
+
+    /// [`new`](Self::new), its refusal of a store that is not ready answered
+    /// as a `Result` instead of a panic.
+    ///
+    /// ```
+    /// use idem_core::{Engine, MemoryStore, Policy};
+    ///
+    /// let engine = Engine::try_new(MemoryStore::new(), Policy::required());
+    /// assert!(engine.is_ok(), "the in-memory store is always ready");
+    /// ```
+    pub fn try_new(store: impl Store, policy: Policy) -> Result<Self, NotReady> {
+        Self::try_from_shared(Arc::new(store), policy)
+    }
+
+    /// [`from_shared`](Self::from_shared), its refusal answered as a `Result`.
+    pub fn try_from_shared(store: Arc<dyn Store>, policy: Policy) -> Result<Self, NotReady> {
+        store.readiness()?;
+        Ok(Self {
             inner: Arc::new(Inner { store, policy }),
-        }
+        })
     }
 
     /// The policy.

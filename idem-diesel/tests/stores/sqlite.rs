@@ -253,12 +253,18 @@ async fn a_route_is_not_built_on_an_unverified_store(databases: Arc<Databases>) 
          when the application's own migrations create the table \
          (`SqliteStoreBuilder::skip_schema_check` opts out)"
     );
+    // The same refusal as a `Result`, for an application that handles it.
+    let not_ready = idem_core::Engine::try_new(store.clone(), idem_core::Policy::required())
+        .map(drop)
+        .expect_err("refused without a panic");
+    assert_eq!(format!("idem: {not_ready}"), refused);
     // A failed check does not open the gate.
     assert!(store.check_schema().await.is_err());
     assert!(build_route(store.clone()).is_err());
     // Migrating opens it for every clone of the store.
     store.migrate().await.expect("migrate");
     assert_eq!(build_route(store.clone()), Ok(()));
+    assert!(idem_core::Engine::try_new(store.clone(), idem_core::Policy::required()).is_ok());
     // A store that checked the table its migrations made passes too.
     let checked = SqliteStore::connect(&url).await.expect("connect");
     checked.check_schema().await.expect("the table is there");
