@@ -174,6 +174,37 @@ impl Settings {
             outbox_lag: Duration::from_secs(2),
         }
     }
+
+    /// CI's check that every section runs, end to end, on the dev build:
+    /// the least work each part can do and still pass through every step
+    /// (a few seconds a section, most of it starting servers). Measures
+    /// nothing.
+    fn smoke() -> Self {
+        Self {
+            mode: "smoke",
+            warmup: Duration::from_millis(50),
+            duration: Duration::from_millis(200),
+            concurrencies: vec![4],
+            record_counts: vec![1_000],
+            pg_concurrencies: vec![4],
+            pg_record_counts: Vec::new(),
+            pgbench_seconds: 1,
+            memory_records: 10_000,
+            storm: Duration::from_millis(500),
+            cleanup_rows: 2_000,
+            rounds: 1,
+            consumer_concurrencies: vec![1, 4],
+            kafka_concurrencies: vec![1, 2],
+            sqs_concurrencies: vec![1, 2],
+            sqs_messages: 20,
+            sqs_warmup: 4,
+            consumer_messages: 40,
+            consumer_warmup: 8,
+            outbox_events: 200,
+            outbox_lag_rate: 50,
+            outbox_lag: Duration::from_millis(500),
+        }
+    }
 }
 
 /// The request body of the overhead and PostgreSQL runs: 1 KiB of JSON.
@@ -197,11 +228,12 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => settings = Settings::quick(),
+            "--smoke" => settings = Settings::smoke(),
             "--out" => out = PathBuf::from(args.next().ok_or("--out takes a path")?),
             "--only" => only = Some(args.next().ok_or("--only takes a section")?.clone()),
             other => {
                 return Err(format!(
-                    "bench takes --quick, --dev, --only SECTION and --out PATH, not {other}"
+                    "bench takes --quick, --smoke, --dev, --only SECTION and --out PATH, not {other}"
                 ));
             }
         }

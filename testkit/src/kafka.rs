@@ -3,7 +3,7 @@
 //!
 //! No Kafka comes from Debian, and no Java package from a registry this
 //! project may use; `tansu` builds from crates.io. It is built once per
-//! machine, pinned, into the target directory (`cargo xtask ci` does it:
+//! machine, pinned, into the cache outside the checkout (`cargo xtask ci` does it:
 //! [`TANSU_VERSION`], [`install_command`]), and found there, or at
 //! `IDEM_TANSU`, or on `PATH`. The broker listens on a free port of
 //! 127.0.0.1 and advertises that address; it is ready when it answers a
@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use crate::Error;
 use crate::process::{self, Watchdog};
-use crate::shell::target_dir;
+use crate::shell::cache_dir;
 
 /// The `tansu` release the tests run against.
 pub const TANSU_VERSION: &str = "0.6.0";
@@ -64,10 +64,12 @@ impl std::fmt::Debug for TestKafka {
     }
 }
 
-/// Where `cargo xtask ci` installs `tansu`: `target/tansu-VERSION` (its
-/// binary in `bin/`).
+/// Where `cargo xtask ci` installs `tansu`: `tansu-VERSION` in the cache
+/// outside the checkout ([`cache_dir`]: `~/.cache/idem` unless
+/// `IDEM_CI_CACHE` says otherwise), its binary in `bin/`; so every checkout,
+/// and CI's clean clones, build it once per machine.
 pub fn install_root() -> PathBuf {
-    target_dir().join(format!("tansu-{TANSU_VERSION}"))
+    cache_dir().join(format!("tansu-{TANSU_VERSION}"))
 }
 
 /// The `cargo install` arguments that build `tansu` into [`install_root`]:
@@ -109,7 +111,7 @@ pub fn binary() -> Result<PathBuf, Error> {
         what: "tansu (a Kafka-compatible broker)",
         searched: format!("IDEM_TANSU, {}/bin and PATH", install_root().display()),
         fix: "run `cargo xtask kafka-broker` (it runs `cargo install --debug --locked tansu --version \
-              0.6.0 --features dynostore --root target/tansu-0.6.0`, about 8 minutes once), \
+              0.6.0 --features dynostore --root ~/.cache/idem/tansu-0.6.0`, about 8 minutes once), \
               or set IDEM_TANSU to a tansu binary",
     })
 }

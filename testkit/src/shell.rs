@@ -3,33 +3,89 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::Instant;
 
-/// The workspace root (the parent of this crate's directory).
+/// The workspace root, found at run time: the nearest directory holding
+/// `Cargo.lock`, from the package directory cargo gives the process
+/// (`CARGO_MANIFEST_DIR`, set by `cargo run` and `cargo test`), else from the
+/// current directory. Not this crate's compile-time directory: a build kept
+/// in the cache ([`use_cache_target`]) serves every checkout of the same
+/// sources, and the checkout that compiled it may be gone.
 pub fn workspace_root() -> PathBuf {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
-}
-
-/// The workspace's target directory (`CARGO_TARGET_DIR`, else `target/`).
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
+    let start = std::env::var_os("CARGO_MANIFEST_DIR")
         .map(PathBuf::from)
-        .map(|dir| {
-            if dir.is_absolute() {
-                dir
-            } else {
-                workspace_root().join(dir)
-            }
-        })
-        .unwrap_or_else(|| workspace_root().join("target"))
+        .or_else(|| std::env::current_dir().ok())
+        .unwrap_or_else(|| PathBuf::from("."));
+    start
+        .ancestors()
+        .find(|dir| dir.join("Cargo.lock").is_file())
+        .map_or(start.clone(), PathBuf::from)
 }
 
-/// A `cargo` command run from the workspace root.
+/// Where what outlives a checkout is kept: cargo's target directory for
+/// `cargo xtask` and CI ([`use_cache_target`]), the Kafka broker's build
+/// ([`crate::kafka::install_root`]) and the stamps of steps that run once per
+/// change. `IDEM_CI_CACHE` when set, else `$HOME/.cache/idem` (else
+/// `target/idem-cache` in the workspace, for a process without a home).
+/// `rm -rf ~/.cache/idem` clears it.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("IDEM_CI_CACHE").filter(|dir| !dir.is_empty()) {
+        return absolute(PathBuf::from(dir));
+    }
+    match std::env::var_os("HOME").filter(|home| !home.is_empty()) {
+        Some(home) => PathBuf::from(home).join(".cache").join("idem"),
+        None => workspace_root().join("target").join("idem-cache"),
+    }
+}
+
+/// The target directory chosen by [`use_cache_target`], if it was called.
+static CHOSEN_TARGET: OnceLock<PathBuf> = OnceLock::new();
+
+/// Makes this process and every `cargo` it starts through [`cargo`] build in
+/// the cache's target directory (`cache_dir()/target`), unless the caller set
+/// `CARGO_TARGET_DIR`, which wins. A fresh checkout then reuses what an
+/// earlier one built: `cargo xtask ci` in a working checkout leaves CI's
+/// `.ci/run`, in a clean clone of the same commit, a warm build.
+pub fn use_cache_target() -> PathBuf {
+    CHOSEN_TARGET
+        .get_or_init(|| caller_target_dir().unwrap_or_else(|| cache_dir().join("target")))
+        .clone()
+}
+
+/// The workspace's target directory: [`use_cache_target`]'s choice when it
+/// was made, else `CARGO_TARGET_DIR`, else `target/`.
+pub fn target_dir() -> PathBuf {
+    if let Some(chosen) = CHOSEN_TARGET.get() {
+        return chosen.clone();
+    }
+    caller_target_dir().unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// `CARGO_TARGET_DIR`, made absolute against the workspace root.
+fn caller_target_dir() -> Option<PathBuf> {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .filter(|dir| !dir.is_empty())
+        .map(|dir| absolute(PathBuf::from(dir)))
+}
+
+fn absolute(dir: PathBuf) -> PathBuf {
+    if dir.is_absolute() {
+        dir
+    } else {
+        workspace_root().join(dir)
+    }
+}
+
+/// A `cargo` command run from the workspace root, in [`target_dir`] when
+/// [`use_cache_target`] chose it.
 pub fn cargo(args: &[&str]) -> Command {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut command = Command::new(cargo);
     command.args(args).current_dir(workspace_root());
+    if let Some(chosen) = CHOSEN_TARGET.get() {
+        command.env("CARGO_TARGET_DIR", chosen);
+    }
     command
 }
 

@@ -2,6 +2,8 @@
 
 use idem_testkit::shell::{self, cargo};
 
+use crate::steps::Steps;
+
 /// idem-diesel's feature sets, each checked alone, with the database client that
 /// must stay out of the build under it (`None`: nothing to prove).
 const STORE_FEATURE_SETS: &[(&[&str], Option<&str>)] = &[
@@ -31,62 +33,141 @@ const PUBLISHED: &[&str] = &[
 ];
 
 /// Runs formatting, clippy, each store feature set alone, docs, the published
-/// crates' packages, every test, the
-/// end-to-end run of both examples on every store, and the benchmarks' quick
-/// mode; stops at the first failure. `--stress [RUNS]` runs the tests under
-/// load instead ([`crate::stress`]).
+/// crates' packages, every test, the end-to-end run of both examples on every
+/// store, and the benchmarks' smoke run; stops at the first failure, and
+/// prints each step's seconds either way. `--stress [RUNS]` runs the tests
+/// under load instead ([`crate::stress`]).
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     match args.first().map(String::as_str) {
         None => {}
         Some("--stress") => return crate::stress::run(args.get(1).map(String::as_str)),
         Some(other) => return Err(format!("ci takes --stress [RUNS], not {other}")),
     }
-    let started = std::time::Instant::now();
-    shell::run(
-        "cargo fmt --check",
-        &mut cargo(&["fmt", "--all", "--", "--check"]),
-    )?;
-    shell::run(
-        "cargo clippy (warnings denied)",
-        &mut cargo(&[
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--all-features",
-            "--",
-            "-D",
-            "warnings",
-        ]),
-    )?;
-    store_feature_sets()?;
-    shell::run(
+    let mut steps = Steps::new("ci");
+    let result = every_step(&mut steps);
+    eprint!("{}", steps.table(result.is_ok()));
+    result
+}
+
+fn every_step(steps: &mut Steps) -> Result<(), String> {
+    fmt(steps)?;
+    clippy(steps, &["--workspace"])?;
+    store_feature_sets(steps)?;
+    steps.run(
         "cargo doc (warnings denied)",
         cargo(&["doc", "--workspace", "--no-deps", "--all-features"])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
-    forget_packaged_sources();
-    shell::run(
-        "cargo package --no-verify (every published crate)",
-        &mut package_all(),
-    )?;
-    shell::run(
-        "cargo package (the published crates but idem, idem-kafka, idem-sqs, built from their .crate)",
-        &mut package_built(),
-    )?;
-    kafka_broker()?;
-    shell::run("cargo test", &mut test())?;
-    crate::e2e("e2e", &["--dev".to_owned()])?;
-    crate::bench(&["--quick".to_owned(), "--dev".to_owned()])?;
-    eprintln!(
-        "\n==> cargo xtask ci: every step passed in {:.0} s",
-        started.elapsed().as_secs_f64()
-    );
+    packages(steps)?;
+    steps.time("kafka broker (tansu, once per machine)", kafka_broker)?;
+    let counts = steps.time("tests (binaries side by side)", || crate::suite::run(&[]))?;
+    steps.total(format!(
+        "tests: {} passed, {} failed, {} skipped",
+        counts.passed, counts.failed, counts.ignored
+    ));
+    let mut rows = None;
+    let e2e = steps.time("e2e (--dev)", || {
+        crate::e2e_counted(&["e2e", "--dev"], &mut rows)
+    });
+    if let Some(rows) = rows {
+        steps.total(format!("e2e rows: {rows}"));
+    }
+    e2e?;
+    steps.time("bench (--smoke: each section runs)", || {
+        crate::bench(&["--smoke".to_owned(), "--dev".to_owned()])
+    })?;
     Ok(())
 }
 
+/// `cargo fmt --check`.
+pub(crate) fn fmt(steps: &mut Steps) -> Result<(), String> {
+    steps.run(
+        "cargo fmt --check",
+        &mut cargo(&["fmt", "--all", "--", "--check"]),
+    )
+}
+
+/// Clippy on every target and feature of `selection` (`--workspace`, or
+/// `-p NAME`…), warnings denied.
+pub(crate) fn clippy(steps: &mut Steps, selection: &[&str]) -> Result<(), String> {
+    let mut args = vec!["clippy"];
+    args.extend_from_slice(selection);
+    args.extend(["--all-targets", "--all-features", "--", "-D", "warnings"]);
+    steps.run("cargo clippy (warnings denied)", &mut cargo(&args))
+}
+
+/// The published crates packed, then built from their `.crate` files; the
+/// build only when their sources (or the lock file, or the toolchain)
+/// changed since it last passed, as recorded in the target directory.
+fn packages(steps: &mut Steps) -> Result<(), String> {
+    steps.run(
+        "cargo package --no-verify (every published crate)",
+        &mut package_all(),
+    )?;
+    let step = "cargo package (the published crates but idem, idem-kafka, idem-sqs, built from their .crate)";
+    let stamp = shell::target_dir().join("idem-packaged.stamp");
+    let sources = packaged_sources()?;
+    if let Some(sources) = &sources
+        && std::fs::read_to_string(&stamp).is_ok_and(|passed| passed == *sources)
+    {
+        steps.skip(step, "the same sources passed it before");
+        return Ok(());
+    }
+    let _ = std::fs::remove_file(&stamp);
+    forget_packaged_sources();
+    steps.run(step, &mut package_built())?;
+    if let Some(sources) = sources {
+        let _ = std::fs::write(&stamp, sources);
+    }
+    Ok(())
+}
+
+/// What the verified package build depends on: the toolchain, then each
+/// file of the published crates, the lock file and the workspace's manifest
+/// with git's hash of its content. `None` outside a git checkout (the build
+/// then always runs).
+fn packaged_sources() -> Result<Option<String>, String> {
+    let root = shell::workspace_root();
+    let rustc = std::process::Command::new(std::env::var("RUSTC").unwrap_or("rustc".to_owned()))
+        .arg("-vV")
+        .output()
+        .map_err(|e| format!("rustc -vV: {e}"))?;
+    let mut args = vec!["ls-files", "-s", "--", "Cargo.lock", "Cargo.toml", ".cargo"];
+    args.extend(PUBLISHED);
+    let Ok(listed) = std::process::Command::new("git")
+        .args(&args)
+        .current_dir(&root)
+        .output()
+    else {
+        return Ok(None);
+    };
+    if !listed.status.success() {
+        return Ok(None);
+    }
+    // The index's hashes, and whether the work tree differs from the index:
+    // a change not yet added is a change too.
+    let changed = std::process::Command::new("git")
+        .args(["status", "--porcelain", "--untracked-files=all", "--"])
+        .args(&args[3..])
+        .current_dir(&root)
+        .output()
+        .map_err(|e| format!("git status: {e}"))?;
+    if !changed.stdout.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "{}{}",
+        String::from_utf8_lossy(&rustc.stdout),
+        String::from_utf8_lossy(&listed.stdout)
+    )))
+}
+
 /// Builds the Kafka-compatible broker the tests start (`tansu`, pinned) into
-/// the target directory, unless it is there already (or `IDEM_TANSU` names
-/// one): about 400 crates, once per machine.
+/// the cache outside the checkout ([`kafka::install_root`]), unless it is
+/// there already (or `IDEM_TANSU` names one): about 400 crates, once per
+/// machine. Its build directory is deleted once it is installed.
+///
+/// [`kafka::install_root`]: idem_testkit::kafka::install_root
 pub(crate) fn kafka_broker() -> Result<(), String> {
     use idem_testkit::kafka;
     if let Ok(tansu) = kafka::binary() {
@@ -95,21 +176,22 @@ pub(crate) fn kafka_broker() -> Result<(), String> {
     }
     let args = kafka::install_command();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let build_dir = shell::target_dir().join("tansu-build");
+    let build_dir = shell::cache_dir().join("tansu-build");
     let mut install = cargo(&args);
     install
         .arg("--target-dir")
-        .arg(build_dir)
+        .arg(&build_dir)
         .envs(kafka::INSTALL_ENV.iter().copied());
     shell::run(
         &format!("kafka broker: cargo install tansu {}", kafka::TANSU_VERSION),
         &mut install,
-    )
+    )?;
+    let _ = std::fs::remove_dir_all(&build_dir);
+    Ok(())
 }
 
-/// Every test of the workspace. `cargo test`, not nextest: the database tests
-/// start one server per test binary, which nextest's process-per-test would
-/// multiply.
+/// Every test of the workspace, one binary after another (the stress run's;
+/// CI runs them side by side: [`crate::suite`]).
 pub(crate) fn test() -> std::process::Command {
     cargo(&["test", "--workspace", "--all-features"])
 }
@@ -203,12 +285,12 @@ const PACKAGED_UNBUILT: &[&str] = &["idem", "idem-kafka", "idem-sqs"];
 /// Checks idem-diesel under each feature set alone (so a backend's code does not
 /// lean on the other's), and proves with `cargo tree` that a SQLite-only build
 /// compiles no PostgreSQL client and a PostgreSQL-only build no SQLite.
-fn store_feature_sets() -> Result<(), String> {
+fn store_feature_sets(steps: &mut Steps) -> Result<(), String> {
     for (features, absent) in STORE_FEATURE_SETS {
         let flags = features.join(" ");
         let mut check = vec!["check", "-p", "idem-diesel"];
         check.extend_from_slice(features);
-        shell::run(
+        steps.run(
             &format!("cargo check -p idem-diesel {flags}"),
             &mut cargo(&check),
         )?;
@@ -262,7 +344,7 @@ mod tests {
     /// `publish = false`: a new example or tool is never published by mistake.
     #[test]
     fn every_member_is_published_or_says_publish_false() -> Result<(), String> {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let root = idem_testkit::shell::workspace_root();
         let read = |path: &Path| {
             std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
         };

@@ -25,7 +25,7 @@ mod tests {
                 }
             }
         }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let root = idem_testkit::shell::workspace_root();
         let mut found = Vec::new();
         walk(&root, &mut found);
         found.sort();

@@ -91,7 +91,7 @@ struct Built<'a> {
 
 /// Builds the peers, then runs the in-memory and PostgreSQL comparisons.
 pub(super) fn peers(bench: &Bench, report: &mut Report) -> Result<(), String> {
-    if bench.settings.mode == "quick" {
+    if bench.settings.mode != "full" {
         report.notes.push(
             "peers: full run only (building them takes minutes): cargo xtask bench --only peers"
                 .to_owned(),
