@@ -53,8 +53,31 @@ Without options: every example, every store, every scenario that is built
 (the consumer's run on RabbitMQ with PostgreSQL and with SQLite; the chain,
 axum → outbox → RabbitMQ → consumer, on both, with --example axum).";
 
-/// Scenarios at once: 2 cores, and each scenario has servers of its own.
-const SLOTS: u32 = 4;
+/// Scenarios at once, HTTP, consumer and chain rows together: 2 cores, and
+/// most of a scenario's time is spent waiting (on a lease, a timeout, a
+/// restart); each has servers, a store or a queue of its own.
+const SLOTS: u32 = 5;
+
+/// The places scenarios take to run: one each, or all of them for a
+/// scenario that must have the machine, or a shared server, to itself.
+#[derive(Clone, Debug)]
+pub(crate) struct Slots(Arc<Semaphore>);
+
+impl Slots {
+    fn new() -> Self {
+        Self(Arc::new(Semaphore::new(SLOTS as usize)))
+    }
+
+    /// Waits for one place, or (`alone`) for every place.
+    pub(crate) async fn take(&self, alone: bool) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        self.take_many(if alone { SLOTS } else { 1 }).await
+    }
+
+    /// Waits for `places` places (at most all of them).
+    pub(crate) async fn take_many(&self, places: u32) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        self.0.acquire_many(places.min(SLOTS)).await.ok()
+    }
+}
 /// No scenario runs longer; the slowest wait out a 30 s lease.
 const SCENARIO_LIMIT: Duration = Duration::from_secs(150);
 
@@ -195,38 +218,72 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
             }
         }
     }
-    rows.extend(run_all(&deployments, options).await);
-    // One RabbitMQ node for the consumer's scenarios and the chain.
-    let broker = if consumer.is_some() || chain.is_some() {
-        Some(consumer::broker().await)
-    } else {
-        None
+    // The HTTP rows, the consumer's and the chain's share the slots: they
+    // run side by side, a scenario that needs the machine to itself alone.
+    let slots = Slots::new();
+    let phase = Instant::now();
+    let http = async {
+        let rows = run_all(&deployments, options, &slots).await;
+        eprintln!(
+            "e2e: the HTTP rows done after {:.0} s",
+            phase.elapsed().as_secs_f64()
+        );
+        rows
     };
-    if let (Some(binary), Some(broker)) = (consumer, &broker) {
-        let scenarios = options.consumer_scenarios();
-        rows.extend(
-            consumer::rows(
+    let brokered = async {
+        // One RabbitMQ node for the consumer's scenarios and the chain.
+        let broker = if consumer.is_some() || chain.is_some() {
+            Some(consumer::broker().await)
+        } else {
+            None
+        };
+        let consumer_rows = async {
+            let Some((binary, broker)) = consumer.zip(broker.as_ref()) else {
+                return Vec::new();
+            };
+            let scenarios = options.consumer_scenarios();
+            let rows = consumer::rows(
                 binary,
                 broker.clone(),
                 cluster.clone(),
                 root,
                 &scenarios,
                 &options.stores,
+                slots.clone(),
             )
-            .await,
-        );
-    }
-    if let (Some((api, consumer)), Some(broker)) = (chain, &broker) {
-        let setup = chain::Setup {
-            api,
-            consumer,
-            broker: broker.clone(),
-            cluster: cluster.clone(),
+            .await;
+            eprintln!(
+                "e2e: the consumer's rows done after {:.0} s",
+                phase.elapsed().as_secs_f64()
+            );
+            rows
         };
-        rows.extend(chain::rows(setup, root, &options.stores).await);
-    }
-    // `rabbitmqctl stop` and the wait for the node, off the async workers.
-    let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
+        let chain_rows = async {
+            let Some(((api, consumer), broker)) = chain.zip(broker.as_ref()) else {
+                return Vec::new();
+            };
+            let setup = chain::Setup {
+                api,
+                consumer,
+                broker: broker.clone(),
+                cluster: cluster.clone(),
+            };
+            let rows = chain::rows(setup, root, &options.stores, slots.clone()).await;
+            eprintln!(
+                "e2e: the chain's rows done after {:.0} s",
+                phase.elapsed().as_secs_f64()
+            );
+            rows
+        };
+        let (mut rows, chain_rows) = tokio::join!(consumer_rows, chain_rows);
+        rows.extend(chain_rows);
+        // `rabbitmqctl stop` and the wait for the node, off the async workers.
+        let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
+        rows
+    };
+    let (http, brokered) = tokio::join!(http, brokered);
+    rows.extend(http);
+    rows.extend(brokered);
     (rows, built)
 }
 
@@ -243,8 +300,7 @@ fn interrupted() -> std::io::Result<impl Future<Output = ()>> {
     })
 }
 
-async fn run_all(deployments: &[Arc<Deployment>], options: &Options) -> Vec<Row> {
-    let slots = Arc::new(Semaphore::new(SLOTS as usize));
+async fn run_all(deployments: &[Arc<Deployment>], options: &Options, slots: &Slots) -> Vec<Row> {
     join_all(
         deployments
             .iter()
@@ -258,13 +314,9 @@ async fn run_all(deployments: &[Arc<Deployment>], options: &Options) -> Vec<Row>
 
 /// Every selected scenario of one example on one store, once the example
 /// has shown that it starts on that store at all.
-async fn run_deployment(
-    deployment: Arc<Deployment>,
-    options: &Options,
-    slots: Arc<Semaphore>,
-) -> Vec<Row> {
+async fn run_deployment(deployment: Arc<Deployment>, options: &Options, slots: Slots) -> Vec<Row> {
     let probe = {
-        let _slot = slots.acquire().await;
+        let _slot = slots.take(false).await;
         probe(&deployment).await
     };
     let mut rows = Vec::new();
@@ -307,10 +359,10 @@ async fn run_scenario(
     index: usize,
     scenario: &'static Scenario,
     deployment: Arc<Deployment>,
-    slots: Arc<Semaphore>,
+    slots: Slots,
 ) -> Vec<Row> {
-    let permits = if scenario.alone { SLOTS } else { 1 };
-    let _slots = slots.acquire_many(permits).await;
+    let _slots = slots.take(scenario.alone).await;
+    let started = Instant::now();
     let ran = tokio::time::timeout(SCENARIO_LIMIT, (scenario.run)(deployment.clone()))
         .await
         .unwrap_or_else(|_| {
@@ -319,6 +371,13 @@ async fn run_scenario(
                 format!("the scenario ran past {} s", SCENARIO_LIMIT.as_secs()),
             ))
         });
+    eprintln!(
+        "e2e: {} on {} {}: {:.1} s",
+        scenario.name,
+        deployment.example.package(),
+        deployment.store.name(),
+        started.elapsed().as_secs_f64()
+    );
     rows_of(index, scenario, deployment.example, deployment.store, &ran)
 }
 

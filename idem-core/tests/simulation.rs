@@ -40,13 +40,30 @@ struct Totals {
 #[test]
 fn one_execution_per_key_under_store_faults() {
     let totals = Arc::new(Totals::default());
-    for seed in 0..SEEDS {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .start_paused(true)
-            .build()
-            .unwrap();
-        runtime.block_on(simulate(seed, Arc::clone(&totals)));
+    // Each seed is a world of its own, on a runtime of its own: the seeds are
+    // shared out among one thread per core (seed `s` to thread `s % threads`),
+    // each running its seeds one after another, as the whole run did before.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+    let workers: Vec<_> = (0..threads)
+        .map(|first| {
+            let totals = Arc::clone(&totals);
+            std::thread::spawn(move || {
+                for seed in (first..SEEDS).step_by(threads as usize) {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_time()
+                        .start_paused(true)
+                        .build()
+                        .unwrap();
+                    runtime.block_on(simulate(seed, Arc::clone(&totals)));
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        // A seed's failed assertion fails the test with its own message.
+        if let Err(panic) = worker.join() {
+            std::panic::resume_unwind(panic);
+        }
     }
     let faults = totals.faults.load(Ordering::Relaxed);
     let executions = totals.executions.load(Ordering::Relaxed);

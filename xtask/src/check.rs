@@ -53,15 +53,13 @@ fn every_step(steps: &mut Steps, since: &str) -> Result<(), String> {
         selected.len(),
         selected.iter().cloned().collect::<Vec<_>>().join(", ")
     );
-    let mut selection = Vec::new();
-    for name in &selected {
-        selection.extend(["-p", name.as_str()]);
-    }
-    crate::ci::clippy(steps, &selection)?;
+    // Clippy and the test build over the whole workspace: what did not change
+    // is up to date already, and the dependencies keep the features the
+    // workspace's build gives them (a `-p` selection resolves them anew, and
+    // builds them again).
+    crate::ci::clippy(steps, &["--workspace"])?;
     let packages: Vec<String> = selected.into_iter().collect();
-    let counts = steps.time("tests (binaries side by side)", || {
-        crate::suite::run(&packages)
-    })?;
+    let counts = steps.time("tests", || crate::suite::run(&packages))?;
     steps.total(format!(
         "tests: {} passed, {} failed, {} skipped",
         counts.passed, counts.failed, counts.ignored

@@ -59,8 +59,8 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
     packages(steps)?;
-    steps.time("kafka broker (tansu, once per machine)", kafka_broker)?;
-    let counts = steps.time("tests (binaries side by side)", || crate::suite::run(&[]))?;
+    steps.time("kafka broker (tansu, once)", kafka_broker)?;
+    let counts = steps.time("tests", || crate::suite::run(&[]))?;
     steps.total(format!(
         "tests: {} passed, {} failed, {} skipped",
         counts.passed, counts.failed, counts.ignored
@@ -73,7 +73,7 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
         steps.total(format!("e2e rows: {rows}"));
     }
     e2e?;
-    steps.time("bench (--smoke: each section runs)", || {
+    steps.time("bench --smoke", || {
         crate::bench(&["--smoke".to_owned(), "--dev".to_owned()])
     })?;
     Ok(())
@@ -100,11 +100,8 @@ pub(crate) fn clippy(steps: &mut Steps, selection: &[&str]) -> Result<(), String
 /// build only when their sources (or the lock file, or the toolchain)
 /// changed since it last passed, as recorded in the target directory.
 fn packages(steps: &mut Steps) -> Result<(), String> {
-    steps.run(
-        "cargo package --no-verify (every published crate)",
-        &mut package_all(),
-    )?;
-    let step = "cargo package (the published crates but idem, idem-kafka, idem-sqs, built from their .crate)";
+    steps.run("cargo package --no-verify", &mut package_all())?;
+    let step = "cargo package (built from the .crate files)";
     let stamp = shell::target_dir().join("idem-packaged.stamp");
     let sources = packaged_sources()?;
     if let Some(sources) = &sources
@@ -208,8 +205,35 @@ pub(crate) fn test() -> std::process::Command {
 /// extracts and builds a registry crate's version once and trusts it ever
 /// after, so after a change to `idem-core` without a new version,
 /// `idem-rabbitmq` was verified against the idem-core of an earlier run.
+/// The builds of their dependencies (crates.io's, which never change under
+/// a version) are kept.
 fn forget_packaged_sources() {
-    let _ = std::fs::remove_dir_all(package_target_dir());
+    let verify = package_target_dir();
+    let _ = std::fs::remove_dir_all(verify.join("package"));
+    let debug = verify.join("debug");
+    for dir in [
+        debug.clone(),
+        debug.join("deps"),
+        debug.join(".fingerprint"),
+        debug.join("build"),
+        debug.join("incremental"),
+    ] {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !(name.starts_with("idem") || name.starts_with("libidem")) {
+                continue;
+            }
+            let path = entry.path();
+            let _ = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+        }
+    }
     let home = std::env::var_os("CARGO_HOME")
         .map(std::path::PathBuf::from)
         .or_else(|| {
@@ -267,9 +291,9 @@ fn package_built() -> std::process::Command {
     command
 }
 
-/// Where the packages are built from their `.crate`: a directory emptied
-/// before each run ([`forget_packaged_sources`]), since cargo does not
-/// rebuild a registry crate's version it built once.
+/// Where the packages are built from their `.crate`: a directory whose idem
+/// builds are deleted before each run ([`forget_packaged_sources`]), since
+/// cargo does not rebuild a registry crate's version it built once.
 fn package_target_dir() -> std::path::PathBuf {
     shell::target_dir().join("package-verify")
 }

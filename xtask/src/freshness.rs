@@ -226,14 +226,15 @@ fn set_modified(path: &Path, since_epoch: Duration) -> Result<(), String> {
 
 /// The record: its first line the time it was written, then one line per
 /// file, `path TAB hash TAB seconds.nanoseconds`. A missing or unreadable
-/// record is an empty one, written at the epoch.
+/// record is an empty one in progress: the target directory may hold builds
+/// of any content, so every file is marked changed.
 fn read(record: &Path) -> (Duration, HashMap<String, Source>) {
     let Ok(text) = std::fs::read_to_string(record) else {
-        return (Duration::ZERO, HashMap::new());
+        return (IN_PROGRESS, HashMap::new());
     };
     let mut lines = text.lines();
     let Some(written) = lines.next().and_then(parse_time) else {
-        return (Duration::ZERO, HashMap::new());
+        return (IN_PROGRESS, HashMap::new());
     };
     let sources = lines
         .filter_map(|line| {

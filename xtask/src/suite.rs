@@ -53,11 +53,14 @@ impl std::ops::AddAssign for Counts {
     }
 }
 
-/// Builds and runs every test of the workspace (`cargo test --workspace
-/// --all-features`, plus `extra` arguments for the build such as `-p NAME`);
+/// Builds every test of the workspace (`cargo test --workspace
+/// --all-features --no-run`) and runs those of `packages` (none: all);
 /// answers the counts, or an error naming each binary that failed.
 pub(crate) fn run(packages: &[String]) -> Result<Counts, String> {
-    let binaries = build(packages)?;
+    let binaries: Vec<Binary> = build()?
+        .into_iter()
+        .filter(|binary| packages.is_empty() || packages.contains(&binary.package))
+        .collect();
     let times_file = shell::target_dir().join(TIMES);
     let mut times = read_times(&times_file);
     let mut queue: Vec<Job> = binaries.into_iter().map(Job::Binary).collect();
@@ -125,20 +128,15 @@ pub(crate) fn run(packages: &[String]) -> Result<Counts, String> {
     }
 }
 
-/// `cargo test --no-run`, answering the test binaries it built.
-fn build(packages: &[String]) -> Result<Vec<Binary>, String> {
-    let mut args = vec![
+/// `cargo test --workspace --no-run`, answering the test binaries it built.
+fn build() -> Result<Vec<Binary>, String> {
+    let args = [
         "test",
+        "--workspace",
         "--all-features",
         "--no-run",
         "--message-format=json-render-diagnostics",
     ];
-    if packages.is_empty() {
-        args.push("--workspace");
-    }
-    for package in packages {
-        args.extend(["-p", package]);
-    }
     let step = format!("cargo {}", args.join(" "));
     eprintln!("\n==> {step}");
     let output = cargo(&args)

@@ -24,6 +24,7 @@ use payments_consumer::testing::{Case, Client, ConsumerProcess};
 
 use crate::example::Example;
 
+use super::Slots;
 use super::api::{Account, Api, Call, Failure};
 use super::postgres::Cluster;
 use super::report::{Row, Verdict};
@@ -101,10 +102,18 @@ impl Bus {
     }
 }
 
-/// Runs the chain on each of `stores`' databases, one after the other, and
-/// answers its rows.
-pub(crate) async fn rows(setup: Setup, root: &Path, stores: &[StoreKind]) -> Vec<Row> {
-    let mut rows = Vec::new();
+/// How many of the run's slots one chain takes: two API instances, their
+/// relays, a consumer and a load of clients.
+const CHAIN_SLOTS: u32 = 2;
+
+/// Runs the chain on each of `stores`' databases and each bus, side by side
+/// as `slots` allows, and answers its rows.
+pub(crate) async fn rows(
+    setup: Setup,
+    root: &Path,
+    stores: &[StoreKind],
+    slots: Slots,
+) -> Vec<Row> {
     let kafka = if backends(stores).is_empty() {
         None
     } else {
@@ -121,8 +130,15 @@ pub(crate) async fn rows(setup: Setup, root: &Path, stores: &[StoreKind]) -> Vec
             .unwrap_or_else(|| Err("not started".to_owned()))
             .map(Bus::Kafka),
     ];
-    for (on_kafka, bus) in buses.iter().enumerate() {
-        for store in backends(stores) {
+    let runs = buses.iter().enumerate().flat_map(|(on_kafka, bus)| {
+        backends(stores)
+            .into_iter()
+            .map(move |store| (on_kafka, bus, store))
+    });
+    let rows = join_all(runs.map(|(on_kafka, bus, store)| {
+        let (setup, slots) = (&setup, slots.clone());
+        async move {
+            let _slots = slots.take_many(CHAIN_SLOTS).await;
             let started = Instant::now();
             let outcome = match (&setup.api, &setup.consumer, bus) {
                 (Err(why), _, _) => Err(Failure::new("did not build", why.clone())),
@@ -157,7 +173,7 @@ pub(crate) async fn rows(setup: Setup, root: &Path, stores: &[StoreKind]) -> Vec
                 ),
                 Err(failure) => (Verdict::Fail(failure.details), failure.figure),
             };
-            rows.push(Row {
+            Row {
                 // After the HTTP catalogue and the consumer's scenarios.
                 order: (
                     CATALOG.len()
@@ -175,9 +191,10 @@ pub(crate) async fn rows(setup: Setup, root: &Path, stores: &[StoreKind]) -> Vec
                 store,
                 verdict,
                 figure,
-            });
+            }
         }
-    }
+    }))
+    .await;
     // The Kafka broker stops here, off the async workers.
     drop(buses);
     let _ = tokio::task::spawn_blocking(move || drop(kafka)).await;

@@ -12,6 +12,7 @@ use payments_consumer::testing::{Case, KAFKA_SCENARIOS, SCENARIOS, SQS_SCENARIOS
 
 use crate::example::Example;
 
+use super::Slots;
 use super::postgres::Cluster;
 use super::report::{Row, Verdict};
 use super::scenarios::CATALOG;
@@ -84,9 +85,11 @@ pub(crate) async fn broker() -> Result<Arc<TestRabbitMq>, String> {
 }
 
 /// Runs the selected scenarios on each of the consumer's databases among
-/// `stores`, one after the other (the crash test's timing wants the machine
-/// to itself), and answers their rows; `binary` is the built consumer, or why
-/// it is not there; `broker` the node ([`broker`]), or why there is none.
+/// `stores`, each on a queue and a database of its own, as many at once as
+/// `slots` allows (a scenario that stops the broker takes every slot, so
+/// nothing else runs meanwhile), and answers their rows; `binary` is the
+/// built consumer, or why it is not there; `broker` the node ([`broker`]),
+/// or why there is none.
 pub(crate) async fn rows(
     binary: Result<PathBuf, String>,
     broker: Result<Arc<TestRabbitMq>, String>,
@@ -94,6 +97,7 @@ pub(crate) async fn rows(
     root: &Path,
     selected: &[String],
     stores: &[StoreKind],
+    slots: Slots,
 ) -> Vec<Row> {
     let chosen: Vec<(usize, &'static Scenario, StoreKind)> = backends(stores)
         .into_iter()
@@ -124,69 +128,85 @@ pub(crate) async fn rows(
         }
     };
     let logs = root.join("consumer");
-    let mut rows = Vec::new();
-    let mut kafka_broker: Option<Result<Arc<TestKafka>, String>> = None;
-    let mut sqs_server: Option<Result<Arc<TestSqs>, String>> = None;
-    for (i, scenario, store) in chosen {
-        let queue = format!("{}_{}", scenario.name, store.name());
-        let on_kafka = if on_kafka(scenario) {
-            if kafka_broker.is_none() {
-                kafka_broker = Some(kafka().await);
+    // The servers the chosen scenarios share, started together.
+    let wants_kafka = chosen.iter().any(|(_, scenario, _)| on_kafka(scenario));
+    let wants_sqs = chosen.iter().any(|(_, scenario, _)| on_sqs(scenario));
+    let (kafka_broker, sqs_server) = tokio::join!(
+        async {
+            match wants_kafka {
+                true => Some(kafka().await),
+                false => None,
             }
-            match kafka_broker.as_ref() {
-                Some(Ok(broker)) => Some(broker.servers()),
-                Some(Err(why)) => {
-                    rows.push(row(i, scenario, store, Err(why.clone())));
-                    continue;
-                }
-                None => None,
+        },
+        async {
+            match wants_sqs {
+                true => Some(sqs().await),
+                false => None,
             }
-        } else {
-            None
-        };
-        let on_sqs = if on_sqs(scenario) {
-            if sqs_server.is_none() {
-                sqs_server = Some(sqs().await);
-            }
-            match sqs_server.as_ref() {
-                Some(Ok(server)) => Some(server.clone()),
-                Some(Err(why)) => {
-                    rows.push(row(i, scenario, store, Err(why.clone())));
-                    continue;
-                }
-                None => None,
-            }
-        } else {
-            None
-        };
-        let outcome = match database(store, &cluster, &logs, &queue).await {
-            Ok(database) => {
-                let mut case = Case::new(&binary, broker.url(), database, queue, &logs)
-                    .with_broker(broker.clone());
-                if let Some(servers) = on_kafka {
-                    case = case.with_kafka(servers);
-                }
-                if let Some(server) = on_sqs {
-                    case = case.with_sqs(server);
-                }
-                tokio::time::timeout(LIMIT, (scenario.run)(case))
-                    .await
-                    .unwrap_or_else(|_| Err(format!("ran past {} s", LIMIT.as_secs())))
-            }
-            Err(why) => Err(why),
-        };
-        rows.push(row(
-            i,
-            scenario,
-            store,
-            outcome.map_err(|why| format!("{why}\n(consumer logs: {})", logs.display())),
-        ));
-    }
+        },
+    );
+    let runs = chosen.into_iter().map(|(i, scenario, store)| {
+        let (binary, broker, cluster, logs, slots) = (
+            binary.clone(),
+            broker.clone(),
+            cluster.clone(),
+            logs.clone(),
+            slots.clone(),
+        );
+        let kafka = on_kafka(scenario).then(|| kafka_broker.clone()).flatten();
+        let sqs = on_sqs(scenario).then(|| sqs_server.clone()).flatten();
+        async move {
+            let _slots = slots.take(scenario.alone).await;
+            let started = std::time::Instant::now();
+            let outcome =
+                run_one(scenario, store, binary, broker, &cluster, &logs, kafka, sqs).await;
+            eprintln!(
+                "e2e: consumer {} on {}: {:.1} s",
+                scenario.name,
+                store.name(),
+                started.elapsed().as_secs_f64()
+            );
+            row(
+                i,
+                scenario,
+                store,
+                outcome.map_err(|why| format!("{why}\n(consumer logs: {})", logs.display())),
+            )
+        }
+    });
+    let rows = futures_util::future::join_all(runs).await;
     // The Kafka broker stops here, off the async workers.
     let _ = tokio::task::spawn_blocking(move || drop(kafka_broker)).await;
     // And moto's server.
     let _ = tokio::task::spawn_blocking(move || drop(sqs_server)).await;
     rows
+}
+
+/// One scenario on a fresh queue and database, with the servers it needs
+/// (`kafka`, `sqs`: started for it, or why they are not there).
+#[allow(clippy::too_many_arguments)]
+async fn run_one(
+    scenario: &'static Scenario,
+    store: StoreKind,
+    binary: PathBuf,
+    broker: Arc<TestRabbitMq>,
+    cluster: &Result<Arc<Cluster>, String>,
+    logs: &Path,
+    kafka: Option<Result<Arc<TestKafka>, String>>,
+    sqs: Option<Result<Arc<TestSqs>, String>>,
+) -> Result<String, String> {
+    let queue = format!("{}_{}", scenario.name, store.name());
+    let database = database(store, cluster, logs, &queue).await?;
+    let mut case = Case::new(&binary, broker.url(), database, queue, logs).with_broker(broker);
+    if let Some(kafka) = kafka {
+        case = case.with_kafka(kafka?.servers());
+    }
+    if let Some(sqs) = sqs {
+        case = case.with_sqs(sqs?);
+    }
+    tokio::time::timeout(LIMIT, (scenario.run)(case))
+        .await
+        .unwrap_or_else(|_| Err(format!("ran past {} s", LIMIT.as_secs())))
 }
 
 /// A fresh database for the scenario's `queue` on `store`: a database of the
