@@ -10,12 +10,16 @@
 //! × store → pass or fail with the figure behind it, ending in the line
 //! `N passed, M failed`; exits non-zero on any failure.
 //!
-//! Then payments-consumer against a throwaway RabbitMQ node, on the same
-//! cluster and on SQLite: its scenarios (`payments_consumer::testing`, which
-//! its tests run too) as rows of the same table. Last the outbox's chain
-//! ([`chain`], `--scenario chain`): payments-axum publishing through its
-//! relay to payments-consumer on that node, under SIGKILLs, on PostgreSQL
-//! (two API instances) and on SQLite (one).
+//! Beside them, payments-consumer against a throwaway RabbitMQ node (and
+//! Kafka, SQS), on the same cluster and on SQLite: its scenarios
+//! (`payments_consumer::testing`, which its tests run too) as rows of the same
+//! table; and the outbox's chain ([`chain`], `--scenario chain`):
+//! payments-axum publishing through its relay to payments-consumer on that
+//! node, under SIGKILLs, on PostgreSQL (two API instances) and on SQLite
+//! (one). Every row runs on servers, a store or a queue of its own, so they
+//! all share one set of [`SLOTS`], side by side; a scenario that needs the
+//! machine or a shared server to itself (a storm, a broker restart) takes
+//! every slot. The table's order does not depend on which ends first.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

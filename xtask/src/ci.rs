@@ -96,23 +96,27 @@ pub(crate) fn clippy(steps: &mut Steps, selection: &[&str]) -> Result<(), String
     steps.run("cargo clippy (warnings denied)", &mut cargo(&args))
 }
 
-/// The published crates packed, then built from their `.crate` files; the
-/// build only when their sources (or the lock file, or the toolchain)
-/// changed since it last passed, as recorded in the target directory.
+/// The published crates packed, then built from their `.crate` files; both
+/// only when their sources (or the lock file, or the toolchain) changed
+/// since they last passed, as recorded in the target directory: the same
+/// sources pack to the same packages.
 fn packages(steps: &mut Steps) -> Result<(), String> {
-    steps.run("cargo package --no-verify", &mut package_all())?;
-    let step = "cargo package (built from the .crate files)";
+    let pack = "cargo package --no-verify";
+    let build = "cargo package (built from the .crate files)";
     let stamp = shell::target_dir().join("idem-packaged.stamp");
     let sources = packaged_sources()?;
     if let Some(sources) = &sources
         && std::fs::read_to_string(&stamp).is_ok_and(|passed| passed == *sources)
     {
-        steps.skip(step, "the same sources passed it before");
+        let why = "the same sources passed it before";
+        steps.skip(pack, why);
+        steps.skip(build, why);
         return Ok(());
     }
     let _ = std::fs::remove_file(&stamp);
+    steps.run(pack, &mut package_all())?;
     forget_packaged_sources();
-    steps.run(step, &mut package_built())?;
+    steps.run(build, &mut package_built())?;
     if let Some(sources) = sources {
         let _ = std::fs::write(&stamp, sources);
     }
