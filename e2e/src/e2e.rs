@@ -222,72 +222,98 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
             }
         }
     }
-    // The HTTP rows, the consumer's and the chain's share the slots: they
-    // run side by side, a scenario that needs the machine to itself alone.
+    // Two passes on one set of slots. First each deployment's probe, with
+    // the broker starting, then the scenarios that need the machine (or the
+    // broker) to themselves, one after another: queued among the others,
+    // each would wait for the longest one running to end, every other slot
+    // idle meanwhile. Then every other row, HTTP, consumer and chain, side
+    // by side.
     let slots = Slots::new();
     let phase = Instant::now();
-    let http = async {
-        let rows = run_all(&deployments, options, &slots).await;
-        eprintln!(
-            "e2e: the HTTP rows done after {:.0} s",
-            phase.elapsed().as_secs_f64()
-        );
-        rows
-    };
-    let brokered = async {
-        // One RabbitMQ node for the consumer's scenarios and the chain.
-        let broker = if consumer.is_some() || chain.is_some() {
-            Some(consumer::broker().await)
-        } else {
-            None
-        };
-        let consumer_rows = async {
-            let Some((binary, broker)) = consumer.zip(broker.as_ref()) else {
+    let wants_broker = consumer.is_some() || chain.is_some();
+    let (probes, broker) = tokio::join!(
+        join_all(deployments.iter().map(|deployment| {
+            let slots = slots.clone();
+            async move {
+                let _slot = slots.take(false).await;
+                probe(deployment).await
+            }
+        })),
+        async {
+            match wants_broker {
+                // One RabbitMQ node for the consumer's scenarios and the chain.
+                true => Some(consumer::broker().await),
+                false => None,
+            }
+        },
+    );
+    let probed: Vec<(Arc<Deployment>, Result<(), Failure>)> =
+        deployments.into_iter().zip(probes).collect();
+    let consumer_rows = |alone: bool| {
+        let (consumer, broker, cluster, slots) = (&consumer, &broker, &cluster, &slots);
+        async move {
+            let (Some(binary), Some(broker)) = (consumer.as_ref(), broker.as_ref()) else {
                 return Vec::new();
             };
             let scenarios = options.consumer_scenarios();
-            let rows = consumer::rows(
-                binary,
+            consumer::rows(
+                binary.clone(),
                 broker.clone(),
                 cluster.clone(),
                 root,
                 &scenarios,
                 &options.stores,
                 slots.clone(),
+                alone,
             )
-            .await;
-            eprintln!(
-                "e2e: the consumer's rows done after {:.0} s",
-                phase.elapsed().as_secs_f64()
-            );
-            rows
-        };
-        let chain_rows = async {
-            let Some(((api, consumer), broker)) = chain.zip(broker.as_ref()) else {
-                return Vec::new();
-            };
-            let setup = chain::Setup {
-                api,
-                consumer,
-                broker: broker.clone(),
-                cluster: cluster.clone(),
-            };
-            let rows = chain::rows(setup, root, &options.stores, slots.clone()).await;
-            eprintln!(
-                "e2e: the chain's rows done after {:.0} s",
-                phase.elapsed().as_secs_f64()
-            );
-            rows
-        };
-        let (mut rows, chain_rows) = tokio::join!(consumer_rows, chain_rows);
-        rows.extend(chain_rows);
-        // `rabbitmqctl stop` and the wait for the node, off the async workers.
-        let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
+            .await
+        }
+    };
+    rows.extend(run_all(&probed, options, &slots, true).await);
+    rows.extend(consumer_rows(true).await);
+    eprintln!(
+        "e2e: the scenarios that run alone done after {:.0} s",
+        phase.elapsed().as_secs_f64()
+    );
+    let http = async {
+        let rows = run_all(&probed, options, &slots, false).await;
+        eprintln!(
+            "e2e: the HTTP rows done after {:.0} s",
+            phase.elapsed().as_secs_f64()
+        );
         rows
     };
-    let (http, brokered) = tokio::join!(http, brokered);
+    let consumer_shared = async {
+        let rows = consumer_rows(false).await;
+        eprintln!(
+            "e2e: the consumer's rows done after {:.0} s",
+            phase.elapsed().as_secs_f64()
+        );
+        rows
+    };
+    let chain_rows = async {
+        let (Some((api, consumer)), Some(broker)) = (chain, &broker) else {
+            return Vec::new();
+        };
+        let setup = chain::Setup {
+            api,
+            consumer,
+            broker: broker.clone(),
+            cluster: cluster.clone(),
+        };
+        let rows = chain::rows(setup, root, &options.stores, slots.clone()).await;
+        eprintln!(
+            "e2e: the chain's rows done after {:.0} s",
+            phase.elapsed().as_secs_f64()
+        );
+        rows
+    };
+    let (http, consumer_shared, chain_rows) = tokio::join!(http, consumer_shared, chain_rows);
     rows.extend(http);
-    rows.extend(brokered);
+    rows.extend(consumer_shared);
+    rows.extend(chain_rows);
+    // `rabbitmqctl stop` and the wait for the node, off the async workers.
+    let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
     (rows, built)
 }
 
@@ -304,30 +330,40 @@ fn interrupted() -> std::io::Result<impl Future<Output = ()>> {
     })
 }
 
-async fn run_all(deployments: &[Arc<Deployment>], options: &Options, slots: &Slots) -> Vec<Row> {
-    join_all(
-        deployments
-            .iter()
-            .map(|deployment| run_deployment(deployment.clone(), options, slots.clone())),
-    )
+/// Every deployment's selected scenarios that run alone (`alone`), or the
+/// others, once its probe has shown that the example starts on its store.
+async fn run_all(
+    probed: &[(Arc<Deployment>, Result<(), Failure>)],
+    options: &Options,
+    slots: &Slots,
+    alone: bool,
+) -> Vec<Row> {
+    join_all(probed.iter().map(|(deployment, probe)| {
+        run_deployment(deployment.clone(), probe, options, slots.clone(), alone)
+    }))
     .await
     .into_iter()
     .flatten()
     .collect()
 }
 
-/// Every selected scenario of one example on one store, once the example
-/// has shown that it starts on that store at all.
-async fn run_deployment(deployment: Arc<Deployment>, options: &Options, slots: Slots) -> Vec<Row> {
-    let probe = {
-        let _slot = slots.take(false).await;
-        probe(&deployment).await
-    };
+/// One example on one store: its selected scenarios that run alone
+/// (`alone`), or the others.
+async fn run_deployment(
+    deployment: Arc<Deployment>,
+    probe: &Result<(), Failure>,
+    options: &Options,
+    slots: Slots,
+    alone: bool,
+) -> Vec<Row> {
     let mut rows = Vec::new();
     let mut runs = Vec::new();
-    for (index, scenario) in options.selected(deployment.store) {
+    let selected = options
+        .selected(deployment.store)
+        .filter(|(_, scenario)| scenario.alone == alone);
+    for (index, scenario) in selected {
         let (example, store) = (deployment.example, deployment.store);
-        match (scenario.readiness.missing(&deployment), &probe) {
+        match (scenario.readiness.missing(&deployment), probe) {
             (Some(why), _) if !options.include_not_built => {
                 rows.extend(not_built(index, scenario, example, store, &why));
             }

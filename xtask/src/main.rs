@@ -12,7 +12,7 @@
 
 use std::process::ExitCode;
 
-use idem_testkit::shell::{self, cargo};
+use idem_testkit::shell;
 
 mod check;
 mod ci;
@@ -84,26 +84,41 @@ fn main() -> ExitCode {
     }
 }
 
-/// `cargo run -p idem-e2e -- TASK ARGS…`
+/// The runner `package` (its binary of the same name) with `args`: built
+/// with the workspace's dev build (`cargo build --workspace --all-features
+/// --bins --tests`, what `cargo test` and the runners' `--dev` build too), so
+/// its dependencies are the ones already built, not built again with the
+/// features of a `cargo run -p` of the runner alone; then started from the
+/// workspace root.
+fn runner(package: &str, args: &[&str]) -> Result<std::process::Command, String> {
+    let dir = shell::Profile::Dev.build(&[])?;
+    let mut command = std::process::Command::new(dir.join(package));
+    command
+        .args(args)
+        .current_dir(shell::workspace_root())
+        .env("CARGO_TARGET_DIR", shell::target_dir());
+    Ok(command)
+}
+
+/// `idem-e2e TASK ARGS…` ([`runner`]).
 fn e2e(task: &str, args: &[String]) -> Result<(), String> {
-    let mut command = cargo(&["run", "-q", "-p", "idem-e2e", "--", task]);
-    command.args(args);
+    let mut all = vec![task];
+    all.extend(args.iter().map(String::as_str));
     shell::run(
-        &format!("cargo xtask {task} {}", args.join(" ")),
-        &mut command,
+        &format!("cargo xtask {}", all.join(" ")),
+        &mut runner("idem-e2e", &all)?,
     )
 }
 
-/// `cargo run -p idem-e2e -- ARGS…`, its output passed on line by line;
+/// `idem-e2e ARGS…` ([`runner`]), its output passed on line by line;
 /// `rows` gets the last line of the form `N passed, M failed` (the runner's
 /// closing line).
 fn e2e_counted(args: &[&str], rows: &mut Option<String>) -> Result<(), String> {
     use std::io::BufRead;
     let step = format!("cargo xtask {}", args.join(" "));
+    let mut command = runner("idem-e2e", args)?;
     eprintln!("\n==> {step}");
-    let mut command = cargo(&["run", "-q", "-p", "idem-e2e", "--"]);
     let mut child = command
-        .args(args)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| format!("{step}: could not start: {e}"))?;
@@ -124,22 +139,21 @@ fn e2e_counted(args: &[&str], rows: &mut Option<String>) -> Result<(), String> {
     }
 }
 
+/// `idem-bench ARGS…` ([`runner`]).
+fn bench(args: &[String]) -> Result<(), String> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    shell::run(
+        &format!("cargo xtask bench {}", args.join(" ")),
+        &mut runner("idem-bench", &args)?,
+    )
+}
+
 /// Whether `line` is exactly `N passed, M failed`.
 fn is_count_line(line: &str) -> bool {
     matches!(
         line.split_whitespace().collect::<Vec<_>>()[..],
         [passed, "passed,", failed, "failed"]
             if passed.parse::<u64>().is_ok() && failed.parse::<u64>().is_ok()
-    )
-}
-
-/// `cargo run -p idem-bench -- ARGS…`
-fn bench(args: &[String]) -> Result<(), String> {
-    let mut command = cargo(&["run", "-q", "-p", "idem-bench", "--"]);
-    command.args(args);
-    shell::run(
-        &format!("cargo xtask bench {}", args.join(" ")),
-        &mut command,
     )
 }
 

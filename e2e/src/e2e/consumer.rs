@@ -84,12 +84,13 @@ pub(crate) async fn broker() -> Result<Arc<TestRabbitMq>, String> {
     }
 }
 
-/// Runs the selected scenarios on each of the consumer's databases among
-/// `stores`, each on a queue and a database of its own, as many at once as
-/// `slots` allows (a scenario that stops the broker takes every slot, so
-/// nothing else runs meanwhile), and answers their rows; `binary` is the
+/// Runs the selected scenarios that run alone (`alone`: they stop the
+/// broker, and take every slot), or the others, on each of the consumer's
+/// databases among `stores`, each on a queue and a database of its own, as
+/// many at once as `slots` allows, and answers their rows; `binary` is the
 /// built consumer, or why it is not there; `broker` the node ([`broker`]),
 /// or why there is none.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn rows(
     binary: Result<PathBuf, String>,
     broker: Result<Arc<TestRabbitMq>, String>,
@@ -98,6 +99,7 @@ pub(crate) async fn rows(
     selected: &[String],
     stores: &[StoreKind],
     slots: Slots,
+    alone: bool,
 ) -> Vec<Row> {
     let chosen: Vec<(usize, &'static Scenario, StoreKind)> = backends(stores)
         .into_iter()
@@ -107,7 +109,8 @@ pub(crate) async fn rows(
                 .map(move |(i, scenario)| (i, scenario, store))
         })
         .filter(|(_, scenario, _)| {
-            selected.is_empty() || selected.iter().any(|n| n == scenario.name)
+            scenario.alone == alone
+                && (selected.is_empty() || selected.iter().any(|n| n == scenario.name))
         })
         .collect();
     if chosen.is_empty() {
