@@ -17,9 +17,10 @@
 //! payments-axum publishing through its relay to payments-consumer on that
 //! node, under SIGKILLs, on PostgreSQL (two API instances) and on SQLite
 //! (one). Every row runs on servers, a store or a queue of its own, so they
-//! all share one set of [`SLOTS`], side by side; a scenario that needs the
-//! machine or a shared server to itself (a storm, a broker restart) takes
-//! every slot. The table's order does not depend on which ends first.
+//! share one set of [`SLOTS`], side by side; the rows that need the machine
+//! or a shared server to themselves (a storm, the broker's restart, the
+//! chain) run first, one after another, each with every slot. The table's
+//! order does not depend on which ends first.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -57,7 +58,7 @@ Without options: every example, every store, every scenario that is built
 (the consumer's run on RabbitMQ with PostgreSQL and with SQLite; the chain,
 axum → outbox → RabbitMQ → consumer, on both, with --example axum).";
 
-/// Scenarios at once, HTTP, consumer and chain rows together: 2 cores, and
+/// Scenarios at once, HTTP and consumer rows together: 2 cores, and
 /// most of a scenario's time is spent waiting (on a lease, a timeout, a
 /// restart); each has servers, a store or a queue of its own.
 const SLOTS: u32 = 5;
@@ -74,12 +75,8 @@ impl Slots {
 
     /// Waits for one place, or (`alone`) for every place.
     pub(crate) async fn take(&self, alone: bool) -> Option<tokio::sync::SemaphorePermit<'_>> {
-        self.take_many(if alone { SLOTS } else { 1 }).await
-    }
-
-    /// Waits for `places` places (at most all of them).
-    pub(crate) async fn take_many(&self, places: u32) -> Option<tokio::sync::SemaphorePermit<'_>> {
-        self.0.acquire_many(places.min(SLOTS)).await.ok()
+        let places = if alone { SLOTS } else { 1 };
+        self.0.acquire_many(places).await.ok()
     }
 }
 /// No scenario runs longer; the slowest wait out a 30 s lease.
@@ -223,15 +220,17 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         }
     }
     // Two passes on one set of slots. First each deployment's probe, with
-    // the broker starting, then the scenarios that need the machine (or the
-    // broker) to themselves, one after another: queued among the others,
-    // each would wait for the longest one running to end, every other slot
-    // idle meanwhile. Then every other row, HTTP, consumer and chain, side
-    // by side.
+    // the broker and the consumer's other servers starting, then the rows
+    // that need the machine (or the broker) to themselves, one after
+    // another: the storms, the broker's restart, the chain (its SIGKILLs
+    // under load). Queued among the others, each would wait for the longest
+    // one running to end, every other slot idle meanwhile. Then every other
+    // row, HTTP and consumer, side by side.
     let slots = Slots::new();
     let phase = Instant::now();
     let wants_broker = consumer.is_some() || chain.is_some();
-    let (probes, broker) = tokio::join!(
+    let scenarios = options.consumer_scenarios();
+    let (probes, broker, servers) = tokio::join!(
         join_all(deployments.iter().map(|deployment| {
             let slots = slots.clone();
             async move {
@@ -246,23 +245,30 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
                 false => None,
             }
         },
+        async {
+            match consumer.is_some() {
+                true => consumer::Servers::start(&scenarios).await,
+                false => consumer::Servers::default(),
+            }
+        },
     );
     let probed: Vec<(Arc<Deployment>, Result<(), Failure>)> =
         deployments.into_iter().zip(probes).collect();
     let consumer_rows = |alone: bool| {
         let (consumer, broker, cluster, slots) = (&consumer, &broker, &cluster, &slots);
+        let (scenarios, servers) = (&scenarios, &servers);
         async move {
             let (Some(binary), Some(broker)) = (consumer.as_ref(), broker.as_ref()) else {
                 return Vec::new();
             };
-            let scenarios = options.consumer_scenarios();
             consumer::rows(
                 binary.clone(),
                 broker.clone(),
                 cluster.clone(),
                 root,
-                &scenarios,
+                scenarios,
                 &options.stores,
+                servers,
                 slots.clone(),
                 alone,
             )
@@ -271,6 +277,15 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     };
     rows.extend(run_all(&probed, options, &slots, true).await);
     rows.extend(consumer_rows(true).await);
+    if let (Some((api, consumer)), Some(broker)) = (chain, &broker) {
+        let setup = chain::Setup {
+            api,
+            consumer,
+            broker: broker.clone(),
+            cluster: cluster.clone(),
+        };
+        rows.extend(chain::rows(setup, root, &options.stores, slots.clone()).await);
+    }
     eprintln!(
         "e2e: the scenarios that run alone done after {:.0} s",
         phase.elapsed().as_secs_f64()
@@ -291,27 +306,12 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         );
         rows
     };
-    let chain_rows = async {
-        let (Some((api, consumer)), Some(broker)) = (chain, &broker) else {
-            return Vec::new();
-        };
-        let setup = chain::Setup {
-            api,
-            consumer,
-            broker: broker.clone(),
-            cluster: cluster.clone(),
-        };
-        let rows = chain::rows(setup, root, &options.stores, slots.clone()).await;
-        eprintln!(
-            "e2e: the chain's rows done after {:.0} s",
-            phase.elapsed().as_secs_f64()
-        );
-        rows
-    };
-    let (http, consumer_shared, chain_rows) = tokio::join!(http, consumer_shared, chain_rows);
+    // Polled in this order, so the slowest rows (the consumer's on SQS and
+    // Kafka) queue for slots first.
+    let (consumer_shared, http) = tokio::join!(consumer_shared, http);
     rows.extend(http);
     rows.extend(consumer_shared);
-    rows.extend(chain_rows);
+    servers.stop().await;
     // `rabbitmqctl stop` and the wait for the node, off the async workers.
     let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
     (rows, built)

@@ -102,12 +102,10 @@ impl Bus {
     }
 }
 
-/// How many of the run's slots one chain takes: two API instances, their
-/// relays, a consumer and a load of clients.
-const CHAIN_SLOTS: u32 = 2;
-
-/// Runs the chain on each of `stores`' databases and each bus, side by side
-/// as `slots` allows, and answers its rows.
+/// Runs the chain on each of `stores`' databases and each bus, one after
+/// the other, each with every slot (two API instances, their relays, a
+/// consumer, a load of clients and SIGKILLs: the machine to itself, as it
+/// was measured), and answers its rows.
 pub(crate) async fn rows(
     setup: Setup,
     root: &Path,
@@ -138,7 +136,7 @@ pub(crate) async fn rows(
     let rows = join_all(runs.map(|(on_kafka, bus, store)| {
         let (setup, slots) = (&setup, slots.clone());
         async move {
-            let _slots = slots.take_many(CHAIN_SLOTS).await;
+            let _slots = slots.take(true).await;
             let started = Instant::now();
             let outcome = match (&setup.api, &setup.consumer, bus) {
                 (Err(why), _, _) => Err(Failure::new("did not build", why.clone())),

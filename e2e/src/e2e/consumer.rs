@@ -98,10 +98,11 @@ pub(crate) async fn rows(
     root: &Path,
     selected: &[String],
     stores: &[StoreKind],
+    servers: &Servers,
     slots: Slots,
     alone: bool,
 ) -> Vec<Row> {
-    let chosen: Vec<(usize, &'static Scenario, StoreKind)> = backends(stores)
+    let mut chosen: Vec<(usize, &'static Scenario, StoreKind)> = backends(stores)
         .into_iter()
         .flat_map(|store| {
             every()
@@ -131,23 +132,11 @@ pub(crate) async fn rows(
         }
     };
     let logs = root.join("consumer");
-    // The servers the chosen scenarios share, started together.
-    let wants_kafka = chosen.iter().any(|(_, scenario, _)| on_kafka(scenario));
-    let wants_sqs = chosen.iter().any(|(_, scenario, _)| on_sqs(scenario));
-    let (kafka_broker, sqs_server) = tokio::join!(
-        async {
-            match wants_kafka {
-                true => Some(kafka().await),
-                false => None,
-            }
-        },
-        async {
-            match wants_sqs {
-                true => Some(sqs().await),
-                false => None,
-            }
-        },
-    );
+    // The slowest first, so that they do not end the run alone: on SQS
+    // (moto serves a few hundred calls a second), then on Kafka.
+    chosen
+        .sort_by_key(|(_, scenario, _)| std::cmp::Reverse((on_sqs(scenario), on_kafka(scenario))));
+    let (kafka_broker, sqs_server) = (&servers.kafka, &servers.sqs);
     let runs = chosen.into_iter().map(|(i, scenario, store)| {
         let (binary, broker, cluster, logs, slots) = (
             binary.clone(),
@@ -156,8 +145,16 @@ pub(crate) async fn rows(
             logs.clone(),
             slots.clone(),
         );
-        let kafka = on_kafka(scenario).then(|| kafka_broker.clone()).flatten();
-        let sqs = on_sqs(scenario).then(|| sqs_server.clone()).flatten();
+        let kafka = on_kafka(scenario).then(|| {
+            kafka_broker
+                .clone()
+                .unwrap_or_else(|| Err("no Kafka broker was started".to_owned()))
+        });
+        let sqs = on_sqs(scenario).then(|| {
+            sqs_server
+                .clone()
+                .unwrap_or_else(|| Err("no SQS server was started".to_owned()))
+        });
         async move {
             let _slots = slots.take(scenario.alone).await;
             let started = std::time::Instant::now();
@@ -177,12 +174,46 @@ pub(crate) async fn rows(
             )
         }
     });
-    let rows = futures_util::future::join_all(runs).await;
-    // The Kafka broker stops here, off the async workers.
-    let _ = tokio::task::spawn_blocking(move || drop(kafka_broker)).await;
-    // And moto's server.
-    let _ = tokio::task::spawn_blocking(move || drop(sqs_server)).await;
-    rows
+    futures_util::future::join_all(runs).await
+}
+
+/// The Kafka broker and moto's SQS server the consumer's scenarios share,
+/// each started if a selected scenario needs it.
+#[derive(Debug, Default)]
+pub(crate) struct Servers {
+    kafka: Option<Result<Arc<TestKafka>, String>>,
+    sqs: Option<Result<Arc<TestSqs>, String>>,
+}
+
+impl Servers {
+    /// Starts, side by side, what the scenarios `selected` (none: all) need.
+    pub(crate) async fn start(selected: &[String]) -> Self {
+        let chosen = || {
+            every().filter(|scenario| {
+                selected.is_empty() || selected.iter().any(|n| n == scenario.name)
+            })
+        };
+        let (kafka, sqs) = tokio::join!(
+            async {
+                match chosen().any(on_kafka) {
+                    true => Some(kafka().await),
+                    false => None,
+                }
+            },
+            async {
+                match chosen().any(on_sqs) {
+                    true => Some(sqs().await),
+                    false => None,
+                }
+            },
+        );
+        Self { kafka, sqs }
+    }
+
+    /// Stops them, off the async workers.
+    pub(crate) async fn stop(self) {
+        let _ = tokio::task::spawn_blocking(move || drop(self)).await;
+    }
 }
 
 /// One scenario on a fresh queue and database, with the servers it needs
