@@ -83,10 +83,34 @@ pub fn cargo(args: &[&str]) -> Command {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut command = Command::new(cargo);
     command.args(args).current_dir(workspace_root());
+    // What `cargo run` set for this process describes this process's package,
+    // not the build: a build script that reruns when such a variable changes
+    // (ring's reads CARGO_MANIFEST_DIR, CARGO_PKG_NAME…) would be run again,
+    // and what depends on it rebuilt, whenever the caller changes.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if set_by_cargo_run(&name) {
+            command.env_remove(name.as_ref());
+        }
+    }
     if let Some(chosen) = CHOSEN_TARGET.get() {
         command.env("CARGO_TARGET_DIR", chosen);
     }
     command
+}
+
+/// Whether `name` is one of the variables `cargo run` and `cargo test` set
+/// for the package they run.
+fn set_by_cargo_run(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_MANIFEST_")
+        || matches!(
+            name,
+            "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "CARGO_RUSTC_CURRENT_DIR"
+        )
 }
 
 /// Runs `command`, echoing the step first and its time after; an error names
@@ -166,4 +190,24 @@ pub fn first_line(stdout: std::process::ChildStdout) -> std::sync::mpsc::Receive
         for _ in lines {}
     });
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::set_by_cargo_run;
+
+    #[test]
+    fn only_the_run_packages_variables_are_dropped() {
+        for name in [
+            "CARGO_MANIFEST_DIR",
+            "CARGO_MANIFEST_PATH",
+            "CARGO_PKG_NAME",
+            "CARGO_CRATE_NAME",
+        ] {
+            assert!(set_by_cargo_run(name), "{name}");
+        }
+        for name in ["CARGO", "CARGO_HOME", "CARGO_TARGET_DIR", "RUSTFLAGS"] {
+            assert!(!set_by_cargo_run(name), "{name}");
+        }
+    }
 }

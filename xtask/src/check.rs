@@ -69,22 +69,31 @@ fn every_step(steps: &mut Steps, since: &str) -> Result<(), String> {
 
 /// The workspace's members, read from the manifests.
 fn members(root: &Path) -> Result<Vec<Member>, String> {
-    let read =
-        |path: &Path| std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()));
+    member_dirs(root)?
+        .into_iter()
+        .map(|dir| member(&dir, &read(&root.join(&dir).join("Cargo.toml"))?))
+        .collect()
+}
+
+/// The workspace's member directories, as its manifest lists them.
+pub(crate) fn member_dirs(root: &Path) -> Result<Vec<String>, String> {
     let workspace = read(&root.join("Cargo.toml"))?;
     let dirs = workspace
         .split_once("members = [")
         .and_then(|(_, rest)| rest.split_once(']'))
         .map(|(list, _)| list)
         .ok_or("no `members = [...]` in the workspace's Cargo.toml")?;
-    let mut members = Vec::new();
-    for dir in dirs.split(',').map(|m| m.trim().trim_matches('"')) {
-        if dir.is_empty() {
-            continue;
-        }
-        members.push(member(dir, &read(&root.join(dir).join("Cargo.toml"))?)?);
-    }
-    Ok(members)
+    Ok(dirs
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty())
+        .map(str::to_owned)
+        .collect())
+}
+
+/// A file's text, or an error naming it.
+pub(crate) fn read(path: &Path) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// One member from its manifest: its name, and every key of a dependency

@@ -365,7 +365,7 @@ fn depends_on(tree: &str, name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::{PUBLISHED, depends_on};
-    use std::path::Path;
+    use crate::check::{member_dirs, read};
 
     /// Every workspace member is either in [`PUBLISHED`] (and so packed by
     /// `cargo xtask ci`, with the metadata crates.io shows) or says
@@ -373,21 +373,9 @@ mod tests {
     #[test]
     fn every_member_is_published_or_says_publish_false() -> Result<(), String> {
         let root = idem_testkit::shell::workspace_root();
-        let read = |path: &Path| {
-            std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
-        };
-        let workspace = read(&root.join("Cargo.toml"))?;
-        let members = workspace
-            .split_once("members = [")
-            .and_then(|(_, rest)| rest.split_once(']'))
-            .map(|(list, _)| list)
-            .ok_or("no `members = [...]` in the workspace's Cargo.toml")?;
         let mut published = Vec::new();
-        for member in members.split(',').map(|m| m.trim().trim_matches('"')) {
-            if member.is_empty() {
-                continue;
-            }
-            let manifest = read(&root.join(member).join("Cargo.toml"))?;
+        for member in member_dirs(&root)? {
+            let manifest = read(&root.join(&member).join("Cargo.toml"))?;
             let name = manifest
                 .lines()
                 .find_map(|line| line.strip_prefix("name = "))
