@@ -71,7 +71,7 @@ pub(crate) fn run(packages: &[String]) -> Result<Counts, String> {
     });
     let total = queue.len();
     eprintln!("\n==> tests: {total} binaries (doctests included), {SLOTS} at a time");
-    let queue = Arc::new(Mutex::new(queue));
+    let queue = Arc::new(Mutex::new(std::collections::VecDeque::from(queue)));
     let done: Arc<Mutex<Vec<Finished>>> = Arc::new(Mutex::new(Vec::new()));
     let workers: Vec<_> = (0..SLOTS)
         .map(|_| {
@@ -81,7 +81,7 @@ pub(crate) fn run(packages: &[String]) -> Result<Counts, String> {
                     let next = queue
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
-                        .pop_first();
+                        .pop_front();
                     let Some(job) = next else { break };
                     let finished = job.run();
                     finished.print();
@@ -220,16 +220,6 @@ enum Job {
     Binary(Binary),
     /// `cargo test --doc` for these packages (none: the workspace).
     Doc(Vec<String>),
-}
-
-trait PopFirst {
-    fn pop_first(&mut self) -> Option<Job>;
-}
-
-impl PopFirst for Vec<Job> {
-    fn pop_first(&mut self) -> Option<Job> {
-        (!self.is_empty()).then(|| self.remove(0))
-    }
 }
 
 /// A job that ended: its output and counts.
