@@ -187,12 +187,9 @@ impl Settings {
             concurrencies: vec![4],
             record_counts: vec![1_000],
             pg_concurrencies: vec![4],
-            pg_record_counts: Vec::new(),
-            pgbench_seconds: 1,
             memory_records: 10_000,
             storm: Duration::from_millis(500),
             cleanup_rows: 2_000,
-            rounds: 1,
             consumer_concurrencies: vec![1, 4],
             kafka_concurrencies: vec![1, 2],
             sqs_concurrencies: vec![1, 2],
@@ -203,6 +200,8 @@ impl Settings {
             outbox_events: 200,
             outbox_lag_rate: 50,
             outbox_lag: Duration::from_millis(500),
+            // One round, pgbench's second, no PostgreSQL scaling: as quick.
+            ..Self::quick()
         }
     }
 }

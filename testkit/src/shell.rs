@@ -87,14 +87,21 @@ pub fn cargo(args: &[&str]) -> Command {
     // not the build: a build script that reruns when such a variable changes
     // (ring's reads CARGO_MANIFEST_DIR, CARGO_PKG_NAME…) would be run again,
     // and what depends on it rebuilt, whenever the caller changes.
+    without_cargo_run_variables(&mut command);
+    if let Some(chosen) = CHOSEN_TARGET.get() {
+        command.env("CARGO_TARGET_DIR", chosen);
+    }
+    command
+}
+
+/// Removes from `command`'s environment the variables `cargo run` (or
+/// `cargo test`) set for this process's package ([`set_by_cargo_run`]).
+pub fn without_cargo_run_variables(command: &mut Command) -> &mut Command {
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         if set_by_cargo_run(&name) {
             command.env_remove(name.as_ref());
         }
-    }
-    if let Some(chosen) = CHOSEN_TARGET.get() {
-        command.env("CARGO_TARGET_DIR", chosen);
     }
     command
 }

@@ -60,10 +60,7 @@ fn every_step(steps: &mut Steps, since: &str) -> Result<(), String> {
     crate::ci::clippy(steps, &["--workspace"])?;
     let packages: Vec<String> = selected.into_iter().collect();
     let counts = steps.time("tests", || crate::suite::run(&packages))?;
-    steps.total(format!(
-        "tests: {} passed, {} failed, {} skipped",
-        counts.passed, counts.failed, counts.ignored
-    ));
+    steps.total(counts.line("tests"));
     Ok(())
 }
 

@@ -61,17 +61,16 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
     packages(steps)?;
     steps.time("kafka broker (tansu, once)", kafka_broker)?;
     let counts = steps.time("tests", || crate::suite::run(&[]))?;
-    steps.total(format!(
-        "tests: {} passed, {} failed, {} skipped",
-        counts.passed, counts.failed, counts.ignored
-    ));
+    let tests = counts.line("tests");
     let mut rows = None;
     let e2e = steps.time("e2e (--dev)", || {
         crate::e2e_counted(&["e2e", "--dev"], &mut rows)
     });
+    // The table ends with the counts, each `WORD: N passed, M failed`.
     if let Some(rows) = rows {
-        steps.total(format!("e2e rows: {rows}"));
+        steps.total(format!("e2e: {rows}"));
     }
+    steps.total(tests);
     e2e?;
     steps.time("bench --smoke", || {
         crate::bench(&["--smoke".to_owned(), "--dev".to_owned()])

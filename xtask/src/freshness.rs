@@ -27,7 +27,7 @@
 //! content), and it is marked with the time the task ended: every build of
 //! the task is older, and any file newer than that is newer than every build.
 //! A record left in progress (a task killed) gives no times back, and every
-//! file of other content is marked changed: safe, at the cost of a rebuild.
+//! file is marked changed: safe, at the cost of a rebuild.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -55,6 +55,7 @@ struct Source {
 /// The record written for this checkout; checked again when dropped.
 #[derive(Debug)]
 pub(crate) struct Sources {
+    root: PathBuf,
     record: PathBuf,
     written: Vec<Source>,
 }
@@ -65,7 +66,11 @@ pub(crate) struct Sources {
 /// times back. A checkout git cannot list (no git, not a repository) is left
 /// as it is: cargo then rebuilds by its own rules.
 pub(crate) fn sync(target: &Path, restore: bool) -> Result<Option<Sources>, String> {
-    let root = shell::workspace_root();
+    sync_in(shell::workspace_root(), target, restore)
+}
+
+/// [`sync`] for the checkout at `root`.
+fn sync_in(root: PathBuf, target: &Path, restore: bool) -> Result<Option<Sources>, String> {
     let Some(current) = list(&root)? else {
         eprintln!("==> sources: not a git checkout; cargo judges freshness by itself");
         return Ok(None);
@@ -78,8 +83,10 @@ pub(crate) fn sync(target: &Path, restore: bool) -> Result<Option<Sources>, Stri
     for mut source in current {
         let path = root.join(&source.path);
         match recorded.get(&source.path) {
-            Some(old) if old.hash == source.hash => {
-                if restore && recorded_at != IN_PROGRESS && old.modified != source.modified {
+            // A record left in progress says nothing of what was built: the
+            // run may have seen other content while it lasted.
+            Some(old) if old.hash == source.hash && recorded_at != IN_PROGRESS => {
+                if restore && old.modified != source.modified {
                     set_modified(&path, old.modified)?;
                     source.modified = old.modified;
                     restored += 1;
@@ -102,7 +109,11 @@ pub(crate) fn sync(target: &Path, restore: bool) -> Result<Option<Sources>, Stri
         written.len(),
         record.display()
     );
-    Ok(Some(Sources { record, written }))
+    Ok(Some(Sources {
+        root,
+        record,
+        written,
+    }))
 }
 
 impl Drop for Sources {
@@ -110,8 +121,7 @@ impl Drop for Sources {
     /// since it was written, and marks it with the time the task ended.
     fn drop(&mut self) {
         let ended = since_epoch(SystemTime::now());
-        let root = shell::workspace_root();
-        let Ok(Some(now)) = list(&root) else {
+        let Ok(Some(now)) = list(&self.root) else {
             let _ = std::fs::remove_file(&self.record);
             return;
         };
@@ -279,7 +289,104 @@ fn parse_time(text: &str) -> Option<Duration> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Duration, IN_PROGRESS, format_time, parse_time};
+    use super::{Duration, IN_PROGRESS, format_time, parse_time, read, since_epoch, sync_in};
+    use std::path::{Path, PathBuf};
+    use std::time::SystemTime;
+
+    /// A git work tree in a fresh temporary directory, with `files`
+    /// (untracked: git lists them all the same).
+    fn checkout(name: &str, files: &[(&str, &str)]) -> Result<PathBuf, String> {
+        let dir = std::env::temp_dir().join(format!(
+            "idem-freshness-{}-{name}-{}",
+            std::process::id(),
+            since_epoch(SystemTime::now()).as_nanos()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let init = std::process::Command::new("git")
+            .args(["init", "-q"])
+            .current_dir(&dir)
+            .status()
+            .map_err(|e| format!("git init: {e}"))?;
+        if !init.success() {
+            return Err("git init failed".to_owned());
+        }
+        for (path, text) in files {
+            std::fs::write(dir.join(path), text).map_err(|e| e.to_string())?;
+        }
+        Ok(dir)
+    }
+
+    fn modified(path: &Path) -> Result<Duration, String> {
+        std::fs::metadata(path)
+            .and_then(|m| m.modified())
+            .map(since_epoch)
+            .map_err(|e| e.to_string())
+    }
+
+    fn set(path: &Path, secs: u64) -> Result<(), String> {
+        super::set_modified(path, Duration::from_secs(secs))
+    }
+
+    /// The clean clone's story: a first checkout builds and leaves its
+    /// record; a second one, all files new, gets back the recorded time of
+    /// every file with the same content, and the file it changed is marked
+    /// newer than the first run's end. A run that never ended (killed)
+    /// gives nothing back.
+    #[test]
+    fn a_clean_clone_gets_back_the_times_of_the_same_content_only() -> Result<(), String> {
+        let files = [("a.rs", "fn a() {}\n"), ("b.rs", "fn b() {}\n")];
+        let first = checkout("first", &files)?;
+        let target = checkout("target", &[])?;
+        set(&first.join("a.rs"), 1_000_000_000)?;
+        set(&first.join("b.rs"), 1_000_000_100)?;
+        let run = sync_in(first.clone(), &target, false)?.ok_or("no record")?;
+        // No record yet: the target directory may hold anything, so every
+        // file is marked changed.
+        let a_built = modified(&first.join("a.rs"))?;
+        assert!(a_built > Duration::from_secs(1_000_000_100));
+        let (written_at, _) = read(&target.join(super::RECORD));
+        assert_eq!(written_at, IN_PROGRESS, "in progress while the run lasts");
+        drop(run);
+        let (ended, recorded) = read(&target.join(super::RECORD));
+        assert!(ended < IN_PROGRESS && ended >= a_built);
+        assert_eq!(recorded.len(), 2);
+
+        let second = checkout(
+            "second",
+            &[("a.rs", "fn a() {}\n"), ("b.rs", "fn b() { 1; }\n")],
+        )?;
+        set(&second.join("b.rs"), 1_000_000_200)?;
+        let run = sync_in(second.clone(), &target, true)?.ok_or("no record")?;
+        assert_eq!(modified(&second.join("a.rs"))?, a_built);
+        assert!(
+            modified(&second.join("b.rs"))? >= ended,
+            "the changed file is newer than the last run"
+        );
+        // Killed: the record stays in progress.
+        std::mem::forget(run);
+
+        let third = checkout("third", &files)?;
+        set(&third.join("a.rs"), 1_000_000_300)?;
+        let run = sync_in(third.clone(), &target, true)?.ok_or("no record")?;
+        assert!(
+            modified(&third.join("a.rs"))? > Duration::from_secs(1_000_000_300),
+            "after a killed run nothing is given back, and every file is marked changed"
+        );
+        drop(run);
+
+        // A working checkout (no restoring) keeps its times when the content matches.
+        set(&third.join("a.rs"), 1_000_000_400)?;
+        let run = sync_in(third.clone(), &target, false)?.ok_or("no record")?;
+        assert_eq!(
+            modified(&third.join("a.rs"))?,
+            Duration::from_secs(1_000_000_400)
+        );
+        drop(run);
+        for dir in [first, second, third, target] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        Ok(())
+    }
 
     #[test]
     fn a_time_reads_back_as_written() {

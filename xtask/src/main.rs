@@ -29,7 +29,7 @@ tasks:
   bench   what idem costs per request, against the bare handler and pgbench
           (--quick: one round, minutes; --smoke: each section runs, measures nothing)
   check   the fast loop for a change: fmt, clippy, the tests of the crates that
-          changed (against main, or --since REV) and of those that depend on them
+          changed (against HEAD, or --since REV) and of those that depend on them
   ci      fmt, clippy and docs (warnings denied), every test, e2e, bench --smoke --dev
           (--stress [RUNS]: instead, every test RUNS times (3) with the CPUs loaded)
   demo    the experiment that motivates idem, against payments-axum

@@ -45,6 +45,17 @@ pub(crate) struct Counts {
     pub(crate) ignored: u64,
 }
 
+impl Counts {
+    /// `WHAT: N passed, M failed, K skipped` (libtest's ignored tests are
+    /// the skipped ones).
+    pub(crate) fn line(&self, what: &str) -> String {
+        format!(
+            "{what}: {} passed, {} failed, {} skipped",
+            self.passed, self.failed, self.ignored
+        )
+    }
+}
+
 impl std::ops::AddAssign for Counts {
     fn add_assign(&mut self, other: Self) {
         self.passed += other.passed;
@@ -244,7 +255,8 @@ impl Job {
         match self {
             Self::Binary(binary) => {
                 let mut command = Command::new(&binary.executable);
-                command
+                // As `cargo test` gives them: this package's, not xtask's.
+                shell::without_cargo_run_variables(&mut command)
                     .current_dir(&binary.package_dir)
                     .env("CARGO_MANIFEST_DIR", &binary.package_dir)
                     .env("CARGO_PKG_NAME", &binary.package);
@@ -387,6 +399,10 @@ mod tests {
             }
         );
         assert_eq!(counts("no tests here"), Counts::default());
+        assert_eq!(
+            counts(output).line("tests"),
+            "tests: 5 passed, 1 failed, 1 skipped"
+        );
     }
 
     #[test]
