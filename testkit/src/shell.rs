@@ -95,7 +95,8 @@ pub fn cargo(args: &[&str]) -> Command {
 }
 
 /// Removes from `command`'s environment the variables `cargo run` (or
-/// `cargo test`) set for this process's package ([`set_by_cargo_run`]).
+/// `cargo test`) set for this process's package: `CARGO_PKG_*`,
+/// `CARGO_MANIFEST_*`, `CARGO_CRATE_NAME` and the like.
 pub fn without_cargo_run_variables(command: &mut Command) -> &mut Command {
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
