@@ -60,7 +60,7 @@ pub enum Jitter {
 
 impl Backoff {
     /// Backoff whose first retry comes within `base` and no delay exceeds `cap`.
-    pub fn new(base: Duration, cap: Duration) -> Self {
+    pub const fn new(base: Duration, cap: Duration) -> Self {
         Self {
             base,
             cap,

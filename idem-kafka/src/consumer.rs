@@ -27,6 +27,15 @@
 //!   stop before the partitions are handed over. A member that lost a
 //!   partition without knowing is stopped by the fence: its transaction finds
 //!   the row moved and commits nothing.
+//! - **A fenced partition is never left idle.** A position write that finds
+//!   the row already where it goes (this member's own COMMIT landed and its
+//!   answer was lost) is done, and the partition goes on. One that finds the
+//!   row anywhere else means another member moved it: the worker stops, and
+//!   the member leaves the group and joins it again (logged at WARN, with
+//!   the partition), so the group hands every partition out afresh and each
+//!   owner starts at the stored positions. A partition this member no
+//!   longer owns goes to its owner; one it still owns restarts where the
+//!   database says.
 //!
 //! The rebalance strategy is eager (`range`, the default): a cooperative one
 //! would hand over partitions incrementally, which this member's callback
@@ -40,16 +49,17 @@ use std::time::Duration;
 
 use idem_core::consume::{Acked, ConsumerPolicy, Decision, Handler, Letter, Protocol};
 use idem_core::log::{bounded, error_chain};
+use idem_core::retry::Backoff;
 use rdkafka::ClientConfig;
 use rdkafka::Message as _;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext};
 use rdkafka::error::KafkaError;
-use rdkafka::message::OwnedMessage;
+use rdkafka::message::{Headers as _, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use rdkafka::types::RDKafkaRespErr;
+use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::Error;
@@ -74,6 +84,8 @@ const POLL: Duration = Duration::from_millis(50);
 const FETCH_QUEUE_BACKOFF_MS: &str = "50";
 /// The pause before trying the database or the broker again.
 const AGAIN: Duration = Duration::from_millis(500);
+/// When to produce a dead letter again after a refusal that can pass.
+const REFUSED: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
 
 /// A builder's part not given yet.
 #[derive(Debug, Clone, Copy, Default)]
@@ -377,6 +389,9 @@ enum Command {
     /// The partition's records up to this offset (excluded) are applied:
     /// stored for the broker's next auto-commit. The worker has room again.
     Applied { partition: i32, next: i64 },
+    /// The partition's worker stopped (fenced): the member leaves the group
+    /// and joins it again.
+    Rejoin { partition: i32 },
     /// Something to serve: a queue in librdkafka (the consumer's, or a
     /// partition's) was empty and is not, or a worker has room again.
     Wake,
@@ -589,7 +604,9 @@ fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     while !shared.stopping.load(Ordering::SeqCst) {
         serve(consumer);
         feed(context);
-        store_applied(consumer, shared, commands, POLL);
+        if let Some(partition) = store_applied(consumer, shared, commands, POLL) {
+            rejoin(consumer, shared, partition);
+        }
     }
     // The workers hold the consumer (their partitions' queues): dropped here,
     // they let it close when this thread drops it.
@@ -606,31 +623,58 @@ fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 
 /// Waits up to `wait` for a word from a worker or librdkafka, then stores
 /// the workers' applied offsets for the broker's auto-commit (for lag tools
-/// only: positions come from the database).
+/// only: positions come from the database). Answers a partition whose worker
+/// stopped and asked the member to rejoin its group, if one did.
 fn store_applied<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     consumer: &BaseConsumer<Context<I, H>>,
     shared: &Shared<I, H>,
     commands: &std_mpsc::Receiver<Command>,
     wait: Duration,
-) {
+) -> Option<i32> {
     let mut tpl = TopicPartitionList::new();
     let mut any = false;
+    let mut rejoin = None;
     let mut received = commands.recv_timeout(wait).ok();
     while let Some(command) = received {
-        if let Command::Applied { partition, next } = command {
-            // A later offset of the same partition replaces an earlier one.
-            let _ = tpl
-                .add_partition_offset(&shared.topic, partition, Offset::Offset(next))
-                .or_else(|_| {
-                    tpl.set_partition_offset(&shared.topic, partition, Offset::Offset(next))
-                });
-            any = true;
+        match command {
+            Command::Applied { partition, next } => {
+                // A later offset of the same partition replaces an earlier one.
+                let _ = tpl
+                    .add_partition_offset(&shared.topic, partition, Offset::Offset(next))
+                    .or_else(|_| {
+                        tpl.set_partition_offset(&shared.topic, partition, Offset::Offset(next))
+                    });
+                any = true;
+            }
+            Command::Rejoin { partition } => rejoin = Some(partition),
+            Command::Wake => {}
         }
         received = commands.try_recv().ok();
     }
     if any && let Err(error) = consumer.store_offsets(&tpl) {
         // A partition revoked since: its new owner stores its own.
         tracing::debug!(target: "idem_kafka", error = %error_chain(&error), "offsets not stored");
+    }
+    rejoin
+}
+
+/// Leaves the group and joins it again, for a partition whose worker
+/// stopped: the revocation stops every worker (their records finish first),
+/// and the next assignment starts each partition this member is given at its
+/// stored position. A partition is never left assigned to a member that does
+/// not apply it.
+fn rejoin<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+    consumer: &BaseConsumer<Context<I, H>>,
+    shared: &Shared<I, H>,
+    partition: i32,
+) {
+    tracing::warn!(target: "idem_kafka", partition, "the partition's worker stopped applying it: leaving the group and joining again, so that every partition is handed out afresh and starts at its stored position");
+    consumer.unsubscribe();
+    if let Err(error) = consumer.subscribe(&[shared.topic.as_str()]) {
+        // Nothing is assigned now: the member stops rather than sit in no
+        // group, and the process's supervisor sees `run` end.
+        tracing::error!(target: "idem_kafka", error = %error_chain(&error), "joining the group again failed: the consumer stops");
+        shared.stopping.store(true, Ordering::SeqCst);
     }
 }
 
@@ -654,15 +698,16 @@ fn serve<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 /// only a partition whose queue could not be split off sends its records
 /// there, and it has no worker; the record is left, its position unmoved.
 /// Should a partition with a worker ever send one, its worker stops, lest
-/// it apply the partition's next records past this one; the partition waits
-/// for the next rebalance.
+/// it apply the partition's next records past this one, and the member
+/// rejoins its group (see `rejoin`).
 fn stray<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     context: &Context<I, H>,
     partition: i32,
 ) {
     if let Some(worker) = lock(&context.workers).get(&partition) {
-        tracing::error!(target: "idem_kafka", partition, "a record came through the consumer's queue instead of its partition's: the partition's worker stops until the next rebalance");
+        tracing::error!(target: "idem_kafka", partition, "a record came through the consumer's queue instead of its partition's: the partition's worker stops, and the member joins its group again");
         let _ = worker.stop.send(true);
+        let _ = context.shared.commands.send(Command::Rejoin { partition });
     }
 }
 
@@ -799,7 +844,7 @@ async fn apply<I: Offsets, H: Handler<I::Tx>>(
             }
             Decision::Requeue { after } => {
                 if lost.load(Ordering::SeqCst) {
-                    tracing::warn!(target: "idem_kafka", partition, "the partition has another owner: this member stops applying it");
+                    fenced(shared, partition);
                     return None;
                 }
                 if !sleep_or_stop(after, stop).await {
@@ -808,6 +853,13 @@ async fn apply<I: Offsets, H: Handler<I::Tx>>(
             }
         }
     }
+}
+
+/// The partition's stored position moved under this member: its worker stops
+/// and asks the polling thread to rejoin the group.
+fn fenced<I: Offsets, H>(shared: &Shared<I, H>, partition: i32) {
+    tracing::warn!(target: "idem_kafka", partition, "the partition's stored position was moved by another member: this member stops applying it and rejoins its group");
+    let _ = shared.commands.send(Command::Rejoin { partition });
 }
 
 /// What a step outside the handler's transaction came to.
@@ -827,7 +879,7 @@ async fn advance_alone<I: Offsets, H>(
     match shared.protocol.inbox().inner().advance_alone(advance).await {
         Ok(true) => Step::Done,
         Ok(false) => {
-            tracing::warn!(target: "idem_kafka", partition = advance.partition, "the partition has another owner: this member stops applying it");
+            fenced(shared, advance.partition);
             Step::Stop
         }
         Err(error) => {
@@ -842,31 +894,79 @@ async fn advance_alone<I: Offsets, H>(
 }
 
 /// Produces the record's dead letter to the dead-letter topic and waits for
-/// the broker's acknowledgement, trying again until it comes; `false` when
-/// stopped first.
+/// the broker's acknowledgement; `false` when stopped first.
+///
+/// A refusal that can pass (the broker away, a timeout, a full queue) is
+/// tried again, with full-jitter backoff. A letter refused as too large,
+/// which can never pass as it is, is cut to fit (see [`cut`]) and marked
+/// with [`TRUNCATED_HEADER`](crate::TRUNCATED_HEADER), so it never blocks
+/// the partition behind it; a letter refused even with no value at all is
+/// given up, logged at ERROR: the record stays in its topic, and the inbox
+/// keeps it as a dead letter.
 async fn publish_dead_letter<I: Offsets, H>(
     shared: &Shared<I, H>,
     record: &OwnedMessage,
     letter: &Letter,
     stop: &mut watch::Receiver<bool>,
 ) -> bool {
+    let value = record.payload().unwrap_or_default();
+    let mut kept = value.len();
+    let mut refusals = 0;
     loop {
+        let truncated = (kept < value.len()).then_some(value.len());
         let mut dead = FutureRecord::to(&shared.dlq)
-            .payload(record.payload().unwrap_or_default())
-            .headers(dead_letter_headers(record, letter));
+            .payload(&value[..kept])
+            .headers(dead_letter_headers(record, letter, truncated));
         if let Some(key) = record.key() {
             dead = dead.key(key);
         }
         match shared.producer.send(dead, Duration::from_secs(30)).await {
-            Ok(_) => return true,
+            Ok(_) => {
+                if truncated.is_some() {
+                    tracing::warn!(target: "idem_kafka", topic = %bounded(&shared.dlq), size = value.len(), kept, "the dead letter was too large: produced with its value cut to fit, marked truncated (never re-driven)");
+                }
+                return true;
+            }
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge), _)) => {
+                let extra = record.key().map_or(0, <[u8]>::len)
+                    + record.headers().map_or(0, |headers| {
+                        headers
+                            .iter()
+                            .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
+                            .sum()
+                    });
+                match cut(kept, extra) {
+                    Some(next) => kept = next,
+                    None => {
+                        tracing::error!(target: "idem_kafka", topic = %bounded(&shared.dlq), size = value.len(), "the dead letter is refused as too large even without its value: given up (the record stays in its topic, and the inbox keeps it as a dead letter)");
+                        return true;
+                    }
+                }
+            }
             Err((error, _)) => {
-                tracing::error!(target: "idem_kafka", topic = %bounded(&shared.dlq), error = %error_chain(&error), "the dead letter was not acknowledged; trying again");
-                if !sleep_or_stop(AGAIN, stop).await {
+                refusals += 1;
+                let delay = REFUSED.delay(refusals);
+                tracing::error!(target: "idem_kafka", topic = %bounded(&shared.dlq), error = %error_chain(&error), ?delay, "the dead letter was not acknowledged; trying again");
+                if !sleep_or_stop(delay, stop).await {
                     return false;
                 }
             }
         }
     }
+}
+
+/// What a dead letter the broker refused as too large keeps of its value,
+/// `kept` bytes so far, its key and headers taking `extra`: first what fits
+/// librdkafka's default `message.max.bytes` with room for the record's
+/// framing, then half of what was kept at each refusal (a broker's limit may
+/// be lower); `None` once nothing is left to cut.
+fn cut(kept: usize, extra: usize) -> Option<usize> {
+    const FITS: usize = 1_000_000 - 16 * 1024;
+    if kept == 0 {
+        return None;
+    }
+    let fits = FITS.saturating_sub(extra);
+    Some(if kept > fits { fits } else { kept / 2 })
 }
 
 /// Sleeps for `delay`; `false` when stopped first.

@@ -11,6 +11,12 @@
 //! later redrives skip what a mark covers, so a second redrive republishes
 //! nothing. A redrive cut off before its mark republishes its letters again
 //! next time; the consumer's inbox applies each once all the same.
+//!
+//! A letter whose value was cut to fit the topic
+//! ([`TRUNCATED_HEADER`](crate::TRUNCATED_HEADER)) is never republished: its
+//! value is not the record's. It stays listed, and every redrive names it
+//! ([`Redrive::kept`]); the whole record is in its own topic until the
+//! topic's retention drops it.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
@@ -27,7 +33,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use crate::error::Error;
 use crate::record::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, REASON_HEADER, REDRIVEN_HEADER, TOPIC_HEADER,
-    carried_headers, header_str,
+    TRUNCATED_HEADER, carried_headers, header_str,
 };
 use crate::topics::{self, dead_letter_topic};
 
@@ -51,8 +57,11 @@ pub struct DeadLetterRecord {
     pub attempted_at: Vec<SystemTime>,
     /// Why it is a dead letter.
     pub reason: String,
-    /// Its value.
+    /// Its value (cut to fit when `truncated` is set).
     pub body: Bytes,
+    /// The value's size in bytes before it was cut to fit the dead-letter
+    /// topic; `None` when `body` is the whole value.
+    pub truncated: Option<u64>,
     /// Its partition in the dead-letter topic.
     pub partition: i32,
     /// Its offset there.
@@ -70,17 +79,39 @@ pub async fn dead_letters(servers: &str, topic: &str) -> Result<Vec<DeadLetterRe
         .collect())
 }
 
+/// What a [`redrive`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Redrive {
+    /// How many dead letters it republished.
+    pub republished: usize,
+    /// The letters it did not republish because their value was cut to fit
+    /// the dead-letter topic: they stay listed.
+    pub kept: Vec<DeadLetterRecord>,
+}
+
 /// Republishes to `topic` every dead letter of `<topic>.dlq` not re-driven
 /// before, marked re-driven, waiting for the broker's acknowledgements; then
-/// marks them re-driven in the dead-letter topic. Answers how many.
-pub async fn redrive(servers: &str, topic: &str) -> Result<usize, Error> {
+/// marks them re-driven in the dead-letter topic. A letter cut to fit is not
+/// republished: it is named in [`Redrive::kept`].
+pub async fn redrive(servers: &str, topic: &str) -> Result<Redrive, Error> {
     let dlq = dead_letter_topic(topic);
     let letters = read(servers, &dlq).await?;
-    if letters.pending.is_empty() {
-        return Ok(0);
+    let (kept, whole): (Vec<&OwnedMessage>, Vec<&OwnedMessage>) = letters
+        .pending
+        .iter()
+        .partition(|record| header_str(record, TRUNCATED_HEADER).is_some());
+    let kept: Vec<DeadLetterRecord> = kept
+        .into_iter()
+        .map(|record| letter_of(topic, record))
+        .collect();
+    if whole.is_empty() {
+        return Ok(Redrive {
+            republished: 0,
+            kept,
+        });
     }
     let producer = topics::producer(servers)?;
-    for record in &letters.pending {
+    for record in &whole {
         let headers = carried_headers(record).insert(Header {
             key: REDRIVEN_HEADER,
             value: Some("true"),
@@ -111,8 +142,11 @@ pub async fn redrive(servers: &str, topic: &str) -> Result<usize, Error> {
         .send(mark, Duration::from_secs(30))
         .await
         .map_err(|(error, _)| Error::kafka("mark the dead letters re-driven")(error))?;
-    tracing::info!(target: "idem_kafka", count = letters.pending.len(), "dead letters re-driven");
-    Ok(letters.pending.len())
+    tracing::info!(target: "idem_kafka", count = whole.len(), kept = kept.len(), "dead letters re-driven");
+    Ok(Redrive {
+        republished: whole.len(),
+        kept,
+    })
 }
 
 /// What the dead-letter topic holds.
@@ -203,13 +237,15 @@ fn read_blocking(servers: &str, dlq: &str) -> Result<Letters, Error> {
             }
         }
     }
+    // A letter cut to fit is never re-driven, so no mark covers it.
     let mut pending: Vec<OwnedMessage> = records
         .into_iter()
         .filter(|record| header_str(record, REDRIVEN_THROUGH_HEADER).is_none())
         .filter(|record| {
-            through
-                .get(&record.partition())
-                .is_none_or(|&end| record.offset() >= end)
+            header_str(record, TRUNCATED_HEADER).is_some()
+                || through
+                    .get(&record.partition())
+                    .is_none_or(|&end| record.offset() >= end)
         })
         .collect();
     pending.sort_by_key(|record| {
@@ -234,6 +270,7 @@ fn letter_of(topic: &str, record: &OwnedMessage) -> DeadLetterRecord {
             .unwrap_or_default()
             .to_owned(),
         body: Bytes::copy_from_slice(record.payload().unwrap_or_default()),
+        truncated: header_str(record, TRUNCATED_HEADER).and_then(|size| size.parse().ok()),
         partition: record.partition(),
         offset: record.offset(),
     }

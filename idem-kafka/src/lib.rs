@@ -47,14 +47,14 @@ mod topics;
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_QUEUE, DEFAULT_SHUTDOWN_TIMEOUT, Subscription, Unset,
 };
-pub use dead_letters::{DeadLetterRecord, REDRIVEN_THROUGH_HEADER, dead_letters, redrive};
+pub use dead_letters::{DeadLetterRecord, REDRIVEN_THROUGH_HEADER, Redrive, dead_letters, redrive};
 pub use error::Error;
 pub use fence::{Fenced, PartitionLost};
 pub use offsets::{Advance, Offsets, OffsetsFuture, OffsetsTx};
 pub use publisher::OutboxPublisher;
 pub use record::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, OFFSET_HEADER, PARTITION_HEADER, REASON_HEADER,
-    REDRIVEN_HEADER, TOPIC_HEADER,
+    REDRIVEN_HEADER, TOPIC_HEADER, TRUNCATED_HEADER,
 };
 pub use topics::{create_topic, dead_letter_topic};
 

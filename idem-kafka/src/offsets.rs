@@ -8,6 +8,13 @@
 //! anything else, because then another member owns the partition now and has
 //! moved it. A write that finds no row inserts it (the partition's first
 //! record), unless another member inserted it first.
+//!
+//! A row already at the write's target counts as written: that is the row
+//! after this writer's own COMMIT that landed but whose answer was lost (the
+//! retry of a commit that succeeded), or after another member applied the
+//! same record; either way the record is done and the partition goes on from
+//! there. (Whoever moved it, the record's effect is the inbox's to keep once:
+//! its row is in the same transaction.)
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -54,11 +61,12 @@ const POSITIONS: &str = "SELECT partition_id, next_offset FROM idem_kafka_offset
 
 /// The fenced move (`$1` consumer, `$2` topic, `$3` partition, `$4` the next
 /// offset, `$5` the offset the writer saw, `-1` for none): in this order,
-/// because SQLite numbers parameters as they first appear.
+/// because SQLite numbers parameters as they first appear. A row already at
+/// `$4` is rewritten with the same value, so the move counts one row.
 const ADVANCE: &str = "INSERT INTO idem_kafka_offsets (consumer, topic, partition_id, next_offset)
     VALUES ($1, $2, $3, $4)
     ON CONFLICT (consumer, topic, partition_id) DO UPDATE SET next_offset = excluded.next_offset
-    WHERE idem_kafka_offsets.next_offset = $5";
+    WHERE idem_kafka_offsets.next_offset IN ($5, excluded.next_offset)";
 
 /// One partition's move, from the offset its owner saw to the next one.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,9 +96,10 @@ struct PositionRow {
 /// pooled connection of its own. Implemented for idem-diesel's PostgreSQL and
 /// SQLite connections.
 pub trait OffsetsTx: Send {
-    /// Moves the partition's row as `advance` says; `false` (nothing written)
-    /// when the row holds another offset than `advance.from`: the partition
-    /// has another owner.
+    /// Moves the partition's row as `advance` says; `true` too when the row
+    /// is already at `advance.to` (see the module's docs); `false` (nothing
+    /// written) when it holds any other offset than `advance.from`: the
+    /// partition has another owner.
     fn advance<'a>(&'a mut self, advance: &'a Advance<'a>) -> OffsetsFuture<'a, QueryResult<bool>>;
 }
 

@@ -16,6 +16,9 @@ pub const TOPIC_HEADER: &str = "idem-topic";
 pub const PARTITION_HEADER: &str = "idem-partition";
 /// A dead letter's offset in its partition.
 pub const OFFSET_HEADER: &str = "idem-offset";
+/// Set on a dead letter whose value was cut to fit the dead-letter topic: the
+/// value's size in bytes before the cut. Such a letter is never re-driven.
+pub const TRUNCATED_HEADER: &str = "idem-body-truncated";
 /// Set on a record re-driven from the dead-letter topic: its dead letter is
 /// forgotten, and it runs again from attempt 1.
 pub const REDRIVEN_HEADER: &str = "idem-redriven";
@@ -31,6 +34,7 @@ pub(crate) fn is_own_header(name: &str) -> bool {
             | PARTITION_HEADER
             | OFFSET_HEADER
             | REDRIVEN_HEADER
+            | TRUNCATED_HEADER
     ) || name == crate::dead_letters::REDRIVEN_THROUGH_HEADER
 }
 
@@ -58,9 +62,20 @@ pub(crate) fn message_of(record: &OwnedMessage) -> Message {
 }
 
 /// The headers of a record's dead letter: its own (but this crate's), then
-/// the reason, the attempts' times, and where it failed.
-pub(crate) fn dead_letter_headers(record: &OwnedMessage, letter: &Letter) -> OwnedHeaders {
+/// the reason, the attempts' times, and where it failed; and, when its value
+/// was cut to fit, the value's size before the cut.
+pub(crate) fn dead_letter_headers(
+    record: &OwnedMessage,
+    letter: &Letter,
+    truncated: Option<usize>,
+) -> OwnedHeaders {
     let mut headers = carried_headers(record);
+    if let Some(size) = truncated {
+        headers = headers.insert(Header {
+            key: TRUNCATED_HEADER,
+            value: Some(size.to_string().as_str()),
+        });
+    }
     let attempts: Vec<String> = letter.attempted_at.iter().copied().map(rfc3339).collect();
     let partition = record.partition().to_string();
     let offset = record.offset().to_string();

@@ -50,6 +50,10 @@ fn main() -> ExitCode {
             "a_failing_record_is_dead_lettered_after_exactly_three_attempts_in_order",
             dead_lettered_in_order,
         ),
+        trial(
+            "a_dead_letter_too_large_for_its_topic_is_cut_to_fit_and_the_partition_moves_on",
+            oversized_dead_letter,
+        ),
         trial("a_member_leaving_hands_its_partitions_over", handover),
         trial("a_stale_owner_is_fenced", fenced),
         trial(
@@ -612,7 +616,8 @@ async fn dead_lettered_in_order() -> Outcome {
     apply.healed.store(true, Ordering::SeqCst);
     let moved = idem_kafka::redrive(&broker.servers(), &topic)
         .await
-        .unwrap();
+        .unwrap()
+        .republished;
     if moved != 1 {
         return Err(format!("redrive moved {moved}, expected 1").into());
     }
@@ -625,7 +630,8 @@ async fn dead_lettered_in_order() -> Outcome {
     .await?;
     let again = idem_kafka::redrive(&broker.servers(), &topic)
         .await
-        .unwrap();
+        .unwrap()
+        .republished;
     let left = idem_kafka::dead_letters(&broker.servers(), &topic)
         .await
         .unwrap();
@@ -640,6 +646,82 @@ async fn dead_lettered_in_order() -> Outcome {
     let values = inboxes.values().await;
     if values != ["a", "b", "fail-1"] {
         return Err(format!("applied {values:?}").into());
+    }
+    Ok(())
+}
+
+/// A failing record of 1,010,000 bytes (under a broker's usual limit, over
+/// the producer's 1,000,000 default) and a healthy one behind it: the dead
+/// letter is produced cut to fit, marked with its whole size; the healthy
+/// one is applied; a redrive republishes nothing and names the cut letter,
+/// which stays listed.
+async fn oversized_dead_letter() -> Outcome {
+    const SIZE: usize = 1_010_000;
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("oversized");
+    create_topic(&topic, 1).await;
+    let inboxes = database(Db::Sqlite).await;
+    let large: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", broker.servers())
+        .set("message.max.bytes", "2000000")
+        .create()
+        .unwrap();
+    let value = format!("fail-{}", "x".repeat(SIZE - 5));
+    produce(&large, &topic, 0, "big", &value).await;
+    produce(&large, &topic, 0, "b", "b").await;
+    let apply = Apply::default();
+    let running = inboxes.consume(&topic, &topic, apply.clone()).await;
+    eventually("the record behind the large one applied", || async {
+        match inboxes.applied().await {
+            (1, 1) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    running.stop().await;
+    let letters = idem_kafka::dead_letters(&broker.servers(), &topic)
+        .await
+        .unwrap();
+    let [letter] = letters.as_slice() else {
+        return Err(format!("{} dead letters, expected one", letters.len()).into());
+    };
+    let got = (
+        letter.message_id.as_deref(),
+        letter.truncated,
+        letter.attempted_at.len(),
+        letter.body.len() < 1_000_000,
+        letter.body.starts_with(b"fail-xxx"),
+    );
+    let expected = (Some("big"), Some(SIZE as u64), 3, true, true);
+    if got != expected {
+        return Err(format!(
+            "dead letter (id, truncated, attempts, cut under 1,000,000, its start) {got:?}, expected {expected:?}"
+        )
+        .into());
+    }
+    let redrive = idem_kafka::redrive(&broker.servers(), &topic)
+        .await
+        .unwrap();
+    let listed = idem_kafka::dead_letters(&broker.servers(), &topic)
+        .await
+        .unwrap();
+    let got = (
+        redrive.republished,
+        redrive
+            .kept
+            .iter()
+            .map(|l| l.message_id.clone())
+            .collect::<Vec<_>>(),
+        listed.len(),
+    );
+    if got != (0, vec![Some("big".to_owned())], 1) {
+        return Err(format!(
+            "redrive (republished, kept) and letters listed after: {got:?}, expected (0, [big], 1)"
+        )
+        .into());
+    }
+    if inboxes.values().await != ["b"] {
+        return Err(format!("applied {:?}", inboxes.values().await).into());
     }
     Ok(())
 }
@@ -693,7 +775,8 @@ async fn handover() -> Outcome {
     Ok(())
 }
 
-/// The fence: a move from an offset the row no longer holds writes nothing.
+/// The fence: a move from an offset the row no longer holds writes nothing,
+/// unless the row is already where the move goes.
 async fn fenced() -> Outcome {
     let inboxes = database(Db::Sqlite).await;
     let Inboxes::Sqlite { inbox, .. } = &inboxes else {
@@ -709,9 +792,14 @@ async fn fenced() -> Outcome {
     };
     let moves = [
         (step(None, 5), true),
+        // The same move again: the retry of a COMMIT whose answer was lost.
+        (step(None, 5), true),
         (step(None, 6), false),
         (step(Some(4), 6), false),
         (step(Some(5), 6), true),
+        (step(Some(5), 6), true),
+        // Behind the row: another owner moved it past this record.
+        (step(Some(4), 5), false),
     ];
     for (advance, expected) in moves {
         let written = inbox.advance_alone(&advance).await.unwrap();

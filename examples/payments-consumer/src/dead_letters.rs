@@ -18,6 +18,10 @@ pub struct DeadLetterLine {
     pub reason: String,
     /// The body: its JSON, or its text when it is not JSON.
     pub body: Value,
+    /// Set when the body was cut to fit the dead-letter topic (Kafka): its
+    /// size in bytes before the cut. Absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub truncated: Option<u64>,
 }
 
 /// Where a dead letter failed, as its line names it.
@@ -48,7 +52,15 @@ impl DeadLetterLine {
             reason,
             body: serde_json::from_slice(body)
                 .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into())),
+            truncated: None,
         }
+    }
+
+    /// The same line, of a letter whose body was cut from `size` bytes.
+    #[must_use]
+    pub fn truncated(mut self, size: Option<u64>) -> Self {
+        self.truncated = size;
+        self
     }
 }
 

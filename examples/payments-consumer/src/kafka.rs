@@ -93,12 +93,13 @@ pub async fn dead_letters(
                 letter.reason,
                 &letter.body,
             )
+            .truncated(letter.truncated)
         })
         .collect())
 }
 
-/// Republishes to the topic every dead letter not re-driven before; answers
-/// how many.
-pub async fn redrive(servers: &str, topic: &str) -> Result<usize, ConsumerError> {
+/// Republishes to the topic every dead letter not re-driven before but those
+/// cut to fit the dead-letter topic; answers what it did.
+pub async fn redrive(servers: &str, topic: &str) -> Result<idem_kafka::Redrive, ConsumerError> {
     Ok(idem_kafka::redrive(servers, topic).await?)
 }

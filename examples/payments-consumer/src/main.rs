@@ -231,11 +231,21 @@ async fn execute(command: Command) -> Result<(), ConsumerError> {
                     );
                 }
                 Broker::Kafka(servers) => {
-                    let moved = kafka::redrive(&servers, &place.topic).await?;
+                    let redrive = kafka::redrive(&servers, &place.topic).await?;
                     println!(
                         "re-drove {moved} dead letters from {topic}.dlq to {topic}",
+                        moved = redrive.republished,
                         topic = place.topic
                     );
+                    for letter in &redrive.kept {
+                        println!(
+                            "not re-driven: message_id {id}, its body cut to fit {topic}.dlq ({size} bytes whole; offset {offset} there)",
+                            id = letter.message_id.as_deref().unwrap_or("(none)"),
+                            size = letter.truncated.unwrap_or_default(),
+                            offset = letter.offset,
+                            topic = place.topic
+                        );
+                    }
                 }
                 Broker::Sqs(queue_url) => {
                     let moved = sqs::redrive(&queue_url, place.sqs_endpoint.as_deref()).await?;
