@@ -54,13 +54,27 @@ pub(crate) struct Received {
 }
 
 /// The idempotency key SQS gives `message`: its `message_id` attribute when
-/// present, else its FIFO `MessageDeduplicationId`, else its SQS
-/// `MessageId`.
+/// present (String or Number: its text; Binary: its bytes, which must be
+/// UTF-8), else its FIFO `MessageDeduplicationId`, else its SQS `MessageId`.
+///
+/// An attribute that is present but unreadable (Binary bytes that are not
+/// UTF-8, or empty) gives no key at all, so the message is dead-lettered
+/// with the reason `no-message-id`: falling back to the SQS `MessageId`,
+/// which a producer's resend does not keep, would apply a resend twice.
 pub(crate) fn message_id(message: &sqs::Message) -> Option<&str> {
-    string_attribute(message, MESSAGE_ID_ATTRIBUTE)
-        .or_else(|| system_attribute(message, MessageSystemAttributeName::MessageDeduplicationId))
-        .or_else(|| message.message_id())
-        .filter(|id| !id.is_empty())
+    let attribute = message
+        .message_attributes()
+        .and_then(|attributes| attributes.get(MESSAGE_ID_ATTRIBUTE));
+    match attribute {
+        Some(attribute) => attribute.string_value().or_else(|| {
+            attribute
+                .binary_value()
+                .and_then(|bytes| std::str::from_utf8(bytes.as_ref()).ok())
+        }),
+        None => system_attribute(message, MessageSystemAttributeName::MessageDeduplicationId)
+            .or_else(|| message.message_id()),
+    }
+    .filter(|id| !id.is_empty())
 }
 
 /// The protocol's message for `message`, or `None` when SQS gave no receipt
@@ -319,6 +333,38 @@ mod tests {
         assert_eq!(message_id(&with(Some("m-1"), Some("d"))), Some("m-1"));
         assert_eq!(message_id(&with(None, Some("d"))), Some("d"));
         assert_eq!(message_id(&with(None, None)), Some("sqs-id"));
+    }
+
+    #[test]
+    fn a_binary_id_is_its_utf8_bytes_and_an_unreadable_one_is_no_id() {
+        let with = |value: MessageAttributeValue| {
+            sqs::Message::builder()
+                .message_id("sqs-id")
+                .receipt_handle("r")
+                .set_message_attributes(Some(HashMap::from([(
+                    MESSAGE_ID_ATTRIBUTE.to_owned(),
+                    value,
+                )])))
+                .build()
+        };
+        let binary = |bytes: &[u8]| {
+            MessageAttributeValue::builder()
+                .data_type("Binary")
+                .binary_value(aws_sdk_sqs::primitives::Blob::new(bytes))
+                .build()
+                .unwrap_or_else(|_| unreachable!())
+        };
+        let number = MessageAttributeValue::builder()
+            .data_type("Number")
+            .string_value("42")
+            .build()
+            .unwrap_or_else(|_| unreachable!());
+        assert_eq!(message_id(&with(binary(b"pay-7"))), Some("pay-7"));
+        assert_eq!(message_id(&with(number)), Some("42"));
+        assert_eq!(message_id(&with(binary(&[0xff, 0xfe]))), None);
+        assert_eq!(message_id(&with(binary(b""))), None);
+        let translated = translate(with(binary(b"pay-7"))).unwrap_or_else(|| unreachable!());
+        assert_eq!(translated.message.message_id(), Some("pay-7"));
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //! | the handler failed on the last attempt, or can never succeed | [`Decision::DeadLetter`] with the reason and every attempt's time |
 //! | a dead letter, not yet in the dead-letter queue (a crash came between) | [`Decision::DeadLetter`] |
 //! | a dead letter already in the dead-letter queue (a producer resent it) | [`Decision::Ack`]: it is not published twice |
-//! | the inbox is unavailable | [`Decision::Requeue`]: back to the broker after a pause, not counted |
+//! | the inbox is unavailable | [`Decision::Requeue`]: back to the broker after a pause, not counted; or held until the inbox is back ([`Protocol::decide_holding`]) |
 //!
 //! A message marked re-driven ([`Message::redriven`]: a broker crate's
 //! redrive sets a header that says so) has its dead letter forgotten first,
@@ -63,6 +63,7 @@ mod inbox;
 mod memory;
 mod message;
 mod metrics;
+mod outage;
 mod policy;
 mod store_inbox;
 
@@ -75,6 +76,7 @@ pub use inbox::{
 };
 pub use memory::MemoryInbox;
 pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message, parse_rfc3339, rfc3339};
+pub use outage::Outage;
 pub use policy::{ConsumerPolicy, DeadLetterAlert, MissingId};
 pub use store_inbox::StoreInbox;
 

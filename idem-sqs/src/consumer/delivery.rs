@@ -36,7 +36,12 @@ pub(super) async fn settle<I: Inbox, H: Handler<I::Tx> + 'static>(
             .hold(
                 &receipts,
                 received_at,
-                shared.protocol.decide(&received.message, &shared.handler),
+                shared.protocol.decide_holding(
+                    &received.message,
+                    &shared.handler,
+                    &shared.outage,
+                    shared.stopped(),
+                ),
             )
             .await;
         let done = match carry_out(&shared, &target, received, decision).await {

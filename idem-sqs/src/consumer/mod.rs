@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
-use idem_core::consume::{ConsumerPolicy, Handler, Inbox, MemoryInbox, Protocol};
+use idem_core::consume::{ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol};
 use idem_core::log::error_chain;
 use idem_core::retry::Backoff;
 use tokio::task::JoinSet;
@@ -44,11 +44,22 @@ pub const MAX_BATCH: usize = 10;
 /// | `Ack` | `DeleteMessage` (after the commit) |
 /// | `Retry` | `ChangeMessageVisibility` to the full-jitter delay: the message is received again after it |
 /// | `DeadLetter` | `SendMessage` to the dead-letter queue with `idem-reason` and `idem-attempts`, then [`Protocol::published`], then `DeleteMessage` |
-/// | `Requeue` | `ChangeMessageVisibility` to the pause (not counted as an attempt) |
+/// | `Requeue` | none while the consumer runs: the message is held (see below) |
 ///
 /// While a handler runs, the message's visibility timeout is its lease,
 /// extended every quarter of it ([`ConsumerBuilder::lease`]): a handler
 /// slower than the queue's visibility timeout is not run a second time.
+///
+/// **While the inbox is unavailable** (its database is down), the consumer
+/// holds the messages it has, their leases extended, deciding each again
+/// after the policy's pause ([`Protocol::decide_holding`]), and receives no
+/// more until the inbox answers again. Every receive of an SQS message
+/// counts against its queue's redrive policy (`maxReceiveCount`): handing
+/// messages back through an outage would move healthy ones to the
+/// dead-letter queue. An outage spends no receive and no attempt. (SQS keeps
+/// a message invisible for at most 12 hours from its receive: one held
+/// longer comes back once.) A shutdown during an outage hands the held
+/// messages back after the pause.
 ///
 /// Built with [`Consumer::builder`], run with [`Consumer::run`].
 pub struct Consumer<I: Inbox, H> {
@@ -67,6 +78,18 @@ pub struct Consumer<I: Inbox, H> {
 pub(crate) struct Shared<I: Inbox, H> {
     pub(crate) protocol: Protocol<I>,
     pub(crate) handler: H,
+    /// The messages held while the inbox is unavailable.
+    pub(crate) outage: Outage,
+    /// Set when the consumer shuts down: a held message stops waiting.
+    pub(crate) stopping: tokio::sync::watch::Sender<bool>,
+}
+
+impl<I: Inbox, H> Shared<I, H> {
+    /// Resolves once the consumer shuts down.
+    pub(crate) async fn stopped(&self) {
+        let mut stopping = self.stopping.subscribe();
+        let _ = stopping.wait_for(|&stopping| stopping).await;
+    }
 }
 
 /// A builder of [`Consumer`]; an inbox and a handler are required, the rest
@@ -248,6 +271,8 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
             shared: Arc::new(Shared {
                 protocol: Protocol::new(name, self.inbox, self.policy),
                 handler: self.handler,
+                outage: Outage::new(),
+                stopping: tokio::sync::watch::Sender::new(false),
             }),
             client: self.client,
             queue_url: self.queue_url,
@@ -301,6 +326,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         on_polling: impl FnOnce(&Polling),
     ) -> Result<(), Error> {
         self.shared.protocol.readiness()?;
+        self.shared.stopping.send_replace(false);
         tokio::pin!(shutdown);
         let target = tokio::select! {
             biased;
@@ -333,12 +359,15 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         let mut polling: Option<Pin<Box<Poll<'_>>>> = None;
         loop {
             let free = self.concurrency.saturating_sub(in_hand);
-            if polling.is_none() && free > 0 {
+            let outage = self.shared.outage.is_on();
+            if polling.is_none() && free > 0 && !outage {
                 polling = Some(Box::pin(self.receive(&target, free.min(self.batch))));
             }
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
+                // Held messages wait for the inbox: receive again once none is.
+                () = self.shared.outage.over(), if outage && polling.is_none() => {}
                 Some(joined) = running.join_next_with_id() => {
                     let id = match &joined {
                         Ok((id, ())) => *id,
@@ -388,6 +417,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             }
         }
         drop(polling);
+        self.shared.stopping.send_replace(true);
         tracing::info!(
             queue,
             running = running.len(),
