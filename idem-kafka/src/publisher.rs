@@ -77,8 +77,7 @@ fn classify(error: KafkaError) -> PublishError {
             code @ (RDKafkaErrorCode::MessageSizeTooLarge
             | RDKafkaErrorCode::InvalidMessageSize
             | RDKafkaErrorCode::InvalidTopic
-            | RDKafkaErrorCode::InvalidRecord
-            | RDKafkaErrorCode::TopicAuthorizationFailed),
+            | RDKafkaErrorCode::InvalidRecord),
         ) => PublishError::Refused(format!("the broker refused it: {code}")),
         _ => PublishError::Unavailable(Box::new(error)),
     }

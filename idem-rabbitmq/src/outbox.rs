@@ -17,10 +17,12 @@ use crate::{Error, Publisher};
 /// - **parked** (can never be published, [`PublishError::Refused`]): a
 ///   payload over [`max_message_size`](Self::max_message_size), one the
 ///   broker refuses as too large (`PRECONDITION_FAILED`), a header name AMQP
-///   cannot carry, a message the broker refused (`basic.nack`);
+///   cannot carry;
 /// - **retried** with full jitter ([`PublishError::Unavailable`]): anything
-///   else, a broker down or unreachable and a queue that does not exist yet
-///   (unroutable) included. The connection is opened again at the next
+///   else, a refusal that can pass included: a message the broker refused
+///   (`basic.nack`, as a queue capped with `overflow: reject-publish` does
+///   while it is full), a broker down or unreachable, a queue that does not
+///   exist yet (unroutable). The connection is opened again at the next
 ///   publish.
 ///
 /// ```no_run
@@ -97,9 +99,6 @@ impl Publish for OutboxPublisher {
 fn classify(error: Error, size: usize) -> PublishError {
     match &error {
         Error::Invalid(reason) => PublishError::Refused(reason.clone()),
-        Error::NotConfirmed { why: "refused", .. } => {
-            PublishError::Refused("the broker refused it (basic.nack)".to_owned())
-        }
         Error::Broker { source, .. } => match too_large(source, size) {
             Some(reason) => PublishError::Refused(reason),
             None => PublishError::unavailable(error),

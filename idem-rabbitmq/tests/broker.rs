@@ -109,6 +109,11 @@ const SCENARIOS: &[Scenario] = &[
         run: |case| outbox_an_event_the_broker_refuses_is_parked(case).boxed(),
     },
     Scenario {
+        name: "outbox_a_full_queue_that_refuses_publishes_is_waited_out_never_parked",
+        alone: false,
+        run: |case| outbox_a_full_queue_is_waited_out(case).boxed(),
+    },
+    Scenario {
         name: "a_consumer_on_an_inbox_nobody_migrated_does_not_start",
         alone: false,
         run: |case| a_consumer_on_an_unverified_inbox_does_not_start(case).boxed(),
@@ -1550,6 +1555,137 @@ async fn outbox_an_event_the_broker_refuses_is_parked(case: Case) -> Outcome {
     // RabbitMQ 3.10's default.
     set_limit(134_217_728)?;
     outcome
+}
+
+/// A queue capped at 3 messages with `overflow: reject-publish` refuses
+/// (`basic.nack`) every publish while full: 12 events for it are retried,
+/// never parked, and, drained 3 at a time by a reader, all arrive, each
+/// once, in order per key.
+async fn outbox_a_full_queue_is_waited_out(case: Case) -> Outcome {
+    use idem_rabbitmq::lapin::options::{BasicGetOptions, QueueDeclareOptions};
+    use idem_rabbitmq::lapin::types::{AMQPValue, FieldTable};
+    let capped = format!("{}-capped", case.queue);
+    let connection = Connection::connect(&case.url, ConnectionProperties::default())
+        .await
+        .map_err(failed)?;
+    let channel = connection.create_channel().await.map_err(failed)?;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(3));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    channel
+        .queue_declare(
+            capped.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            arguments,
+        )
+        .await
+        .map_err(failed)?;
+    let outbox = postgres_outbox().await?;
+    let events = payment_events(&capped, "acc", 12, 3);
+    let staged: Vec<Event> = events.iter().map(|(event, _)| event.clone()).collect();
+    stage_on_postgres(&outbox, &staged, true).await?;
+    let publisher = OutboxPublisher::connect(&case.url).await.map_err(failed)?;
+    let relay = outbox.relay(publisher);
+    let mut received: Vec<String> = Vec::new();
+    let mut refused_while_full = false;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let _ = relay.run_once().await;
+        let backlog = outbox.backlog().await.map_err(failed)?;
+        // The queue is full (3) while events wait: the broker refuses them.
+        if count_messages(&channel, &capped).await? == 3 && backlog.unsent > 0 {
+            refused_while_full = true;
+        }
+        if backlog.unsent == 0 && received.len() >= 12 {
+            break;
+        }
+        ensure(
+            Instant::now() < deadline,
+            format!(
+                "not every event through the capped queue after 60 s: unsent {}, received {}",
+                backlog.unsent,
+                received.len()
+            ),
+        )?;
+        // The reader takes what is there.
+        while let Some(message) = channel
+            .basic_get(capped.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .map_err(failed)?
+        {
+            let id = message
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.to_string())
+                .unwrap_or_default();
+            received.push(id);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let expected: Vec<String> = staged.iter().map(|e| e.id().to_string()).collect();
+    let mut sorted = received.clone();
+    sorted.sort();
+    let mut want = expected.clone();
+    want.sort();
+    ensure(
+        sorted == want,
+        format!("received {received:?}, expected each of {expected:?} once"),
+    )?;
+    // In order per key: each account's events arrive in the order staged.
+    for account in ["acc-0", "acc-1", "acc-2"] {
+        let order = |ids: &[String]| -> Vec<String> {
+            ids.iter()
+                .filter(|id| {
+                    staged
+                        .iter()
+                        .any(|e| e.id().to_string() == **id && e.key() == account)
+                })
+                .cloned()
+                .collect()
+        };
+        ensure(
+            order(&received) == order(&expected),
+            format!("{account}: out of order"),
+        )?;
+    }
+    let parked = outbox.parked().await.map_err(failed)?;
+    ensure(
+        parked.is_empty() && relay.report().parked == 0,
+        format!("parked: {parked:?}"),
+    )?;
+    ensure(
+        refused_while_full,
+        "the queue was never full while events waited",
+    )?;
+    let _ = connection.close(0, "done".into()).await;
+    Ok("12 events through a queue capped at 3 (reject-publish): all received once, in order per key, 0 parked".to_owned())
+}
+
+/// The messages ready in `queue`.
+async fn count_messages(
+    channel: &idem_rabbitmq::lapin::Channel,
+    queue: &str,
+) -> Result<u32, Failed> {
+    use idem_rabbitmq::lapin::options::QueueDeclareOptions;
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            idem_rabbitmq::lapin::types::FieldTable::default(),
+        )
+        .await
+        .map_err(failed)?;
+    Ok(declared.message_count())
 }
 
 /// A consumer whose SQLite inbox was neither migrated nor checked in this

@@ -71,6 +71,42 @@ impl Outage {
     }
 }
 
+/// A consumer's stop, as the tasks holding deliveries see it: set when it
+/// shuts down (or its session with the broker ends), so that a delivery held
+/// through an outage stops waiting ([`Protocol::decide_holding`]'s `stop`).
+/// Clones share it.
+#[derive(Clone, Debug)]
+pub struct StopSignal {
+    stopping: Arc<watch::Sender<bool>>,
+}
+
+impl Default for StopSignal {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StopSignal {
+    /// Not stopping.
+    pub fn new() -> Self {
+        Self {
+            stopping: Arc::new(watch::Sender::new(false)),
+        }
+    }
+
+    /// Sets it (`true`: stopping) or clears it (a new run or session).
+    pub fn set(&self, stopping: bool) {
+        self.stopping.send_replace(stopping);
+    }
+
+    /// Resolves once it is set (at once when it is).
+    pub async fn stopped(&self) {
+        let mut stopping = self.stopping.subscribe();
+        // The sender lives in `self`: the wait ends only when it is set.
+        let _ = stopping.wait_for(|&stopping| stopping).await;
+    }
+}
+
 /// One delivery held; dropped (however the wait ends), it is not.
 struct Held<'a> {
     outage: &'a Outage,

@@ -31,7 +31,15 @@ pub(super) async fn carry_out<I: Inbox, H: Handler<I::Tx> + 'static>(
     } = delivery;
     let topology = &shared.topology;
     let message = message::translate(&properties, data, redelivered, topology.kind());
-    let decision = shared.protocol.decide(&message, &shared.handler).await;
+    let decision = shared
+        .protocol
+        .decide_holding(
+            &message,
+            &shared.handler,
+            &shared.outage,
+            shared.stop.stopped(),
+        )
+        .await;
     // A copy the broker refused: handed back after the policy's pause, as
     // when the inbox is unavailable.
     let pause = shared.protocol.policy().get_unavailable_pause();

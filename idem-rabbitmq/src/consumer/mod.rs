@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use idem_core::consume::{ConsumerPolicy, Handler, Inbox, MemoryInbox, Protocol};
+use idem_core::consume::{
+    ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
+};
 use idem_core::retry::Backoff;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -44,7 +46,15 @@ const CLOSE_LIMIT: Duration = Duration::from_secs(5);
 /// | `Ack` | nothing more |
 /// | `Retry` | a copy to the delay queue of its delay ([`Topology`]), with a per-message TTL; confirmed |
 /// | `DeadLetter` | a copy to `Q.dlq` (through `Q.dlq.hop`: `x-death` kept) with `x-idem-reason` and `x-idem-attempts`; confirmed; then [`Protocol::published`] |
-/// | `Requeue` | none: after the pause, the delivery is handed back (`nack`, requeued) |
+/// | `Requeue` | none while the session lasts: the delivery is held (see below) |
+///
+/// **While the inbox is unavailable** (its database is down), the consumer
+/// holds the deliveries it has, unacknowledged, deciding each again after
+/// the policy's pause ([`Protocol::decide_holding`]), and starts no other
+/// until the inbox answers again: a requeued delivery would come straight
+/// back, and a quorum queue's `delivery-limit` counts each return. An outage
+/// costs no attempt. When the session ends (a shutdown, a lost connection),
+/// the held deliveries are handed back.
 ///
 /// A copy the broker does not confirm (refused, unroutable) leaves the
 /// delivery unacknowledged: it is handed back after a pause of a second,
@@ -69,6 +79,10 @@ struct Shared<I: Inbox, H> {
     topology: Topology,
     /// The delay queues declared on the current connection.
     declared: Mutex<HashSet<String>>,
+    /// The deliveries held while the inbox is unavailable.
+    outage: Outage,
+    /// Set when the session ends: a held delivery stops waiting.
+    stop: StopSignal,
 }
 
 /// A builder of [`Consumer`]; an inbox and a handler are required, the rest
@@ -252,6 +266,8 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
                 handler: self.handler,
                 topology,
                 declared: Mutex::new(HashSet::new()),
+                outage: Outage::new(),
+                stop: StopSignal::new(),
             }),
             address,
             prefetch,
@@ -376,10 +392,14 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         });
 
         let mut running: JoinSet<Result<(), Error>> = JoinSet::new();
+        self.shared.stop.set(false);
+        let outage = &self.shared.outage;
         let lost = loop {
+            let held = outage.is_on();
             tokio::select! {
                 biased;
                 () = shutdown.as_mut() => {
+                    self.shared.stop.set(true);
                     self.stop(&connection, &channel, &tag, deliveries, running).await;
                     return Ok(());
                 }
@@ -388,7 +408,9 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
                     Ok(Err(error)) => break error,
                     Err(error) => break Error::Internal(format!("a delivery's task failed: {error}")),
                 },
-                delivery = deliveries.next(), if running.len() < self.concurrency => match delivery {
+                // Held deliveries wait for the inbox: start others once none is.
+                () = outage.over(), if held => {}
+                delivery = deliveries.next(), if running.len() < self.concurrency && !held => match delivery {
                     Some(Ok(delivery)) => {
                         running.spawn(delivery::carry_out(Arc::clone(&self.shared), channel.clone(), delivery));
                     }
@@ -399,7 +421,8 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         };
         // The deliveries not acknowledged come back from the broker; the
         // running handlers finish first (their acknowledgements fail with the
-        // connection, which is harmless).
+        // connection, which is harmless), the held ones stop waiting.
+        self.shared.stop.set(true);
         drop(deliveries);
         if tokio::time::timeout(self.shutdown_timeout, drain(&mut running))
             .await

@@ -40,7 +40,7 @@ pub(super) async fn settle<I: Inbox, H: Handler<I::Tx> + 'static>(
                     &received.message,
                     &shared.handler,
                     &shared.outage,
-                    shared.stopped(),
+                    shared.stop.stopped(),
                 ),
             )
             .await;

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
-use idem_core::consume::{ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol};
+use idem_core::consume::{
+    ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
+};
 use idem_core::log::error_chain;
 use idem_core::retry::Backoff;
 use tokio::task::JoinSet;
@@ -81,15 +83,7 @@ pub(crate) struct Shared<I: Inbox, H> {
     /// The messages held while the inbox is unavailable.
     pub(crate) outage: Outage,
     /// Set when the consumer shuts down: a held message stops waiting.
-    pub(crate) stopping: tokio::sync::watch::Sender<bool>,
-}
-
-impl<I: Inbox, H> Shared<I, H> {
-    /// Resolves once the consumer shuts down.
-    pub(crate) async fn stopped(&self) {
-        let mut stopping = self.stopping.subscribe();
-        let _ = stopping.wait_for(|&stopping| stopping).await;
-    }
+    pub(crate) stop: StopSignal,
 }
 
 /// A builder of [`Consumer`]; an inbox and a handler are required, the rest
@@ -272,7 +266,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
                 protocol: Protocol::new(name, self.inbox, self.policy),
                 handler: self.handler,
                 outage: Outage::new(),
-                stopping: tokio::sync::watch::Sender::new(false),
+                stop: StopSignal::new(),
             }),
             client: self.client,
             queue_url: self.queue_url,
@@ -326,7 +320,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         on_polling: impl FnOnce(&Polling),
     ) -> Result<(), Error> {
         self.shared.protocol.readiness()?;
-        self.shared.stopping.send_replace(false);
+        self.shared.stop.set(false);
         tokio::pin!(shutdown);
         let target = tokio::select! {
             biased;
@@ -417,7 +411,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             }
         }
         drop(polling);
-        self.shared.stopping.send_replace(true);
+        self.shared.stop.set(true);
         tracing::info!(
             queue,
             running = running.len(),
