@@ -224,21 +224,29 @@ impl fmt::Debug for Attempt<'_> {
 pub const MAX_MESSAGE_ID_LEN: usize = 255;
 
 /// The inbox's key for a message id: the id itself when it has 1 to
-/// [`MAX_MESSAGE_ID_LEN`] bytes and no control character, else `sha256:` and
-/// the hex digest of the id (a long id still deduplicates).
+/// [`MAX_MESSAGE_ID_LEN`] bytes, no control character and does not begin
+/// with `sha256:`; else `sha256:` and the hex digest of the id (a long id
+/// still deduplicates). An id that begins with `sha256:` is digested too, so
+/// that it never shares the key of the long id (or the body) it spells.
 pub(crate) fn key_of_id(id: &str) -> String {
-    if id.len() <= MAX_MESSAGE_ID_LEN && !id.chars().any(char::is_control) {
+    if id.len() <= MAX_MESSAGE_ID_LEN
+        && !id.chars().any(char::is_control)
+        && !id.starts_with(DIGEST_PREFIX)
+    {
         id.to_owned()
     } else {
         digest_key(id.as_bytes())
     }
 }
 
+/// What begins a digested key.
+const DIGEST_PREFIX: &str = "sha256:";
+
 /// `sha256:` and the hex digest of `bytes`.
 pub(crate) fn digest_key(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);
-    let mut key = String::with_capacity(7 + 64);
-    key.push_str("sha256:");
+    let mut key = String::with_capacity(DIGEST_PREFIX.len() + 64);
+    key.push_str(DIGEST_PREFIX);
     for byte in digest {
         let _ = write!(key, "{byte:02x}");
     }
@@ -272,6 +280,10 @@ mod tests {
         assert_eq!(key, key_of_id(&long), "the same id keys the same");
         assert!(key_of_id("a\nb").starts_with("sha256:"));
         assert_eq!(Message::new("x").id("").message_id(), None);
+        // An id that spells a long id's key is a key of its own.
+        let spelled = key_of_id(&key);
+        assert!(spelled.starts_with("sha256:") && spelled.len() == 71, "{spelled}");
+        assert_ne!(spelled, key);
     }
 
     #[test]
