@@ -60,8 +60,9 @@ pub use topics::{create_topic, dead_letter_topic};
 
 pub use idem_core;
 pub use idem_core::consume::{
-    Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler, HandlerError, HandlerFuture,
-    Inbox, Message, MissingId, Protocol, handler, rfc3339,
+    AMBIGUOUS_MESSAGE_ID, Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler,
+    HandlerError, HandlerFuture, Inbox, Message, MissingId, Protocol, UNREADABLE_MESSAGE_ID,
+    handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;
 pub use rdkafka;

@@ -1,6 +1,6 @@
 //! Records as the protocol sees them, and the headers of dead letters.
 
-use idem_core::consume::{Letter, Message, rfc3339};
+use idem_core::consume::{AMBIGUOUS_MESSAGE_ID, Letter, Message, UNREADABLE_MESSAGE_ID, rfc3339};
 use rdkafka::Message as _;
 use rdkafka::message::{Header, Headers, OwnedHeaders, OwnedMessage};
 
@@ -39,18 +39,32 @@ pub(crate) fn is_own_header(name: &str) -> bool {
 }
 
 /// The protocol's message for a record: its value, its headers, its id from
-/// the `message_id` header (a value that is not UTF-8 counts as no id).
+/// the `message_id` header. A value that is not UTF-8, or two `message_id`
+/// headers that differ, is an id that cannot be read: the record is
+/// dead-lettered at once with the reason `unreadable-message-id` or
+/// `ambiguous-message-id`.
 pub(crate) fn message_of(record: &OwnedMessage) -> Message {
     let mut message = Message::new(bytes::Bytes::copy_from_slice(
         record.payload().unwrap_or_default(),
     ));
+    let mut id: Option<&[u8]> = None;
     if let Some(headers) = record.headers() {
         for header in headers.iter() {
             let value = header.value.unwrap_or_default();
-            if header.key == MESSAGE_ID_HEADER
-                && let Ok(id) = std::str::from_utf8(value)
-            {
-                message = message.id(id);
+            if header.key == MESSAGE_ID_HEADER {
+                match id {
+                    Some(first) if first != value => {
+                        message = message.id_problem(AMBIGUOUS_MESSAGE_ID);
+                    }
+                    Some(_) => {}
+                    None => {
+                        id = Some(value);
+                        match std::str::from_utf8(value) {
+                            Ok(text) => message = message.id(text),
+                            Err(_) => message = message.id_problem(UNREADABLE_MESSAGE_ID),
+                        }
+                    }
+                }
             }
             if header.key == REDRIVEN_HEADER {
                 message = message.redriven(value == b"true");
@@ -115,4 +129,46 @@ pub(crate) fn header_str<'r>(record: &'r OwnedMessage, name: &str) -> Option<&'r
         .iter()
         .find(|header| header.key == name)
         .and_then(|header| std::str::from_utf8(header.value?).ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::Timestamp;
+
+    use super::*;
+
+    fn record(ids: &[&[u8]]) -> OwnedMessage {
+        let mut headers = OwnedHeaders::new();
+        for id in ids {
+            headers = headers.insert(Header {
+                key: MESSAGE_ID_HEADER,
+                value: Some(*id),
+            });
+        }
+        OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "payments".to_owned(),
+            Timestamp::NotAvailable,
+            0,
+            7,
+            Some(headers),
+        )
+    }
+
+    #[test]
+    fn an_id_is_read_once_and_an_unreadable_or_ambiguous_one_is_said_so() {
+        let read = |ids: &[&[u8]]| {
+            let message = message_of(&record(ids));
+            (
+                message.message_id().map(str::to_owned),
+                message.get_id_problem(),
+            )
+        };
+        assert_eq!(read(&[b"m-1"]), (Some("m-1".to_owned()), None));
+        assert_eq!(read(&[b"m-1", b"m-1"]), (Some("m-1".to_owned()), None));
+        assert_eq!(read(&[]), (None, None));
+        assert_eq!(read(&[&[0xff, 0xfe]]).1, Some(UNREADABLE_MESSAGE_ID));
+        assert_eq!(read(&[b"m-1", b"m-2"]).1, Some(AMBIGUOUS_MESSAGE_ID));
+    }
 }

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use aws_sdk_sqs::types::{self as sqs, MessageAttributeValue, MessageSystemAttributeName};
 use bytes::Bytes;
-use idem_core::consume::{Message, parse_rfc3339, rfc3339};
+use idem_core::consume::{Message, UNREADABLE_MESSAGE_ID, parse_rfc3339, rfc3339};
 use sha2::{Digest, Sha256};
 
 /// The message attribute a producer sets to the message's idempotency key.
@@ -59,7 +59,7 @@ pub(crate) struct Received {
 ///
 /// An attribute that is present but unreadable (Binary bytes that are not
 /// UTF-8, or empty) gives no key at all, so the message is dead-lettered
-/// with the reason `no-message-id`: falling back to the SQS `MessageId`,
+/// with the reason `unreadable-message-id`: falling back to the SQS `MessageId`,
 /// which a producer's resend does not keep, would apply a resend twice.
 pub(crate) fn message_id(message: &sqs::Message) -> Option<&str> {
     let attribute = message
@@ -83,8 +83,16 @@ pub(crate) fn translate(message: sqs::Message) -> Option<Received> {
     let receipt = message.receipt_handle()?.to_owned();
     let body = Bytes::copy_from_slice(message.body().unwrap_or_default().as_bytes());
     let mut translated = Message::new(body);
-    if let Some(id) = message_id(&message) {
-        translated = translated.id(id);
+    match message_id(&message) {
+        Some(id) => translated = translated.id(id),
+        // The attribute is there but unreadable: dead-lettered with why.
+        None if message
+            .message_attributes()
+            .is_some_and(|attributes| attributes.contains_key(MESSAGE_ID_ATTRIBUTE)) =>
+        {
+            translated = translated.id_problem(UNREADABLE_MESSAGE_ID);
+        }
+        None => {}
     }
     if let Some(attributes) = message.message_attributes() {
         for (name, value) in attributes {
@@ -365,6 +373,11 @@ mod tests {
         assert_eq!(message_id(&with(binary(b""))), None);
         let translated = translate(with(binary(b"pay-7"))).unwrap_or_else(|| unreachable!());
         assert_eq!(translated.message.message_id(), Some("pay-7"));
+        let unreadable = translate(with(binary(&[0xff]))).unwrap_or_else(|| unreachable!());
+        assert_eq!(
+            unreadable.message.get_id_problem(),
+            Some(UNREADABLE_MESSAGE_ID)
+        );
     }
 
     #[test]

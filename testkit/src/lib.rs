@@ -28,6 +28,8 @@
 //! - **A missing binary is an error that says what to install**, never a
 //!   skipped test.
 //!
+//! [`fault`] is a TCP proxy that stalls, resets, drops, or loses COMMITs.
+//!
 //! [`cpu`] reads the CPU time a process, or a PostgreSQL server, has used
 //! (the benchmarks' readings).
 //!
@@ -42,6 +44,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod cpu;
+pub mod fault;
 pub mod kafka;
 pub mod postgres;
 mod process;

@@ -28,6 +28,8 @@ pub struct Message {
     redelivered: bool,
     redriven: bool,
     delivery_count: Option<u32>,
+    /// Why the message's id could not be read, when it could not.
+    id_problem: Option<&'static str>,
 }
 
 impl Message {
@@ -40,7 +42,26 @@ impl Message {
             redelivered: false,
             redriven: false,
             delivery_count: None,
+            id_problem: None,
         }
+    }
+
+    /// Marks the message's id as present but unreadable (`reason`, e.g.
+    /// [`UNREADABLE_MESSAGE_ID`](super::UNREADABLE_MESSAGE_ID): not UTF-8;
+    /// [`AMBIGUOUS_MESSAGE_ID`](super::AMBIGUOUS_MESSAGE_ID): two that
+    /// differ): the protocol dead-letters it at once with that reason,
+    /// whatever the policy says of a message without an id. Keyed by
+    /// anything else (its body, a broker's own id), a producer's resend would
+    /// be applied twice.
+    #[must_use]
+    pub fn id_problem(mut self, reason: &'static str) -> Self {
+        self.id_problem = Some(reason);
+        self
+    }
+
+    /// Why the message's id could not be read, if it could not.
+    pub fn get_id_problem(&self) -> Option<&'static str> {
+        self.id_problem
     }
 
     /// Sets the producer's message id (AMQP `message_id`, a Kafka header, an
@@ -155,6 +176,7 @@ impl fmt::Debug for Message {
             .field("redelivered", &self.redelivered)
             .field("redriven", &self.redriven)
             .field("delivery_count", &self.delivery_count)
+            .field("id_problem", &self.id_problem)
             .finish()
     }
 }
@@ -282,7 +304,10 @@ mod tests {
         assert_eq!(Message::new("x").id("").message_id(), None);
         // An id that spells a long id's key is a key of its own.
         let spelled = key_of_id(&key);
-        assert!(spelled.starts_with("sha256:") && spelled.len() == 71, "{spelled}");
+        assert!(
+            spelled.starts_with("sha256:") && spelled.len() == 71,
+            "{spelled}"
+        );
         assert_ne!(spelled, key);
     }
 

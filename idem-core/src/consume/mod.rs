@@ -28,7 +28,10 @@
 //! so it runs again from attempt 1.
 //!
 //! A message without an id is dead-lettered at once (reason `no-message-id`)
-//! unless the policy keys it by its body ([`MissingId`]). An id over
+//! unless the policy keys it by its body ([`MissingId`]). One whose id is
+//! there but cannot be read ([`Message::id_problem`]: not UTF-8, two that
+//! differ) is dead-lettered at once, whatever the policy
+//! ([`UNREADABLE_MESSAGE_ID`], [`AMBIGUOUS_MESSAGE_ID`]). An id over
 //! [`MAX_MESSAGE_ID_LEN`] bytes is keyed by its SHA-256.
 //!
 //! # One dead-letter truth
@@ -93,6 +96,11 @@ use metrics::Outcome;
 
 /// The reason of a message dead-lettered because it has no id.
 pub const NO_MESSAGE_ID: &str = "no-message-id";
+/// The reason of a message dead-lettered because its id is not UTF-8.
+pub const UNREADABLE_MESSAGE_ID: &str = "unreadable-message-id";
+/// The reason of a message dead-lettered because it carries two ids that
+/// differ.
+pub const AMBIGUOUS_MESSAGE_ID: &str = "ambiguous-message-id";
 /// The reason of a message dead-lettered because its id was applied before to
 /// another message.
 pub const MESSAGE_ID_REUSED: &str = "message-id-reused";
@@ -221,6 +229,10 @@ impl<I: Inbox> Protocol<I> {
             at: SystemTime::now(),
         };
         async {
+            if let Some(reason) = message.get_id_problem() {
+                tracing::warn!(target: "idem", reason, "a message whose id cannot be read cannot be applied exactly once: dead-lettered");
+                return self.bury(&entry, reason, 1).await;
+            }
             if message.message_id().is_none() && self.policy().get_missing_id() == MissingId::Refuse {
                 tracing::warn!(target: "idem", reason = NO_MESSAGE_ID, "a message without an id cannot be applied exactly once: dead-lettered");
                 return self.bury(&entry, NO_MESSAGE_ID, 1).await;
@@ -674,6 +686,19 @@ mod tests {
             by_body.decide(&Message::new("x"), &handler).await,
             Decision::Ack(Acked::Duplicate)
         ));
+        // An id there but unreadable is dead-lettered even when keying by
+        // the body is allowed.
+        let Decision::DeadLetter(letter) = by_body
+            .decide(
+                &Message::new("y").id_problem(AMBIGUOUS_MESSAGE_ID),
+                &handler,
+            )
+            .await
+        else {
+            panic!("an ambiguous id: dead-lettered");
+        };
+        assert_eq!(letter.reason, AMBIGUOUS_MESSAGE_ID);
+        assert_eq!(handler.runs.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
