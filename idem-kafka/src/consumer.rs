@@ -668,7 +668,7 @@ fn rejoin<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     shared: &Shared<I, H>,
     partition: i32,
 ) {
-    tracing::warn!(target: "idem_kafka", partition, "the partition's worker stopped applying it: leaving the group and joining again, so that every partition is handed out afresh and starts at its stored position");
+    tracing::warn!(target: "idem_kafka", topic = %bounded(&shared.topic), partition, "the partition's worker stopped applying it: leaving the group and joining again, so that every partition is handed out afresh and starts at its stored position");
     consumer.unsubscribe();
     if let Err(error) = consumer.subscribe(&[shared.topic.as_str()]) {
         // Nothing is assigned now: the member stops rather than sit in no
@@ -858,7 +858,7 @@ async fn apply<I: Offsets, H: Handler<I::Tx>>(
 /// The partition's stored position moved under this member: its worker stops
 /// and asks the polling thread to rejoin the group.
 fn fenced<I: Offsets, H>(shared: &Shared<I, H>, partition: i32) {
-    tracing::warn!(target: "idem_kafka", partition, "the partition's stored position was moved by another member: this member stops applying it and rejoins its group");
+    tracing::warn!(target: "idem_kafka", topic = %bounded(&shared.topic), partition, "the partition's stored position was moved by another member: this member stops applying it and rejoins its group");
     let _ = shared.commands.send(Command::Rejoin { partition });
 }
 

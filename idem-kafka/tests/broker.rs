@@ -28,6 +28,7 @@ use idem_kafka::{
     Advance, Attempt, Backoff, Consumer, ConsumerPolicy, DEFAULT_QUEUE, Handler, HandlerError,
     HandlerFuture, Offsets, OffsetsTx, Subscription,
 };
+use idem_testkit::fault::{Fault, Proxy};
 use idem_testkit::{TestKafka, TestPostgres};
 use libtest_mimic::{Arguments, Failed, Trial};
 use tokio::sync::oneshot;
@@ -53,6 +54,10 @@ fn main() -> ExitCode {
         trial(
             "a_dead_letter_too_large_for_its_topic_is_cut_to_fit_and_the_partition_moves_on",
             oversized_dead_letter,
+        ),
+        trial(
+            "lost_commit_answers_never_halt_a_partition_and_apply_each_record_once",
+            lost_commit_answers,
         ),
         trial("a_member_leaving_hands_its_partitions_over", handover),
         trial("a_stale_owner_is_fenced", fenced),
@@ -722,6 +727,68 @@ async fn oversized_dead_letter() -> Outcome {
     }
     if inboxes.values().await != ["b"] {
         return Err(format!("applied {:?}", inboxes.values().await).into());
+    }
+    Ok(())
+}
+
+/// The inbox's PostgreSQL behind a proxy that loses the answer to every 5th
+/// COMMIT (the commit lands; the consumer cannot know): 60 records over 3
+/// partitions are each applied once, every partition reaches its end, and
+/// no worker was fenced (a retried position write that finds the row where
+/// it goes is done, not another owner's).
+async fn lost_commit_answers() -> Outcome {
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("lost");
+    create_topic(&topic, 3).await;
+    let cluster = TestPostgres::shared().expect("a PostgreSQL cluster (initdb, pg_ctl)");
+    let name = cluster.fresh_database("lost").unwrap();
+    let proxy = Proxy::postgres(([127, 0, 0, 1], cluster.port()).into()).unwrap();
+    let url = format!("postgres://postgres@{}/{name}", proxy.addr());
+    let inbox = PgInbox::builder()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    inbox.migrate().await.unwrap();
+    let mut connection = inbox.pool().get().await.unwrap();
+    connection.batch_execute(SCHEMA).await.unwrap();
+    drop(connection);
+    let inboxes = Inboxes::Postgres(inbox);
+    let producer = producer();
+    for i in 0..60 {
+        produce(
+            &producer,
+            &topic,
+            i % 3,
+            &format!("m{i:02}"),
+            &format!("v{i:02}"),
+        )
+        .await;
+    }
+    proxy.set(Fault::LoseCommitAnswers { every: 5 });
+    let running = inboxes.consume(&topic, &topic, Apply::default()).await;
+    eventually("every partition at its end", || async {
+        let positions = positions(&inboxes, &topic, &topic).await;
+        if positions == [(0, 20), (1, 20), (2, 20)] {
+            Ok(())
+        } else {
+            Err(format!("positions {positions:?}"))
+        }
+    })
+    .await?;
+    let lost = proxy.lost_commit_answers();
+    proxy.set(Fault::None);
+    running.stop().await;
+    let applied = inboxes.applied().await;
+    let fenced = Captured::text()
+        .lines()
+        .filter(|line| line.contains(&topic) && line.contains("rejoin"))
+        .count();
+    if applied != (60, 60) || lost < 10 || fenced != 0 {
+        return Err(format!(
+            "applied {applied:?} (expected (60, 60)), {lost} COMMIT answers lost (expected at least 10), {fenced} fenced lines (expected 0)"
+        )
+        .into());
     }
     Ok(())
 }
