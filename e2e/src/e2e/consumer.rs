@@ -109,8 +109,9 @@ pub(crate) async fn rows(
                 .enumerate()
                 .map(move |(i, scenario)| (i, scenario, store))
         })
-        .filter(|(_, scenario, _)| {
+        .filter(|(_, scenario, store)| {
             scenario.alone == alone
+                && (!scenario.postgres_only || *store == StoreKind::Postgres)
                 && (selected.is_empty() || selected.iter().any(|n| n == scenario.name))
         })
         .collect();

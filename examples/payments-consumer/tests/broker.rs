@@ -19,7 +19,7 @@ struct Servers {
 }
 
 /// The consumer's databases.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Backend {
     Postgres,
     Sqlite,
@@ -74,6 +74,7 @@ fn main() -> ExitCode {
     let trials = [Backend::Postgres, Backend::Sqlite]
         .into_iter()
         .flat_map(|backend| SCENARIOS.iter().map(move |scenario| (backend, scenario)))
+        .filter(|(backend, scenario)| !scenario.postgres_only || *backend == Backend::Postgres)
         .map(|(backend, scenario)| {
             let (servers, runtime, alone) = (servers.clone(), runtime.clone(), alone.clone());
             Trial::test(

@@ -17,6 +17,7 @@ use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rand::seq::SliceRandom;
 
+use super::faults;
 use super::process::{Case, PATIENCE, processed};
 use super::scenarios::{Scenario, Stream, payment, seeded, stream, wait_processed};
 use crate::database::{Database, with_connection};
@@ -24,27 +25,52 @@ use crate::database::{Database, with_connection};
 /// Every scenario on Kafka.
 pub const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
+        name: "kafka_lost_commit_answers",
+        check: "consumer on Kafka: every 5th COMMIT answer lost, 240 records over 3 partitions, none halted, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| lost_commit_answers(case).boxed(),
+    },
+    Scenario {
+        name: "kafka_db_outage",
+        check: "consumer on Kafka: a 25 s database outage mid-stream, nothing dead-lettered, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| a_database_outage(case).boxed(),
+    },
+    Scenario {
+        name: "kafka_oversized_dead_letter",
+        check: "consumer on Kafka: a 1,010,000-byte dead letter cut to fit, marked; the partition goes on",
+        alone: false,
+        postgres_only: false,
+        run: |case| an_oversized_dead_letter(case).boxed(),
+    },
+    Scenario {
         name: "kafka_sigkill",
         check: "consumer on Kafka: SIGKILL x5 after commits, 500 records (100 duplicates), balances exact",
         alone: false,
+        postgres_only: false,
         run: |case| sigkill_after_commits(case).boxed(),
     },
     Scenario {
         name: "kafka_join_leave",
         check: "consumer on Kafka: a member joins, the first leaves, mid-stream; balances exact",
         alone: false,
+        postgres_only: false,
         run: |case| a_member_joins_and_one_leaves(case).boxed(),
     },
     Scenario {
         name: "kafka_dead_letter",
         check: "consumer on Kafka: failing record in <topic>.dlq after 3 attempts, the partition goes on",
         alone: false,
+        postgres_only: false,
         run: |case| a_failing_record_is_dead_lettered_in_order(case).boxed(),
     },
     Scenario {
         name: "kafka_redrive",
         check: "consumer on Kafka: redrive after the fix, applied once; a second redrive moves nothing",
         alone: false,
+        postgres_only: false,
         run: |case| a_redrive_is_applied_once(case).boxed(),
     },
 ];
@@ -201,6 +227,151 @@ async fn consumed(database: &Database, topic: &str, records: usize) -> Result<()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// 240 records (40 of them a producer's resends) over 3 partitions while
+/// the answer to every 5th COMMIT of the consumer's database is lost: a
+/// position write retried after its commit landed unseen finds the row
+/// where it goes and is done. Every partition reaches its end (none halted),
+/// every balance exact, the consumer alive.
+async fn lost_commit_answers(mut case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    create_topic(&case, 3).await?;
+    let stream = stream(&mut rng, "kl", 200, 40, 12);
+    publish(&case, &stream).await?;
+    let proxy = faults::losing_commit_answers(&mut case)?;
+    let database = case.database().await?;
+    let consumer = case.consumer(&[]).await?;
+    consumed(&database, &case.queue, stream.messages.len())
+        .await
+        .map_err(failed)?;
+    let lost = faults::lost_at_least(&proxy, 10)?;
+    let fenced = consumer.log_lines("rejoin").len();
+    ensure!(
+        fenced == 0,
+        "{fenced} fenced partitions: a lost COMMIT answer was taken for another owner"
+    );
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    Ok(format!(
+        "{} records (40 duplicates), {lost} COMMIT answers lost, 0 partitions fenced; {effects} effects, {} balances exact",
+        stream.messages.len(),
+        stream.expected.len()
+    ))
+}
+
+/// 150 records over 3 partitions; after 30 are applied the database goes
+/// away for 25 s and comes back: each partition retries its record in
+/// place, uncounted, and resumes by itself. Every balance exact, nothing
+/// dead-lettered, the consumer alive.
+async fn a_database_outage(mut case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    create_topic(&case, 3).await?;
+    let stream = stream(&mut rng, "ko", 150, 0, 12);
+    publish(&case, &stream).await?;
+    let proxy = case.proxy_database()?;
+    let database = case.database().await?;
+    let consumer = case.consumer(&["--handler-latency-ms", "20"]).await?;
+    wait_processed(&case, &database, 30).await.map_err(failed)?;
+    faults::outage(&proxy).await;
+    let during = processed(&database, &case.inbox_consumer()).await?;
+    consumed(&database, &case.queue, stream.messages.len())
+        .await
+        .map_err(failed)?;
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    let dead = dead_letter_lines(&case).await?;
+    ensure!(dead.is_empty(), "dead letters after the outage: {dead:?}");
+    Ok(format!(
+        "{} records; {during} applied when the database came back after {} s; {effects} effects, {} balances exact, 0 dead letters",
+        stream.messages.len(),
+        faults::OUTAGE.as_secs(),
+        stream.expected.len()
+    ))
+}
+
+/// `dead-letters --kafka`, one JSON value per line.
+async fn dead_letter_lines(case: &Case) -> Result<Vec<serde_json::Value>, String> {
+    let out = case
+        .command(&[
+            "dead-letters",
+            "--kafka",
+            servers(case)?,
+            "--topic",
+            &case.queue,
+        ])
+        .await?;
+    out.lines()
+        .map(|line| serde_json::from_str(line).map_err(|e| format!("{line:?}: {e}")))
+        .collect()
+}
+
+/// On one partition: a record of 1,010,000 bytes that is no payment (under
+/// a broker's usual limit, over the producer's 1,000,000 default), then 10
+/// payments. Its dead letter is cut to fit and marked with its size; the
+/// payments behind it are applied; `dead-letters` shows `"truncated"`, and
+/// `redrive` republishes nothing and names it.
+async fn an_oversized_dead_letter(case: Case) -> Result<String, String> {
+    const SIZE: usize = 1_010_000;
+    create_topic(&case, 1).await?;
+    let large: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", servers(&case)?)
+        .set("message.max.bytes", "2000000")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let account = format!("acct-{}", case.queue);
+    produce(&large, &case.queue, "big", "x".repeat(SIZE).as_bytes()).await?;
+    for i in 0..10 {
+        produce(
+            &large,
+            &case.queue,
+            &format!("m-{i}"),
+            &payment(&account, 5),
+        )
+        .await?;
+    }
+    let database = case.database().await?;
+    let consumer = case.consumer(&[]).await?;
+    consumed(&database, &case.queue, 11).await?;
+    faults::alive(consumer).await?;
+    let balance = case.balance(&account).await?;
+    ensure!(
+        (balance.balance, balance.operations) == (50, 10),
+        "{account}: {balance:?}, expected 50 over 10 operations"
+    );
+    let letters = dead_letter_lines(&case).await?;
+    ensure!(
+        letters.len() == 1
+            && letters[0]["message_id"] == "big"
+            && letters[0]["truncated"] == SIZE
+            && letters[0]["body"]
+                .as_str()
+                .is_some_and(|body| body.len() < 1_000_000),
+        "dead letters: {} lines, the first {:?}",
+        letters.len(),
+        <[serde_json::Value]>::first(&letters).map(|l| (
+            &l["message_id"],
+            &l["truncated"],
+            &l["reason"]
+        ))
+    );
+    let redrive = case
+        .command(&[
+            "redrive",
+            "--kafka",
+            servers(&case)?,
+            "--topic",
+            &case.queue,
+        ])
+        .await?;
+    ensure!(
+        redrive.starts_with("re-drove 0 dead letters")
+            && redrive.contains("not re-driven: message_id big"),
+        "redrive printed {redrive:?}"
+    );
+    Ok("a 1,010,000-byte record dead-lettered cut to fit (truncated: 1010000), the 10 payments behind it applied; redrive republished 0 and named it".to_owned())
 }
 
 /// The crash from the question: 500 records (100 of them a producer's

@@ -43,6 +43,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod demo;
+mod faults;
 mod kafka;
 mod process;
 mod scenarios;

@@ -14,6 +14,7 @@ use idem_rabbitmq::lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
 };
 use idem_rabbitmq::{DeadLetterMessage, Topology};
+use idem_testkit::fault::Proxy;
 use idem_testkit::{TestRabbitMq, TestSqs};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -44,6 +45,10 @@ pub struct Case {
     /// On SQS: moto's server (the queue's name is the SQS queue's, its URL
     /// [`TestSqs::queue_url`]).
     pub sqs: Option<Arc<TestSqs>>,
+    /// The database URL the consumers are given when it is not `database`:
+    /// a fault proxy's ([`Case::proxy_database`]). The scenario's own reads
+    /// go to `database`, past the proxy.
+    consumer_database: Option<String>,
     started: Arc<AtomicUsize>,
 }
 
@@ -88,8 +93,30 @@ impl Case {
             broker: None,
             kafka: None,
             sqs: None,
+            consumer_database: None,
             started: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    /// Puts a fault proxy ([`Proxy::postgres`]) between the consumers
+    /// started from now on and the case's PostgreSQL database, and answers
+    /// it; the scenario's own reads (`balance`, the inbox's rows) go to the
+    /// database directly. Fails on a case on SQLite.
+    pub fn proxy_database(&mut self) -> Result<Proxy, String> {
+        let (user, rest) = self
+            .database
+            .strip_prefix("postgres://")
+            .and_then(|rest| rest.split_once('@'))
+            .ok_or_else(|| format!("a fault proxy needs PostgreSQL, not {}", self.database))?;
+        let (address, name) = rest
+            .split_once('/')
+            .ok_or_else(|| format!("no database name in {}", self.database))?;
+        let address: std::net::SocketAddr = address
+            .parse()
+            .map_err(|e| format!("the database's address {address:?}: {e}"))?;
+        let proxy = Proxy::postgres(address).map_err(|e| format!("the fault proxy: {e}"))?;
+        self.consumer_database = Some(format!("postgres://{user}@{}/{name}", proxy.addr()));
+        Ok(proxy)
     }
 
     /// The case with the broker's node, which the scenarios that restart the
@@ -136,7 +163,8 @@ impl Case {
         let log = self.dir.join(format!("{}-consumer-{n}.log", self.queue));
         let stderr = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
         let mut command = Command::new(&self.binary);
-        command.args(["run", "--database", &self.database]);
+        let database = self.consumer_database.as_deref().unwrap_or(&self.database);
+        command.args(["run", "--database", database]);
         match &self.kafka {
             Some(servers) => {
                 command.args(["--kafka", servers, "--topic", &self.queue]);

@@ -10,6 +10,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
+use super::faults;
 use super::process::{Case, Client, PATIENCE, accounts, processed};
 use crate::database::Database;
 use crate::ledger::Account;
@@ -26,6 +27,9 @@ pub struct Scenario {
     /// It stops the broker: no other scenario may use the node meanwhile,
     /// and its [`Case`] needs the node ([`Case::with_broker`]).
     pub alone: bool,
+    /// It puts a fault proxy between the consumers and their PostgreSQL
+    /// database ([`Case::proxy_database`]): it runs on PostgreSQL only.
+    pub postgres_only: bool,
     /// Runs it on a fresh case.
     pub run: fn(Case) -> BoxFuture<'static, Result<String, String>>,
 }
@@ -33,69 +37,94 @@ pub struct Scenario {
 /// Every scenario.
 pub const SCENARIOS: &[Scenario] = &[
     Scenario {
+        name: "consumer_lost_commit_answers",
+        check: "consumer: every 5th COMMIT answer lost (the commit landed), 240 messages, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| lost_commit_answers(case).boxed(),
+    },
+    Scenario {
+        name: "consumer_db_outage",
+        check: "consumer: a 25 s database outage mid-stream, nothing dead-lettered, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| a_database_outage(case).boxed(),
+    },
+    Scenario {
         name: "consumer_duplicates",
         check: "consumer: 10 deliveries of one message_id, one effect",
         alone: false,
+        postgres_only: false,
         run: |case| ten_identical_deliveries_take_effect_once(case).boxed(),
     },
     Scenario {
         name: "consumer_reused_id",
         check: "consumer: another body under an applied message_id, dead-lettered",
         alone: false,
+        postgres_only: false,
         run: |case| another_body_under_an_applied_id_is_dead_lettered(case).boxed(),
     },
     Scenario {
         name: "consumer_invalid",
         check: "consumer: invalid payments dead-lettered at once",
         alone: false,
+        postgres_only: false,
         run: |case| invalid_payments_are_dead_lettered_at_once(case).boxed(),
     },
     Scenario {
         name: "consumer_sigkill",
         check: "consumer: SIGKILL x5 over 500 messages, every balance exact",
         alone: false,
+        postgres_only: false,
         run: |case| sigkill_and_restarts_leave_every_balance_exact(case).boxed(),
     },
     Scenario {
         name: "consumer_sigterm",
         check: "consumer: SIGTERM under load exits 0, nothing lost",
         alone: false,
+        postgres_only: false,
         run: |case| sigterm_under_load_loses_nothing(case).boxed(),
     },
     Scenario {
         name: "consumer_concurrency",
         check: "consumer: --concurrency 8 over 450 messages, every balance exact",
         alone: false,
+        postgres_only: false,
         run: |case| eight_at_once_leave_every_balance_exact(case).boxed(),
     },
     Scenario {
         name: "consumer_broker_restart",
         check: "consumer: broker restarted mid-stream, resumed by itself",
         alone: true,
+        postgres_only: false,
         run: |case| a_broker_restart_mid_stream_loses_nothing(case).boxed(),
     },
     Scenario {
         name: "consumer_dead_letter",
         check: "consumer: failing message dead-lettered after 3 attempts",
         alone: false,
+        postgres_only: false,
         run: |case| a_failing_message_is_dead_lettered_after_its_last_attempt(case).boxed(),
     },
     Scenario {
         name: "consumer_alert",
         check: "consumer: 11 dead letters, one alert",
         alone: false,
+        postgres_only: false,
         run: |case| eleven_dead_letters_raise_one_alert(case).boxed(),
     },
     Scenario {
         name: "consumer_redrive",
         check: "consumer: redrive after the fix, applied once",
         alone: false,
+        postgres_only: false,
         run: |case| a_redriven_dead_letter_is_applied_once(case).boxed(),
     },
     Scenario {
         name: "consumer_trace_logs",
         check: "consumer: RUST_LOG=trace, no message_id or body logged",
         alone: false,
+        postgres_only: false,
         run: |case| trace_logs_hold_no_message_id_and_no_body(case).boxed(),
     },
 ];
@@ -229,6 +258,63 @@ pub(super) async fn wait_processed(
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+}
+
+/// 240 messages (40 of them a producer's resends), 4 at a time, while the
+/// answer to every 5th COMMIT of the consumer's database is lost: each
+/// delivery whose commit landed unseen is decided again and found applied.
+/// Every balance exact, no dead letter, the consumer alive.
+async fn lost_commit_answers(mut case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    let stream = stream(&mut rng, "lc", 200, 40, 10);
+    let client = Client::connect(&case).await?;
+    stream.publish(&client).await?;
+    client.close().await;
+    let proxy = faults::losing_commit_answers(&mut case)?;
+    let database = case.database().await?;
+    let consumer = case.consumer(&["--concurrency", "4"]).await?;
+    drained(&case, &database, stream.unique)
+        .await
+        .map_err(failed)?;
+    let lost = faults::lost_at_least(&proxy, 10)?;
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    Ok(format!(
+        "{} messages (40 duplicates), {lost} COMMIT answers lost; {effects} effects, {} balances exact, 0 dead letters",
+        stream.messages.len(),
+        stream.expected.len()
+    ))
+}
+
+/// 150 messages; after 30 are applied the database goes away for 25 s
+/// (every connection reset and refused) and comes back. The consumer holds
+/// what it has, takes nothing more, counts no attempt, and resumes by
+/// itself: every balance exact, nothing dead-lettered, the consumer alive.
+async fn a_database_outage(mut case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    let stream = stream(&mut rng, "do", 150, 0, 10);
+    let client = Client::connect(&case).await?;
+    stream.publish(&client).await?;
+    client.close().await;
+    let proxy = case.proxy_database()?;
+    let database = case.database().await?;
+    let consumer = case.consumer(&["--handler-latency-ms", "20"]).await?;
+    wait_processed(&case, &database, 30).await.map_err(failed)?;
+    faults::outage(&proxy).await;
+    let during = processed(&database, &case.inbox_consumer()).await?;
+    drained(&case, &database, stream.unique)
+        .await
+        .map_err(failed)?;
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    Ok(format!(
+        "{} messages; {during} applied when the database came back after {} s; {effects} effects, {} balances exact, 0 dead letters",
+        stream.messages.len(),
+        faults::OUTAGE.as_secs(),
+        stream.expected.len()
+    ))
 }
 
 /// Waits until the inbox holds `unique` messages and the work queue is

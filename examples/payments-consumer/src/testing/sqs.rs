@@ -18,6 +18,7 @@ use idem_testkit::TestSqs;
 use rand::seq::SliceRandom;
 use serde_json::json;
 
+use super::faults;
 use super::process::{Case, ConsumerProcess, PATIENCE, processed, read_log};
 use super::scenarios::{
     Scenario, Stream, payment, seeded, stream, wait_operations, wait_processed,
@@ -27,33 +28,52 @@ use crate::database::Database;
 /// Every scenario on SQS.
 pub const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
+        name: "sqs_lost_commit_answers",
+        check: "consumer on SQS: every 5th COMMIT answer lost, 240 messages, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| lost_commit_answers(case).boxed(),
+    },
+    Scenario {
+        name: "sqs_db_outage",
+        check: "consumer on SQS: a 25 s database outage, maxReceiveCount 3: nothing dead-lettered, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| a_database_outage_spends_no_receive(case).boxed(),
+    },
+    Scenario {
         name: "sqs_sigkill",
         check: "consumer on SQS: SIGKILL x5 over 500 messages (100 duplicates), balances exact",
         alone: false,
+        postgres_only: false,
         run: |case| sigkill_mid_stream(case).boxed(),
     },
     Scenario {
         name: "sqs_slow_handler",
         check: "consumer on SQS: a 3 s handler on a 1 s visibility timeout runs once",
         alone: false,
+        postgres_only: false,
         run: |case| a_handler_slower_than_the_visibility_timeout_runs_once(case).boxed(),
     },
     Scenario {
         name: "sqs_dead_letter",
         check: "consumer on SQS: failing message in <queue>-dlq after exactly 3 receives",
         alone: false,
+        postgres_only: false,
         run: |case| a_failing_message_is_dead_lettered_after_three_receives(case).boxed(),
     },
     Scenario {
         name: "sqs_redrive",
         check: "consumer on SQS: redrive after the fix, applied once; a second moves nothing",
         alone: false,
+        postgres_only: false,
         run: |case| a_redrive_is_applied_once(case).boxed(),
     },
     Scenario {
         name: "sqs_fifo_dedup",
         check: "consumer on SQS FIFO: content dedup narrows duplicates, the inbox removes them",
         alone: false,
+        postgres_only: false,
         run: |case| the_fifo_content_deduplication_exercise(case).boxed(),
     },
 ];
@@ -216,6 +236,104 @@ fn outcomes(logs: &[PathBuf], outcome: &str) -> Vec<String> {
 /// A consumer of the case logging its outcomes, with `extra` flags.
 async fn consumer(case: &Case, extra: &[&str]) -> Result<ConsumerProcess, String> {
     case.consumer_with_env(&OUTCOMES, extra).await
+}
+
+/// 240 messages (40 of them a producer's resends), 4 at a time, while the
+/// answer to every 5th COMMIT of the consumer's database is lost: every
+/// balance exact, no dead letter, the consumer alive.
+async fn lost_commit_answers(mut case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    let client = client(&case)?;
+    let url = create_queue(
+        &case,
+        &client,
+        &[(QueueAttributeName::VisibilityTimeout, "5")],
+    )
+    .await?;
+    let stream = stream(&mut rng, "sl", 200, 40, 10);
+    publish(&client, &url, &stream).await?;
+    let proxy = faults::losing_commit_answers(&mut case)?;
+    let database = case.database().await?;
+    let consumer = consumer(&case, &["--concurrency", "4"]).await?;
+    drained(&case, &client, &url, &database, stream.unique)
+        .await
+        .map_err(failed)?;
+    let lost = faults::lost_at_least(&proxy, 10)?;
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    Ok(format!(
+        "{} messages (40 duplicates), {lost} COMMIT answers lost; {effects} effects, {} balances exact, 0 dead letters",
+        stream.messages.len(),
+        stream.expected.len()
+    ))
+}
+
+/// A queue whose redrive policy moves a message after 3 receives; 100
+/// messages, 4 at a time; after 20 are applied the database goes away for
+/// 25 s (connections reset and refused). The consumer holds the messages it
+/// has (their visibility extended) and receives no more: no message is
+/// received a 3rd time, so SQS moves none to the policy's target. Every
+/// balance exact, the target empty, the consumer alive.
+async fn a_database_outage_spends_no_receive(mut case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    let client = client(&case)?;
+    let target = format!("{}-target", case.queue);
+    let created = client
+        .create_queue()
+        .queue_name(&target)
+        .send()
+        .await
+        .map_err(|e| format!("creating {target}: {e:?}"))?;
+    let target_url = created.queue_url().unwrap_or_default().to_owned();
+    let policy = format!(
+        r#"{{"deadLetterTargetArn":"arn:aws:sqs:us-east-1:123456789012:{target}","maxReceiveCount":3}}"#
+    );
+    let url = create_queue(
+        &case,
+        &client,
+        &[
+            (QueueAttributeName::VisibilityTimeout, "2"),
+            (QueueAttributeName::RedrivePolicy, policy.as_str()),
+        ],
+    )
+    .await?;
+    let stream = stream(&mut rng, "so", 100, 0, 10);
+    publish(&client, &url, &stream).await?;
+    let proxy = case.proxy_database()?;
+    let database = case.database().await?;
+    let consumer = consumer(&case, &["--concurrency", "4", "--handler-latency-ms", "20"]).await?;
+    wait_processed(&case, &database, 20).await.map_err(failed)?;
+    faults::outage(&proxy).await;
+    let during = processed(&database, &case.inbox_consumer()).await?;
+    let started = Instant::now();
+    loop {
+        let done = processed(&database, &case.inbox_consumer()).await?;
+        let left = depth(&client, &url).await?;
+        if done == stream.unique as i64 && left == 0 {
+            break;
+        }
+        ensure!(
+            started.elapsed() < PATIENCE,
+            "after {PATIENCE:?}: {done} of {} processed, {left} messages left in the queue",
+            stream.unique
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let moved = depth(&client, &target_url).await?;
+    ensure!(
+        moved == 0,
+        "SQS moved {moved} healthy messages to the redrive policy's target"
+    );
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    Ok(format!(
+        "{} messages; {during} applied when the database came back after {} s; 0 moved by maxReceiveCount 3; {effects} effects, {} balances exact",
+        stream.messages.len(),
+        faults::OUTAGE.as_secs(),
+        stream.expected.len()
+    ))
 }
 
 /// 500 messages (100 of them a producer's resends) on a queue whose
