@@ -49,6 +49,9 @@ pub struct Case {
     /// a fault proxy's ([`Case::proxy_database`]). The scenario's own reads
     /// go to `database`, past the proxy.
     consumer_database: Option<String>,
+    /// The SQS endpoint the consumers are given when it is not the
+    /// server's: a fault proxy's ([`Case::proxy_sqs`]).
+    consumer_sqs_endpoint: Option<String>,
     started: Arc<AtomicUsize>,
 }
 
@@ -94,6 +97,7 @@ impl Case {
             kafka: None,
             sqs: None,
             consumer_database: None,
+            consumer_sqs_endpoint: None,
             started: Arc::new(AtomicUsize::new(0)),
         }
     }
@@ -116,6 +120,20 @@ impl Case {
             .map_err(|e| format!("the database's address {address:?}: {e}"))?;
         let proxy = Proxy::postgres(address).map_err(|e| format!("the fault proxy: {e}"))?;
         self.consumer_database = Some(format!("postgres://{user}@{}/{name}", proxy.addr()));
+        Ok(proxy)
+    }
+
+    /// Puts a fault proxy ([`Proxy::tcp`]) between the consumers started
+    /// from now on and the case's SQS server (their `--sqs-endpoint`), and
+    /// answers it; the scenario's own calls go to the server directly.
+    pub fn proxy_sqs(&mut self) -> Result<Proxy, String> {
+        let sqs = self
+            .sqs
+            .as_ref()
+            .ok_or("an SQS case needs Case::with_sqs")?;
+        let proxy = Proxy::tcp(([127, 0, 0, 1], sqs.port()).into())
+            .map_err(|e| format!("the fault proxy: {e}"))?;
+        self.consumer_sqs_endpoint = Some(format!("http://{}", proxy.addr()));
         Ok(proxy)
     }
 
@@ -174,9 +192,13 @@ impl Case {
                 &mut command
             }
             None => match &self.sqs {
-                Some(sqs) => command
-                    .args(["--sqs", &sqs.queue_url(&self.queue)])
-                    .args(["--sqs-endpoint", &sqs.endpoint()]),
+                Some(sqs) => command.args(["--sqs", &sqs.queue_url(&self.queue)]).args([
+                    "--sqs-endpoint",
+                    &self
+                        .consumer_sqs_endpoint
+                        .clone()
+                        .unwrap_or_else(|| sqs.endpoint()),
+                ]),
                 None => command.args(["--amqp", &self.amqp, "--queue", &self.queue]),
             },
         };

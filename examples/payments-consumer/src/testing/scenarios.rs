@@ -27,8 +27,9 @@ pub struct Scenario {
     /// It stops the broker: no other scenario may use the node meanwhile,
     /// and its [`Case`] needs the node ([`Case::with_broker`]).
     pub alone: bool,
-    /// It puts a fault proxy between the consumers and their PostgreSQL
-    /// database ([`Case::proxy_database`]): it runs on PostgreSQL only.
+    /// It runs on PostgreSQL only: it puts a fault proxy between the
+    /// consumers and their PostgreSQL database ([`Case::proxy_database`]),
+    /// or it faults the broker, which one database shows as well as two.
     pub postgres_only: bool,
     /// Runs it on a fresh case.
     pub run: fn(Case) -> BoxFuture<'static, Result<String, String>>,

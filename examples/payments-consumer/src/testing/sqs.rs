@@ -35,6 +35,13 @@ pub const SQS_SCENARIOS: &[Scenario] = &[
         run: |case| lost_commit_answers(case).boxed(),
     },
     Scenario {
+        name: "sqs_endpoint_outage",
+        check: "consumer on SQS: SQS unreachable for 25 s mid-stream, resumed by itself, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| an_endpoint_outage(case).boxed(),
+    },
+    Scenario {
         name: "sqs_db_outage",
         check: "consumer on SQS: a 25 s database outage, maxReceiveCount 3: nothing dead-lettered, balances exact",
         alone: false,
@@ -265,6 +272,43 @@ async fn lost_commit_answers(mut case: Case) -> Result<String, String> {
     Ok(format!(
         "{} messages (40 duplicates), {lost} COMMIT answers lost; {effects} effects, {} balances exact, 0 dead letters",
         stream.messages.len(),
+        stream.expected.len()
+    ))
+}
+
+/// 100 messages; after 20 are applied, SQS stops answering the consumer
+/// for 25 s (its connections reset, new ones refused: the endpoint behind a
+/// fault proxy), then answers again. The consumer polls again with
+/// full-jitter backoff and resumes by itself; what it could not delete comes
+/// back and is a duplicate. Every balance exact, nothing dead-lettered, the
+/// consumer alive.
+async fn an_endpoint_outage(mut case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    let client = client(&case)?;
+    let url = create_queue(
+        &case,
+        &client,
+        &[(QueueAttributeName::VisibilityTimeout, "2")],
+    )
+    .await?;
+    let stream = stream(&mut rng, "se", 100, 0, 10);
+    publish(&client, &url, &stream).await?;
+    let proxy = case.proxy_sqs()?;
+    let database = case.database().await?;
+    let consumer = consumer(&case, &["--concurrency", "4", "--handler-latency-ms", "20"]).await?;
+    wait_processed(&case, &database, 20).await.map_err(failed)?;
+    faults::outage(&proxy).await;
+    let during = processed(&database, &case.inbox_consumer()).await?;
+    drained(&case, &client, &url, &database, stream.unique)
+        .await
+        .map_err(failed)?;
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    Ok(format!(
+        "{} messages; {during} applied when SQS answered again after {} s; {effects} effects, {} balances exact, 0 dead letters",
+        stream.messages.len(),
+        faults::OUTAGE.as_secs(),
         stream.expected.len()
     ))
 }
