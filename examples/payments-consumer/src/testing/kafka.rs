@@ -39,6 +39,13 @@ pub const KAFKA_SCENARIOS: &[Scenario] = &[
         run: |case| a_database_outage(case).boxed(),
     },
     Scenario {
+        name: "kafka_backlog_memory",
+        check: "consumer on Kafka: 100,000 records (100 MB) behind a slow handler, memory bounded",
+        alone: false,
+        postgres_only: true,
+        run: |case| a_backlog_stays_in_the_broker(case).boxed(),
+    },
+    Scenario {
         name: "kafka_oversized_dead_letter",
         check: "consumer on Kafka: a 1,010,000-byte dead letter cut to fit, marked; the partition goes on",
         alone: false,
@@ -306,6 +313,80 @@ async fn dead_letter_lines(case: &Case) -> Result<Vec<serde_json::Value>, String
     out.lines()
         .map(|line| serde_json::from_str(line).map_err(|e| format!("{line:?}: {e}")))
         .collect()
+}
+
+/// 100,000 payments of about 1 KB each (100 MB) on one partition, behind a
+/// handler that takes 2 ms a record: the consumer holds at most its queue
+/// (256 records) and librdkafka's fetch ahead of it, never the backlog. Its
+/// peak resident memory, read once it has applied 2,000 records, stays
+/// under 96 MiB (it would pass the backlog's 100 MB if the records were
+/// pulled in); the records it applied are each applied once.
+async fn a_backlog_stays_in_the_broker(case: Case) -> Result<String, String> {
+    const RECORDS: usize = 100_000;
+    const BOUND_KIB: u64 = 96 * 1024;
+    create_topic(&case, 1).await?;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", servers(&case)?)
+        .set("linger.ms", "20")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let account = format!("acct-{}", case.queue);
+    let padding = "p".repeat(1000);
+    let started = Instant::now();
+    for chunk in 0..RECORDS / 5_000 {
+        let sends = (chunk * 5_000..(chunk + 1) * 5_000).map(|i| {
+            let body = format!(r#"{{"account_id":"{account}","amount":1,"padding":"{padding}"}}"#);
+            let id = format!("b-{i}");
+            let producer = &producer;
+            let topic = &case.queue;
+            async move {
+                let record = FutureRecord::to(topic).key(&id).payload(&body).headers(
+                    OwnedHeaders::new().insert(Header {
+                        key: "message_id",
+                        value: Some(&id),
+                    }),
+                );
+                producer
+                    .send(record, Duration::from_secs(60))
+                    .await
+                    .map(drop)
+                    .map_err(|(e, _)| format!("producing {id}: {e}"))
+            }
+        });
+        for sent in futures_util::future::join_all(sends).await {
+            sent?;
+        }
+    }
+    let produced_in = started.elapsed();
+    let database = case.database().await?;
+    let consumer = case.consumer(&["--handler-latency-ms", "2"]).await?;
+    wait_processed(&case, &database, 2_000).await?;
+    let peak = consumer.peak_rss_kib().ok_or("the consumer exited")?;
+    faults::alive(consumer).await?;
+    let applied = case.balance(&account).await?;
+    ensure!(
+        applied.balance == applied.operations && applied.operations >= 2_000,
+        "{account}: {applied:?}, expected each applied record once (balance = operations)"
+    );
+    let passed = positions(&database, &case.queue).await?;
+    ensure!(
+        passed == applied.operations,
+        "the position passed {passed} records, {} were applied",
+        applied.operations
+    );
+    ensure!(
+        peak < BOUND_KIB,
+        "the consumer's peak resident memory was {} MiB with the backlog waiting, over {} MiB",
+        peak / 1024,
+        BOUND_KIB / 1024
+    );
+    Ok(format!(
+        "{RECORDS} records of ~1 KB produced in {:.1} s; peak RSS {:.1} MiB after {} applied (bound {} MiB)",
+        produced_in.as_secs_f64(),
+        peak as f64 / 1024.0,
+        applied.operations,
+        BOUND_KIB / 1024
+    ))
 }
 
 /// On one partition: a record of 1,010,000 bytes that is no payment (under

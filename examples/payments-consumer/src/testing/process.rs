@@ -386,6 +386,16 @@ impl ConsumerProcess {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// The most memory it has held so far (`VmHWM`, its peak resident set),
+    /// in KiB; `None` once it has exited.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()?)).ok()?;
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
     /// Its log.
     pub fn log_text(&self) -> String {
         read_log(&self.log)
