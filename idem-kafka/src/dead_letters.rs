@@ -22,10 +22,11 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use idem_core::consume::parse_rfc3339;
+use idem_core::consume::{id_text, parse_rfc3339};
 use rdkafka::ClientConfig;
 use rdkafka::Message as _;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::Headers as _;
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::FutureRecord;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -51,7 +52,7 @@ pub struct DeadLetterRecord {
     /// The topic it failed in.
     pub topic: String,
     /// Its `message_id` header (`None` when it had none: one reason to be
-    /// here).
+    /// here); escaped (`\xff`) when it is not UTF-8.
     pub message_id: Option<String>,
     /// When each failed attempt started.
     pub attempted_at: Vec<SystemTime>,
@@ -262,7 +263,11 @@ fn read_blocking(servers: &str, dlq: &str) -> Result<Letters, Error> {
 fn letter_of(topic: &str, record: &OwnedMessage) -> DeadLetterRecord {
     DeadLetterRecord {
         topic: header_str(record, TOPIC_HEADER).unwrap_or(topic).to_owned(),
-        message_id: header_str(record, MESSAGE_ID_HEADER).map(str::to_owned),
+        message_id: record
+            .headers()
+            .and_then(|headers| headers.iter().find(|h| h.key == MESSAGE_ID_HEADER))
+            .and_then(|header| header.value)
+            .map(id_text),
         attempted_at: header_str(record, ATTEMPTS_HEADER)
             .map(|times| times.split(',').filter_map(parse_rfc3339).collect())
             .unwrap_or_default(),

@@ -205,7 +205,13 @@ impl DeadLetterMessage {
         }
         Some(Self {
             queue: from.to_owned(),
-            message_id: message::message_id(raw).map(str::to_owned),
+            message_id: message::message_id(raw).map(str::to_owned).or_else(|| {
+                // An id attribute that is not UTF-8, shown escaped.
+                raw.message_attributes()?
+                    .get(message::MESSAGE_ID_ATTRIBUTE)?
+                    .binary_value()
+                    .map(|bytes| idem_core::consume::id_text(bytes.as_ref()))
+            }),
             attempted_at: message::string_attribute(raw, ATTEMPTS_ATTRIBUTE)
                 .map(message::parse_attempts)
                 .unwrap_or_default(),

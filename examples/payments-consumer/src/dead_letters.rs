@@ -3,9 +3,10 @@
 use idem_rabbitmq::{DeadLetterMessage, rfc3339};
 use serde::Serialize;
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// A dead letter as `dead-letters` prints it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct DeadLetterLine {
     /// Where it failed: `"queue"` (RabbitMQ, SQS) or `"topic"` (Kafka).
     #[serde(flatten)]
@@ -16,8 +17,10 @@ pub struct DeadLetterLine {
     pub attempts: Vec<String>,
     /// Why it is a dead letter.
     pub reason: String,
-    /// The body: its JSON, or its text when it is not JSON.
-    pub body: Value,
+    /// The body as it was sent: its JSON, byte for byte (key order and
+    /// duplicate keys kept), or a JSON string of its text when it is not
+    /// JSON.
+    pub body: Box<RawValue>,
     /// Set when the body was cut to fit the dead-letter topic (Kafka): its
     /// size in bytes before the cut. Absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -50,8 +53,7 @@ impl DeadLetterLine {
             message_id,
             attempts: attempted_at.iter().copied().map(rfc3339).collect(),
             reason,
-            body: serde_json::from_slice(body)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into())),
+            body: as_sent(body),
             truncated: None,
         }
     }
@@ -64,6 +66,19 @@ impl DeadLetterLine {
     }
 }
 
+/// A body as it was sent: its JSON when it is JSON, else its text as a JSON
+/// string.
+fn as_sent(body: &[u8]) -> Box<RawValue> {
+    std::str::from_utf8(body)
+        .ok()
+        .and_then(|text| RawValue::from_string(text.trim().to_owned()).ok())
+        .unwrap_or_else(|| {
+            let text = Value::String(String::from_utf8_lossy(body).into_owned());
+            // A string always serializes: the default (`null`) is never used.
+            serde_json::value::to_raw_value(&text).unwrap_or_default()
+        })
+}
+
 impl From<&DeadLetterMessage> for DeadLetterLine {
     fn from(letter: &DeadLetterMessage) -> Self {
         Self::new(
@@ -73,5 +88,31 @@ impl From<&DeadLetterMessage> for DeadLetterLine {
             letter.reason.clone(),
             &letter.body,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_is_shown_as_it_was_sent() {
+        let line = |body: &[u8]| {
+            let letter = DeadLetterLine::new(
+                Source::Topic("payments".to_owned()),
+                None,
+                &[],
+                "reason".to_owned(),
+                body,
+            );
+            serde_json::to_string(&letter.body).unwrap_or_default()
+        };
+        // Key order and a duplicate key kept, byte for byte.
+        assert_eq!(
+            line(br#"{"amount": 5, "account_id": "a", "amount": 7}"#),
+            r#"{"amount": 5, "account_id": "a", "amount": 7}"#
+        );
+        assert_eq!(line(b"not json"), r#""not json""#);
+        assert_eq!(line(&[b'x', 0xff]), "\"x\u{fffd}\"");
     }
 }

@@ -275,6 +275,23 @@ pub(crate) fn digest_key(bytes: &[u8]) -> String {
     key
 }
 
+/// A message id's bytes as a listing shows them: the text when they are
+/// UTF-8, else escaped (`\xff`), so that an id that could not be read is
+/// still shown as it was sent.
+///
+/// ```
+/// use idem_core::consume::id_text;
+///
+/// assert_eq!(id_text(b"pay-1"), "pay-1");
+/// assert_eq!(id_text(&[b'p', 0xff]), "p\\xff");
+/// ```
+pub fn id_text(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => text.to_owned(),
+        Err(_) => bytes.escape_ascii().to_string(),
+    }
+}
+
 /// `time` in RFC 3339, UTC, to the microsecond: how broker crates write a
 /// dead letter's attempt times.
 pub fn rfc3339(time: std::time::SystemTime) -> String {

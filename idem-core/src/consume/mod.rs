@@ -78,7 +78,7 @@ pub use inbox::{
     Buried, Counted, DeadLetter, Entered, Entry, Failure, Inbox, InboxError, InboxFuture,
 };
 pub use memory::MemoryInbox;
-pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message, parse_rfc3339, rfc3339};
+pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message, id_text, parse_rfc3339, rfc3339};
 pub use outage::{Outage, StopSignal};
 pub use policy::{ConsumerPolicy, DeadLetterAlert, MissingId};
 pub use store_inbox::StoreInbox;
