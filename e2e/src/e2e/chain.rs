@@ -6,6 +6,11 @@
 //! once the outbox has drained and the queue is empty, every account at the
 //! consumer equals the API's, each event was applied once, none is unsent.
 //!
+//! On RabbitMQ the queue is capped at 3 messages with `overflow:
+//! reject-publish` (a policy, so that every declaration stays as it is):
+//! while the consumer is down the broker refuses (`basic.nack`) what the
+//! relays publish, a refusal that can pass, retried and never parked.
+//!
 //! The same chain runs on Kafka (`--publish kafka://…`, `run --kafka`, on a
 //! throwaway tansu broker): the relay's idempotent producer, the account as
 //! the record key, the consumer's offsets in its transaction. RabbitMQ's
@@ -34,10 +39,8 @@ use super::site::{Deployment, Instance, Site, StoreKind};
 /// Selects the chain (`--scenario chain`), on PostgreSQL and on SQLite.
 pub(crate) const NAME: &str = "chain";
 
-const CHECK_POSTGRES: &str =
-    "outbox chain: 300 charges, 2 APIs + relays → RabbitMQ → consumer, SIGKILL 3+3, balances equal";
-const CHECK_SQLITE: &str =
-    "outbox chain: 300 charges, 1 API + relay → RabbitMQ → consumer, SIGKILL 3+3, balances equal";
+const CHECK_POSTGRES: &str = "outbox chain: 300 charges, 2 APIs + relays → RabbitMQ (queue capped at 3, reject-publish) → consumer, SIGKILL 3+3, balances equal";
+const CHECK_SQLITE: &str = "outbox chain: 300 charges, 1 API + relay → RabbitMQ (queue capped at 3, reject-publish) → consumer, SIGKILL 3+3, balances equal";
 const CHECK_KAFKA_POSTGRES: &str =
     "outbox chain: 300 charges, 2 APIs + relays → Kafka → consumer, SIGKILL 3+3, balances equal";
 const CHECK_KAFKA_SQLITE: &str =
@@ -258,6 +261,22 @@ async fn run(
         "--lease-secs",
         "3",
     ];
+    // The queue capped: full whenever the consumer is down or behind.
+    let policy = format!("capped-{queue}");
+    if let Bus::RabbitMq(broker) = bus {
+        ctl(
+            broker,
+            &[
+                "set_policy",
+                "--apply-to",
+                "queues",
+                &policy,
+                &format!("^{queue}$"),
+                r#"{"max-length":3,"overflow":"reject-publish"}"#,
+            ],
+        )
+        .await?;
+    }
     let instances = if store == StoreKind::Postgres { 2 } else { 1 };
     let mut running: Vec<Instance> = Vec::new();
     for _ in 0..instances {
@@ -416,8 +435,18 @@ async fn run(
     let (deliveries, duplicates) = inbox_outcomes(&consumer_logs);
     let published = outbox.map_or_else(|| "?".to_owned(), |o| o.sent.to_string());
     let first = match bus {
-        Bus::RabbitMq(_) => "the first mid-batch; ",
-        Bus::Kafka(_) => "",
+        Bus::RabbitMq(broker) => {
+            ctl(broker, &["clear_policy", &policy]).await?;
+            let refused = site.log_lines(&["outbox event not published", "refused"]);
+            if refused == 0 {
+                return Err(Failure::new(
+                    "the queue never refused",
+                    "no relay logged a refused publish: the capped queue was never full, and the chain proved nothing of refusals",
+                ));
+            }
+            format!("the first mid-batch; {refused} publishes refused by the full queue, retried; ")
+        }
+        Bus::Kafka(_) => String::new(),
     };
     Ok(format!(
         "{CHARGES} charges applied once in {} s ({} attempts, {} timeouts, {} broken, {} waits); \
@@ -467,11 +496,13 @@ async fn charge(fleet: &Fleet, call: &Call, load: &mut Load) -> Result<(), Failu
 }
 
 /// `rabbitmqctl ARGS…` on the node.
-async fn ctl(broker: &Arc<TestRabbitMq>, args: &'static [&'static str]) -> Result<(), Failure> {
+async fn ctl(broker: &Arc<TestRabbitMq>, args: &[&str]) -> Result<(), Failure> {
     let broker = broker.clone();
+    let args: Vec<String> = args.iter().map(|arg| (*arg).to_owned()).collect();
     super::site::blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         broker
-            .ctl(args)
+            .ctl(&args)
             .map(drop)
             .map_err(|e| format!("rabbitmqctl {}: {e}", args.join(" ")))
     })

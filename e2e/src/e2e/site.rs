@@ -166,6 +166,25 @@ impl Deployment {
 }
 
 impl Site {
+    /// How many lines of this site's servers' logs contain every one of
+    /// `texts`.
+    pub(crate) fn log_lines(&self, texts: &[&str]) -> usize {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        entries
+            .filter_map(Result::ok)
+            .filter(|entry| entry.file_name().to_string_lossy().starts_with("server-"))
+            .map(|entry| {
+                std::fs::read_to_string(entry.path())
+                    .unwrap_or_default()
+                    .lines()
+                    .filter(|line| texts.iter().all(|text| line.contains(text)))
+                    .count()
+            })
+            .sum()
+    }
+
     /// Starts the example over this site's store with extra `flags`.
     pub(crate) async fn start(&self, flags: &[&str]) -> Result<Instance, Failure> {
         let n = self.servers.fetch_add(1, Ordering::Relaxed) + 1;
