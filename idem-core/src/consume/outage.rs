@@ -23,6 +23,16 @@ use super::{Decision, Handler, Inbox, Message, Protocol};
 /// shared by its tasks and its receiving loop (clones share it). While any
 /// is held, the loop receives nothing more ([`Outage::is_on`]) and waits for
 /// [`Outage::over`].
+///
+/// Why hold rather than hand back: handing a delivery back to its broker is
+/// not free on every broker. Each receive of an SQS message counts against
+/// its queue's redrive policy (`maxReceiveCount`), so a consumer that hands
+/// messages back through a database outage sends healthy messages to the
+/// dead-letter queue; a RabbitMQ requeue brings the delivery straight back
+/// to the same consumer (and a quorum queue's `delivery-limit` counts it).
+/// Held ([`Protocol::decide_holding`]), an outage costs no attempt and no
+/// receive; when the database is back, the held deliveries are decided and
+/// the loop receives again by itself.
 #[derive(Clone, Debug)]
 pub struct Outage {
     held: Arc<watch::Sender<usize>>,
@@ -130,7 +140,7 @@ impl<I: Inbox> Protocol<I> {
     /// meanwhile, until another decision comes. When `stop` resolves first
     /// (the consumer shuts down), it answers the `Requeue`. The caller keeps
     /// the delivery while this runs (extends its lease, leaves it
-    /// unacknowledged); see the [module](self)'s docs.
+    /// unacknowledged); see [`Outage`] for why.
     pub async fn decide_holding(
         &self,
         message: &Message,
