@@ -279,6 +279,11 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
     /// idem-diesel's, neither migrated nor checked in this process) is
     /// [`Error::NotReady`] at once, before anything is contacted.
     ///
+    /// **Ends by itself** only when a member that had to leave its group
+    /// (a partition fenced: its stored position moved under it) could not
+    /// join it again:
+    /// [`Error::Kafka`], after the records being applied finished.
+    ///
     /// Must run on a multi-threaded Tokio runtime or a current-thread one
     /// alike: the polling thread is a thread of its own.
     pub async fn run(
@@ -303,6 +308,7 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
             queue: self.queue,
             shutdown_timeout: self.shutdown_timeout,
             stopping: AtomicBool::new(false),
+            failed: Mutex::new(None),
         });
         let (assigned, first_assignment) = oneshot::channel();
         let context = Context {
@@ -356,17 +362,32 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
             .map_err(Error::Thread)?;
 
         tokio::pin!(stop);
-        tokio::select! {
-            () = &mut stop => {}
+        let mut polling_ended = polling_ended;
+        // The polling thread ends before a stop only when it could not join
+        // the group again (see `rejoin`).
+        let ended_first = tokio::select! {
+            () = &mut stop => false,
+            _ = &mut polling_ended => true,
             Ok(partitions) = first_assignment => {
                 subscribed(&Subscription { topic: self.topic.clone(), partitions });
-                stop.await;
+                tokio::select! {
+                    () = &mut stop => false,
+                    _ = &mut polling_ended => true,
+                }
             }
+        };
+        if !ended_first {
+            tracing::info!(target: "idem_kafka", "stopping: the records being applied finish");
+            shared.stopping.store(true, Ordering::SeqCst);
+            let _ = polling_ended.await;
         }
-        tracing::info!(target: "idem_kafka", "stopping: the records being applied finish");
-        shared.stopping.store(true, Ordering::SeqCst);
-        let _ = polling_ended.await;
-        Ok(())
+        match lock(&shared.failed).take() {
+            Some(source) => Err(Error::Kafka {
+                doing: "join the group again",
+                source,
+            }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -382,6 +403,8 @@ struct Shared<I: Offsets, H> {
     queue: usize,
     shutdown_timeout: Duration,
     stopping: AtomicBool,
+    /// Why the polling thread stopped on its own, when it did.
+    failed: Mutex<Option<KafkaError>>,
 }
 
 /// A word to the polling thread, from a worker or librdkafka.
@@ -672,8 +695,9 @@ fn rejoin<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
     consumer.unsubscribe();
     if let Err(error) = consumer.subscribe(&[shared.topic.as_str()]) {
         // Nothing is assigned now: the member stops rather than sit in no
-        // group, and the process's supervisor sees `run` end.
+        // group, and `run` answers the error.
         tracing::error!(target: "idem_kafka", error = %error_chain(&error), "joining the group again failed: the consumer stops");
+        *lock(&shared.failed) = Some(error);
         shared.stopping.store(true, Ordering::SeqCst);
     }
 }
