@@ -1,5 +1,6 @@
 //! A throwaway Kafka-compatible broker: `tansu` (Apache-2.0, on crates.io),
-//! a broker written in Rust, with its in-memory storage.
+//! a broker written in Rust, with its in-memory storage, or, for the cases
+//! that restart it, its SQLite storage ([`TestKafka::start_durable`]).
 //!
 //! No Kafka comes from Debian, and no Java package from a registry this
 //! project may use; `tansu` builds from crates.io. It is built once per
@@ -35,20 +36,38 @@ pub const TANSU_VERSION: &str = "0.6.0";
 /// How many times a start is tried on a fresh port.
 const START_ATTEMPTS: usize = 2;
 
-/// Once stdin closes: stops the broker and deletes its directory.
+/// Runs the broker in its directory; reads `stop` and `start` lines (a
+/// restart, [`TestKafka::stop_broker`], [`TestKafka::start_broker`]); once
+/// stdin closes, stops the broker and deletes its directory. The broker is
+/// stopped with SIGKILL: on SIGTERM tansu 0.6 keeps serving the connections
+/// it has until their clients leave, and a crash is the harder restart.
 const WATCHDOG: &str = r#"
-"$IDEM_TANSU_BIN" "$@" >"$IDEM_DIR/tansu.log" 2>&1 &
-pid=$!
-read _ignored
-kill $pid 2>/dev/null
-wait $pid 2>/dev/null
+cd "$IDEM_DIR" || exit 1
+pid=
+start() { "$IDEM_TANSU_BIN" "$@" >>"$IDEM_DIR/tansu.log" 2>&1 & pid=$!; }
+stop() { if [ -n "$pid" ]; then kill -KILL $pid 2>/dev/null; wait $pid 2>/dev/null; pid=; fi; }
+start "$@"
+while read -r line; do
+  case "$line" in
+    stop) stop ;;
+    start) [ -n "$pid" ] || start "$@" ;;
+  esac
+done
+stop
 rm -rf "$IDEM_DIR"
 "#;
 
+/// The storage of a broker that keeps its records across a restart: a
+/// SQLite file in its directory (tansu's `libsql` engine).
+const DURABLE: &str = "sqlite://tansu.db";
+/// The in-memory storage.
+const IN_MEMORY: &str = "memory://tansu/";
+
 static TOPICS: AtomicU64 = AtomicU64::new(0);
 
-/// A `tansu` broker with in-memory storage, stopped when dropped or when this
-/// process ends.
+/// A `tansu` broker with in-memory storage (or SQLite storage,
+/// [`start_durable`](Self::start_durable)), stopped when dropped or when
+/// this process ends.
 pub struct TestKafka {
     port: u16,
     dir: PathBuf,
@@ -69,11 +88,16 @@ impl std::fmt::Debug for TestKafka {
 /// `IDEM_CI_CACHE` says otherwise), its binary in `bin/`; so every checkout,
 /// and CI's clean clones, build it once per machine.
 pub fn install_root() -> PathBuf {
-    cache_dir().join(format!("tansu-{TANSU_VERSION}"))
+    cache_dir().join(format!("tansu-{TANSU_VERSION}-{FEATURES_TAG}"))
 }
 
+/// What the cached build's features are called in its directory's name: a
+/// build with other features is another build.
+const FEATURES_TAG: &str = "libsql";
+
 /// The `cargo install` arguments that build `tansu` into [`install_root`]:
-/// pinned, with its lock file, with the in-memory storage engine, as a dev
+/// pinned, with its lock file, with the in-memory storage engine and the
+/// SQLite one (`libsql`: a broker that restarts keeping its records), as a dev
 /// build (`--debug`: unoptimized compiles in about half the time of a
 /// release build, and a test broker carries little load). [`INSTALL_ENV`]
 /// goes with them.
@@ -86,7 +110,7 @@ pub fn install_command() -> Vec<String> {
         "--version",
         TANSU_VERSION,
         "--features",
-        "dynostore",
+        "dynostore,libsql",
         "--root",
     ]
     .iter()
@@ -111,21 +135,34 @@ pub fn binary() -> Result<PathBuf, Error> {
         what: "tansu (a Kafka-compatible broker)",
         searched: format!("IDEM_TANSU, {}/bin and PATH", install_root().display()),
         fix: "run `cargo xtask kafka-broker` (it runs `cargo install --debug --locked tansu --version \
-              0.6.0 --features dynostore --root ~/.cache/idem/tansu-0.6.0`, about 8 minutes once), \
-              or set IDEM_TANSU to a tansu binary",
+              0.6.0 --features dynostore,libsql --root ~/.cache/idem/tansu-0.6.0-libsql`, about 8 \
+              minutes once), or set IDEM_TANSU to a tansu binary built with those features",
     })
 }
 
 impl TestKafka {
     /// Starts a broker on a free port, and waits until it takes connections.
     pub fn start() -> Result<Self, Error> {
+        Self::start_on(IN_MEMORY)
+    }
+
+    /// Starts a broker that keeps its records in a SQLite file of its
+    /// directory, so that [`stop_broker`](Self::stop_broker) then
+    /// [`start_broker`](Self::start_broker) is a restart that loses nothing
+    /// (slower than [`start`](Self::start): give it the cases that restart
+    /// it).
+    pub fn start_durable() -> Result<Self, Error> {
+        Self::start_on(DURABLE)
+    }
+
+    fn start_on(storage: &str) -> Result<Self, Error> {
         let tansu = binary()?;
         let mut attempt = 0;
         loop {
             attempt += 1;
             let [port] = process::free_ports(|_| true)?;
             let dir = crate::fresh_dir("kafka")?;
-            match Self::launch(&tansu, port, dir) {
+            match Self::launch(&tansu, port, dir, storage) {
                 Ok(broker) => return Ok(broker),
                 Err(error) if attempt >= START_ATTEMPTS => return Err(error),
                 Err(_) => continue,
@@ -133,7 +170,7 @@ impl TestKafka {
         }
     }
 
-    fn launch(tansu: &PathBuf, port: u16, dir: PathBuf) -> Result<Self, Error> {
+    fn launch(tansu: &PathBuf, port: u16, dir: PathBuf, storage: &str) -> Result<Self, Error> {
         let url = format!("tcp://127.0.0.1:{port}");
         let args = [
             "broker",
@@ -142,35 +179,46 @@ impl TestKafka {
             "--advertised-listener-url",
             &url,
             "--storage-engine",
-            "memory://tansu/",
+            storage,
         ];
         let args: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
         let mut watchdog = Watchdog::spawn(WATCHDOG, &args, |sh| {
             sh.env("IDEM_TANSU_BIN", tansu).env("IDEM_DIR", &dir);
         })?;
-        let log = dir.join("tansu.log");
-        process::await_ready(
-            &format!("tansu on port {port} takes connections"),
-            || {
-                TcpStream::connect_timeout(
-                    &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
-                    Duration::from_millis(200),
-                )
-                .map(drop)
-                .map_err(|error| error.to_string())
-            },
-            || {
-                watchdog
-                    .has_ended()
-                    .then(|| "its watchdog ended".to_owned())
-            },
-            || process::tail(&log, 20),
-        )?;
+        await_accepting(port, &dir, &mut watchdog)?;
         Ok(Self {
             port,
             dir,
             watchdog: Mutex::new(watchdog),
         })
+    }
+
+    /// Kills the broker's process (SIGKILL: its clients' connections reset,
+    /// its port refusing new ones) and waits until the port refuses; the
+    /// directory, and with a durable broker its committed records, stay.
+    pub fn stop_broker(&self) -> Result<(), Error> {
+        self.watchdog
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .say("stop")?;
+        let address = std::net::SocketAddr::from(([127, 0, 0, 1], self.port));
+        process::await_ready(
+            &format!("tansu on port {} refuses connections", self.port),
+            || match TcpStream::connect_timeout(&address, Duration::from_millis(200)) {
+                Ok(_) => Err("it still takes connections".to_owned()),
+                Err(_) => Ok(()),
+            },
+            || None,
+            || process::tail(&self.dir.join("tansu.log"), 20),
+        )
+    }
+
+    /// Starts the broker's process again on the same port and storage, and
+    /// waits until it takes connections.
+    pub fn start_broker(&self) -> Result<(), Error> {
+        let mut watchdog = self.watchdog.lock().unwrap_or_else(PoisonError::into_inner);
+        watchdog.say("start")?;
+        await_accepting(self.port, &self.dir, &mut watchdog)
     }
 
     /// A broker shared by every test of this binary, started on first use.
@@ -216,6 +264,28 @@ impl TestKafka {
             .unwrap_or_else(PoisonError::into_inner)
             .finish();
     }
+}
+
+/// Waits until the broker on `port` takes connections.
+fn await_accepting(port: u16, dir: &std::path::Path, watchdog: &mut Watchdog) -> Result<(), Error> {
+    let log = dir.join("tansu.log");
+    process::await_ready(
+        &format!("tansu on port {port} takes connections"),
+        || {
+            TcpStream::connect_timeout(
+                &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                Duration::from_millis(200),
+            )
+            .map(drop)
+            .map_err(|error| error.to_string())
+        },
+        || {
+            watchdog
+                .has_ended()
+                .then(|| "its watchdog ended".to_owned())
+        },
+        || process::tail(&log, 20),
+    )
 }
 
 impl Drop for TestKafka {

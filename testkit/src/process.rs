@@ -194,6 +194,22 @@ impl Watchdog {
         !matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// Writes `line` to the watchdog's stdin, for a script that reads
+    /// commands before the pipe's end.
+    pub(crate) fn say(&mut self, line: &str) -> Result<(), Error> {
+        use std::io::Write as _;
+        let stdin = self.stdin.as_mut().ok_or_else(|| Error::Io {
+            what: "write to a finished watchdog".to_owned(),
+            source: std::io::Error::from(std::io::ErrorKind::BrokenPipe),
+        })?;
+        writeln!(stdin, "{line}")
+            .and_then(|()| stdin.flush())
+            .map_err(|source| Error::Io {
+                what: format!("tell the watchdog {line:?}"),
+                source,
+            })
+    }
+
     /// Closes the pipe, and waits until the watchdog has stopped what it guards.
     pub(crate) fn finish(&mut self) {
         drop(self.stdin.take());

@@ -39,6 +39,13 @@ pub const KAFKA_SCENARIOS: &[Scenario] = &[
         run: |case| a_database_outage(case).boxed(),
     },
     Scenario {
+        name: "kafka_broker_restart",
+        check: "consumer on Kafka: the broker (durable storage) stopped 10 s and restarted mid-stream, balances exact",
+        alone: false,
+        postgres_only: true,
+        run: |case| a_broker_restart(case).boxed(),
+    },
+    Scenario {
         name: "kafka_backlog_memory",
         check: "consumer on Kafka: 100,000 records (100 MB) behind a slow handler, memory bounded",
         alone: false,
@@ -313,6 +320,70 @@ async fn dead_letter_lines(case: &Case) -> Result<Vec<serde_json::Value>, String
     out.lines()
         .map(|line| serde_json::from_str(line).map_err(|e| format!("{line:?}: {e}")))
         .collect()
+}
+
+/// A broker of its own that keeps its records in a file (tansu on SQLite);
+/// 900 records over 3 partitions (more than the consumer fetches ahead:
+/// 256 a partition); after 100 are applied the broker is stopped (every
+/// connection reset, its port refusing) for 10 s and started again on the
+/// same port and storage; 300 more records come after. The consumer rides
+/// it out and resumes by itself: every balance exact, nothing
+/// dead-lettered, the consumer alive.
+async fn a_broker_restart(mut case: Case) -> Result<String, String> {
+    const DOWN: Duration = Duration::from_secs(10);
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    let broker = tokio::task::spawn_blocking(idem_testkit::TestKafka::start_durable)
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("a durable Kafka broker: {e}"))?;
+    let broker = std::sync::Arc::new(broker);
+    case.kafka = Some(broker.servers());
+    create_topic(&case, 3).await?;
+    let stream = stream(&mut rng, "kr", 1_200, 0, 12);
+    let (before, after) = stream.messages.split_at(900);
+    let producer = producer(&case)?;
+    for (id, body) in before {
+        produce(&producer, &case.queue, id, body).await?;
+    }
+    let database = case.database().await?;
+    let consumer = case.consumer(&["--handler-latency-ms", "5"]).await?;
+    wait_processed(&case, &database, 100)
+        .await
+        .map_err(failed)?;
+    let stopped = std::sync::Arc::clone(&broker);
+    tokio::task::spawn_blocking(move || stopped.stop_broker())
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("stopping the broker: {e}"))?;
+    let at_stop = processed(&database, &case.inbox_consumer()).await?;
+    tokio::time::sleep(DOWN).await;
+    let started = std::sync::Arc::clone(&broker);
+    tokio::task::spawn_blocking(move || started.start_broker())
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("starting the broker again: {e}"))?;
+    ensure!(
+        at_stop < 900,
+        "every record was applied before the broker stopped ({at_stop}): the restart proved nothing"
+    );
+    for (id, body) in after {
+        produce(&producer, &case.queue, id, body).await?;
+    }
+    consumed(&database, &case.queue, stream.messages.len())
+        .await
+        .map_err(|why| format!("{} (the broker's log: {})", failed(why), broker.log()))?;
+    faults::alive(consumer).await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    let dead = dead_letter_lines(&case).await?;
+    ensure!(dead.is_empty(), "dead letters after the restart: {dead:?}");
+    let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
+    Ok(format!(
+        "{} records over 3 partitions (300 after the restart); the broker down {} s at {at_stop} applied; {effects} effects, {} balances exact, 0 dead letters",
+        stream.messages.len(),
+        DOWN.as_secs(),
+        stream.expected.len()
+    ))
 }
 
 /// 100,000 payments of about 1 KB each (100 MB) on one partition, behind a
