@@ -22,6 +22,48 @@ use std::fmt;
 /// The most bytes of a request-controlled field a log line shows.
 pub const FIELD_LIMIT: usize = 128;
 
+/// The tracing targets of the drivers idem runs on that log what they carry
+/// below `INFO`: PostgreSQL's (`tokio_postgres`, at `DEBUG`: every
+/// statement's bound parameters, which hold idempotency keys, message ids and
+/// the values of bodies), RabbitMQ's (`lapin`, `amq_protocol`, at `TRACE`:
+/// every frame, its properties and body), the AWS SDK's (`aws_smithy_*`,
+/// `aws_sigv4`, `aws_sdk_*`, at `DEBUG` and `TRACE`: requests and responses
+/// whole, message bodies and ids, the signing's access key id) and
+/// librdkafka's (`rdkafka`). An application caps them at `INFO` whatever
+/// `RUST_LOG` says ([`carries_payloads`]), so that no log level shows a body,
+/// a whole key or a credential; idem's own events never carry one.
+pub const PAYLOAD_TARGETS: &[&str] = &[
+    "tokio_postgres",
+    "lapin",
+    "amq_protocol",
+    "aws_smithy",
+    "aws_sigv4",
+    "aws_sdk_",
+    "aws_config",
+    "aws_credential_types",
+    "aws_runtime",
+    "rdkafka",
+];
+
+/// Whether `target` is one of the [`PAYLOAD_TARGETS`] or in one of their
+/// modules (a prefix match): an application's subscriber lets such events
+/// through at `INFO` and above only.
+///
+/// ```
+/// use idem_core::log::carries_payloads;
+///
+/// assert!(carries_payloads("tokio_postgres::query"));
+/// assert!(carries_payloads("aws_smithy_runtime::client::orchestrator"));
+/// assert!(carries_payloads("aws_sdk_sqs::operation::receive_message"));
+/// assert!(!carries_payloads("idem"));
+/// assert!(!carries_payloads("idem_sqs"));
+/// ```
+pub fn carries_payloads(target: &str) -> bool {
+    PAYLOAD_TARGETS
+        .iter()
+        .any(|driver| target.starts_with(driver))
+}
+
 /// `text` as a log line may show it: whole up to [`FIELD_LIMIT`] bytes, else
 /// its first bytes up to the limit (cut at a character boundary), an ellipsis
 /// and its length in bytes.

@@ -5,12 +5,11 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, filter};
 
-/// The targets of the drivers that log what they carry below `info`, whatever
-/// `RUST_LOG` says: PostgreSQL's (`tokio_postgres`, at `debug`: every
-/// statement's bound parameters, which hold idempotency keys, message ids and
-/// the values of bodies) and RabbitMQ's (`lapin` and `amq_protocol`, at
-/// `trace`: every frame, with its message's properties and body).
-pub const QUIET_DRIVERS: &[&str] = &["tokio_postgres", "lapin", "amq_protocol"];
+/// The targets of the drivers that log what they carry below `info`, held
+/// at `info` whatever `RUST_LOG` says: idem's list
+/// ([`idem_core::log::PAYLOAD_TARGETS`]: PostgreSQL's, RabbitMQ's, the AWS
+/// SDK's, librdkafka's).
+pub const QUIET_DRIVERS: &[&str] = idem_core::log::PAYLOAD_TARGETS;
 
 /// Logs to stderr (stdout's first line is the program's own), filtered by
 /// `RUST_LOG` (default `info`), with the [`QUIET_DRIVERS`] at `info` at most.
@@ -35,10 +34,9 @@ pub fn init() {
 /// ```
 /// assert!(example_tracing::is_quiet_driver("tokio_postgres::query"));
 /// assert!(example_tracing::is_quiet_driver("amq_protocol_types"));
+/// assert!(example_tracing::is_quiet_driver("aws_sigv4::http_request"));
 /// assert!(!example_tracing::is_quiet_driver("idem"));
 /// ```
 pub fn is_quiet_driver(target: &str) -> bool {
-    QUIET_DRIVERS
-        .iter()
-        .any(|driver| target.starts_with(driver))
+    idem_core::log::carries_payloads(target)
 }

@@ -42,6 +42,13 @@ pub const SQS_SCENARIOS: &[Scenario] = &[
         run: |case| an_endpoint_outage(case).boxed(),
     },
     Scenario {
+        name: "sqs_trace_logs",
+        check: "consumer on SQS: at RUST_LOG=trace no line holds a body, a message id or the access key id",
+        alone: false,
+        postgres_only: true,
+        run: |case| trace_logs_hold_no_payload_and_no_credential(case).boxed(),
+    },
+    Scenario {
         name: "sqs_db_outage",
         check: "consumer on SQS: a 25 s database outage, maxReceiveCount 3: nothing dead-lettered, balances exact",
         alone: false,
@@ -310,6 +317,70 @@ async fn an_endpoint_outage(mut case: Case) -> Result<String, String> {
         stream.messages.len(),
         faults::OUTAGE.as_secs(),
         stream.expected.len()
+    ))
+}
+
+/// The consumer at `RUST_LOG=trace`, with an access key id of its own:
+/// three payments and a body that is no payment, each with a distinctive
+/// id, account and value. No line of its log holds any of them, nor the
+/// access key id (the AWS SDK logs requests whole, and signs them, below
+/// `INFO`: `idem_core::log::PAYLOAD_TARGETS`).
+async fn trace_logs_hold_no_payload_and_no_credential(case: Case) -> Result<String, String> {
+    let tag = format!("{:032x}", rand::random::<u128>());
+    let key_id = format!("AKIDTRACE{}", &tag[..16]).to_uppercase();
+    let secret = format!("trace-body-value-{tag}");
+    let client = client(&case)?;
+    let url = create_queue(
+        &case,
+        &client,
+        &[(QueueAttributeName::VisibilityTimeout, "5")],
+    )
+    .await?;
+    let publisher = Publisher::new(client.clone(), &url).map_err(|e| e.to_string())?;
+    let account = format!("trace-account-{tag}");
+    for n in 1..=3 {
+        let body = String::from_utf8(payment(&account, n)).map_err(|e| e.to_string())?;
+        publisher
+            .send(&Outgoing::new(body).message_id(format!("trace-message-id-{tag}-{n}")))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let invalid = json!({"account_id": secret, "amount": secret}).to_string();
+    publisher
+        .send(&Outgoing::new(invalid).message_id(format!("trace-message-id-{tag}-4")))
+        .await
+        .map_err(|e| e.to_string())?;
+    let consumer = case
+        .consumer_with_env(
+            &[
+                ("RUST_LOG", "trace"),
+                ("AWS_ACCESS_KEY_ID", key_id.as_str()),
+            ],
+            &[],
+        )
+        .await?;
+    wait_operations(&case, &account, 3).await?;
+    wait_depth(&client, &dead_letter_queue(&case)?, 1).await?;
+    let log = consumer.log.clone();
+    consumer.terminate().await?;
+    let text = read_log(&log);
+    let lines = text.lines().count();
+    ensure!(
+        text.contains("DEBUG"),
+        "the log has no debug lines: RUST_LOG=trace did not take ({lines} lines)"
+    );
+    let leaks: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains(&tag) || line.contains(&secret) || line.contains(&key_id))
+        .take(3)
+        .collect();
+    ensure!(
+        leaks.is_empty(),
+        "log lines with a message id, an account, a body value or the access key id ({}): {leaks:#?}",
+        log.display()
+    );
+    Ok(format!(
+        "{lines} lines at trace, none with a message id, an account, a body value or the access key id"
     ))
 }
 
