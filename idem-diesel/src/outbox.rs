@@ -385,13 +385,36 @@ impl<P: Publish> Relay<P> {
     /// Takes one batch, publishes it and settles it: what [`run`](Self::run)
     /// does each time it looks.
     pub async fn run_once(&self) -> Result<Relayed, StoreError> {
-        let batch = self.source.take(self.batch_size).await?;
+        let mut never = std::pin::pin!(std::future::pending::<()>());
+        self.run_once_unless(&mut never)
+            .await
+            .map(Option::unwrap_or_default)
+    }
+
+    /// [`run_once`](Self::run_once), given up (`None`) when `shutdown`
+    /// resolves while the batch is taken or published: the batch is dropped,
+    /// its transaction rolls back, nothing of it is marked sent. Once the
+    /// batch is settling it is not given up: its COMMIT may have reached the
+    /// database, and only its answer says what was marked (and counted).
+    async fn run_once_unless(
+        &self,
+        shutdown: &mut Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Result<Option<Relayed>, StoreError> {
+        let batch = tokio::select! {
+            biased;
+            () = &mut *shutdown => return Ok(None),
+            batch = self.source.take(self.batch_size) => batch?,
+        };
         if batch.events().is_empty() {
             drop(batch);
             self.gauge_oldest_unsent().await;
-            return Ok(Relayed::default());
+            return Ok(Some(Relayed::default()));
         }
-        let settlement = self.publish(batch.events()).await;
+        let settlement = tokio::select! {
+            biased;
+            () = &mut *shutdown => return Ok(None),
+            settlement = self.publish(batch.events()) => settlement,
+        };
         let relayed = Relayed {
             published: settlement.sent.len() as u64,
             parked: settlement.parked.len() as u64,
@@ -416,7 +439,7 @@ impl<P: Publish> Relay<P> {
             retried = relayed.retried,
             "outbox batch relayed"
         );
-        Ok(relayed)
+        Ok(Some(relayed))
     }
 
     /// Sets the oldest unsent event's gauge, once the look's transaction has
@@ -436,10 +459,11 @@ impl<P: Publish> Relay<P> {
     }
 
     /// Publishes staged events until `shutdown` resolves, then answers what
-    /// it did. A batch in hand when `shutdown` resolves is dropped: its
-    /// transaction rolls back, nothing of it is marked sent, and the next
-    /// relay publishes those events again, with the same ids (so an inbox
-    /// applies each once). A database error is logged and the relay looks
+    /// it did. A batch being taken or published when `shutdown` resolves is
+    /// dropped: its transaction rolls back, nothing of it is marked sent, and
+    /// the next relay publishes those events again, with the same ids (so an
+    /// inbox applies each once). A batch already settling finishes settling
+    /// first (its COMMIT may have landed: the answer says what it marked). A database error is logged and the relay looks
     /// again at the next poll.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Relayed {
         let listener = self
@@ -448,10 +472,10 @@ impl<P: Publish> Relay<P> {
             .map(|listen| AbortOnDrop(tokio::spawn(listen)));
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
-            let result = tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                result = self.run_once() => result,
+            let result = match self.run_once_unless(&mut shutdown).await {
+                Ok(None) => break,
+                Ok(Some(relayed)) => Ok(relayed),
+                Err(error) => Err(error),
             };
             match result {
                 Ok(relayed) if relayed.published + relayed.parked + relayed.retried > 0 => {
