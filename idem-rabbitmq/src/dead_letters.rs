@@ -25,9 +25,9 @@ pub struct DeadLetterMessage {
     pub queue: String,
     /// Its `message_id` (`None` when it had none: one reason to be here).
     pub message_id: Option<String>,
-    /// When each failed attempt started, in order (`x-idem-attempts`).
+    /// When each failed attempt started, in order (`idem-attempts`).
     pub attempted_at: Vec<SystemTime>,
-    /// Why it is here: the consumer's reason (`x-idem-reason`), else
+    /// Why it is here: the consumer's reason (`idem-reason`), else
     /// RabbitMQ's (`x-first-death-reason`: `delivery_limit`, `rejected`…).
     pub reason: String,
     /// Its RabbitMQ dead-lettering history (`x-death`), latest first.

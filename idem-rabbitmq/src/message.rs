@@ -13,15 +13,32 @@ use crate::topology::{QueueType, string};
 
 /// Why the message failed last (a string), on a retry's copy and on a dead
 /// letter.
-pub const REASON_HEADER: &str = "x-idem-reason";
+pub const REASON_HEADER: &str = "idem-reason";
 /// When each failed attempt started (an array of RFC 3339 strings), on a
 /// dead letter.
-pub const ATTEMPTS_HEADER: &str = "x-idem-attempts";
+pub const ATTEMPTS_HEADER: &str = "idem-attempts";
 /// The work queue the message failed in (a string), on a dead letter.
-pub const QUEUE_HEADER: &str = "x-idem-queue";
+pub const QUEUE_HEADER: &str = "idem-queue";
 /// Set (`true`) by a redrive: the consumer forgets the inbox's dead letter
 /// before it processes the message ([`Message::redriven`]).
-pub const REDRIVEN_HEADER: &str = "x-idem-redriven";
+pub const REDRIVEN_HEADER: &str = "idem-redriven";
+/// The names the headers above had before 0.1 (`x-idem-*`: the `x-` prefix
+/// is deprecated, RFC 6648), still read on letters and re-driven messages
+/// written then, and removed with the new ones.
+const LEGACY: [(&str, &str); 4] = [
+    (REASON_HEADER, "x-idem-reason"),
+    (ATTEMPTS_HEADER, "x-idem-attempts"),
+    (QUEUE_HEADER, "x-idem-queue"),
+    (REDRIVEN_HEADER, "x-idem-redriven"),
+];
+
+/// The legacy name of `name`, one of this crate's headers.
+fn legacy(name: &str) -> Option<&'static str> {
+    LEGACY
+        .iter()
+        .find(|(current, _)| *current == name)
+        .map(|(_, old)| *old)
+}
 /// The quorum queue's count of earlier deliveries of the message.
 const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 
@@ -51,7 +68,7 @@ pub(crate) fn translate(
     if let Some(headers) = properties.headers() {
         for (name, value) in headers {
             match name.as_str() {
-                REDRIVEN_HEADER => redriven = truthy(value),
+                REDRIVEN_HEADER | "x-idem-redriven" => redriven = truthy(value),
                 DELIVERY_COUNT_HEADER => earlier_deliveries = integer(value),
                 _ => {}
             }
@@ -81,7 +98,7 @@ pub(crate) fn hop(
     attempts: Option<&[SystemTime]>,
 ) -> BasicProperties {
     let mut headers = headers(properties);
-    headers.remove(REDRIVEN_HEADER);
+    remove(&mut headers, REDRIVEN_HEADER);
     headers.remove(DELIVERY_COUNT_HEADER);
     headers.insert(REASON_HEADER.into(), string(cut(reason, MAX_REASON_LEN)));
     if let Some(attempts) = attempts {
@@ -106,14 +123,10 @@ pub(crate) fn hop(
 /// re-driven, persistent.
 pub(crate) fn redriven(properties: &BasicProperties) -> BasicProperties {
     let mut headers = headers(properties);
-    for name in [
-        REASON_HEADER,
-        ATTEMPTS_HEADER,
-        QUEUE_HEADER,
-        DELIVERY_COUNT_HEADER,
-    ] {
-        headers.remove(name);
+    for name in [REASON_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER] {
+        remove(&mut headers, name);
     }
+    headers.remove(DELIVERY_COUNT_HEADER);
     headers.insert(REDRIVEN_HEADER.into(), AMQPValue::Boolean(true));
     properties
         .clone()
@@ -121,9 +134,20 @@ pub(crate) fn redriven(properties: &BasicProperties) -> BasicProperties {
         .with_delivery_mode(PERSISTENT)
 }
 
-/// The header `name`.
+/// Removes this crate's header `name`, under its name and its legacy one.
+fn remove(headers: &mut BTreeMap<ShortString, AMQPValue>, name: &str) {
+    headers.remove(name);
+    if let Some(old) = legacy(name) {
+        headers.remove(old);
+    }
+}
+
+/// The header `name` (one of this crate's: under its legacy name too).
 pub(crate) fn header<'p>(properties: &'p BasicProperties, name: &str) -> Option<&'p AMQPValue> {
-    properties.headers().as_ref()?.inner().get(name)
+    let headers = properties.headers().as_ref()?.inner();
+    headers
+        .get(name)
+        .or_else(|| legacy(name).and_then(|old| headers.get(old)))
 }
 
 /// A string header.
@@ -246,6 +270,36 @@ mod tests {
         assert!(!first.is_redriven());
         let classic = translate(&properties, Vec::new(), false, QueueType::Classic);
         assert_eq!(classic.broker_delivery_count(), None);
+    }
+
+    #[test]
+    fn letters_written_with_the_old_x_idem_names_are_still_read_and_cleared() {
+        let old = with_headers(&[
+            ("x-idem-reason", string("a bug")),
+            (
+                "x-idem-attempts",
+                AMQPValue::FieldArray(FieldArray::from(vec![string("2023-11-14T22:13:20Z")])),
+            ),
+            ("x-idem-queue", string("payments")),
+            ("x-idem-redriven", AMQPValue::Boolean(true)),
+        ]);
+        assert_eq!(string_header(&old, REASON_HEADER).as_deref(), Some("a bug"));
+        assert_eq!(string_header(&old, QUEUE_HEADER).as_deref(), Some("payments"));
+        assert_eq!(strings_header(&old, ATTEMPTS_HEADER).len(), 1);
+        assert!(translate(&old, Vec::new(), false, QueueType::Classic).is_redriven());
+        let back = redriven(&old);
+        for name in ["x-idem-reason", "x-idem-attempts", "x-idem-queue", "x-idem-redriven"] {
+            assert!(
+                back.headers()
+                    .as_ref()
+                    .is_none_or(|h| !h.inner().contains_key(name)),
+                "{name} kept"
+            );
+        }
+        assert_eq!(header(&back, REDRIVEN_HEADER), Some(&AMQPValue::Boolean(true)));
+        let again = hop(&old, "payments", "still a bug", None);
+        assert_eq!(string_header(&again, REASON_HEADER).as_deref(), Some("still a bug"));
+        assert!(header(&again, REDRIVEN_HEADER).is_none());
     }
 
     #[test]

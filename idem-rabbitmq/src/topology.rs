@@ -34,7 +34,7 @@ use crate::Error;
 /// published to `Q.dlq.hop`, whose TTL of 0 makes RabbitMQ dead-letter it to
 /// `Q.dlq` at once: its `x-death` header gains that hop (after the
 /// `Q.retry.*` hops of its retries), and the headers the consumer writes
-/// (`x-idem-reason`, `x-idem-attempts`) travel with it.
+/// (`idem-reason`, `idem-attempts`) travel with it.
 ///
 /// **Quorum queues** ([`QueueType::Quorum`]) make every queue above a quorum
 /// queue, and those that dead-letter do it *at least once*

@@ -45,7 +45,7 @@ const CLOSE_LIMIT: Duration = Duration::from_secs(5);
 /// |---|---|
 /// | `Ack` | nothing more |
 /// | `Retry` | a copy to the delay queue of its delay ([`Topology`]), with a per-message TTL; confirmed |
-/// | `DeadLetter` | a copy to `Q.dlq` (through `Q.dlq.hop`: `x-death` kept) with `x-idem-reason` and `x-idem-attempts`; confirmed; then [`Protocol::published`] |
+/// | `DeadLetter` | a copy to `Q.dlq` (through `Q.dlq.hop`: `x-death` kept) with `idem-reason` and `idem-attempts`; confirmed; then [`Protocol::published`] |
 /// | `Requeue` | none while the session lasts: the delivery is held (see below) |
 ///
 /// **While the inbox is unavailable** (its database is down), the consumer
