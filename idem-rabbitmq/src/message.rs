@@ -123,7 +123,7 @@ pub(crate) fn hop(
 /// re-driven, persistent.
 pub(crate) fn redriven(properties: &BasicProperties) -> BasicProperties {
     let mut headers = headers(properties);
-    for name in [REASON_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER] {
+    for name in [REASON_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER, REDRIVEN_HEADER] {
         remove(&mut headers, name);
     }
     headers.remove(DELIVERY_COUNT_HEADER);
@@ -284,11 +284,19 @@ mod tests {
             ("x-idem-redriven", AMQPValue::Boolean(true)),
         ]);
         assert_eq!(string_header(&old, REASON_HEADER).as_deref(), Some("a bug"));
-        assert_eq!(string_header(&old, QUEUE_HEADER).as_deref(), Some("payments"));
+        assert_eq!(
+            string_header(&old, QUEUE_HEADER).as_deref(),
+            Some("payments")
+        );
         assert_eq!(strings_header(&old, ATTEMPTS_HEADER).len(), 1);
         assert!(translate(&old, Vec::new(), false, QueueType::Classic).is_redriven());
         let back = redriven(&old);
-        for name in ["x-idem-reason", "x-idem-attempts", "x-idem-queue", "x-idem-redriven"] {
+        for name in [
+            "x-idem-reason",
+            "x-idem-attempts",
+            "x-idem-queue",
+            "x-idem-redriven",
+        ] {
             assert!(
                 back.headers()
                     .as_ref()
@@ -296,9 +304,15 @@ mod tests {
                 "{name} kept"
             );
         }
-        assert_eq!(header(&back, REDRIVEN_HEADER), Some(&AMQPValue::Boolean(true)));
+        assert_eq!(
+            header(&back, REDRIVEN_HEADER),
+            Some(&AMQPValue::Boolean(true))
+        );
         let again = hop(&old, "payments", "still a bug", None);
-        assert_eq!(string_header(&again, REASON_HEADER).as_deref(), Some("still a bug"));
+        assert_eq!(
+            string_header(&again, REASON_HEADER).as_deref(),
+            Some("still a bug")
+        );
         assert!(header(&again, REDRIVEN_HEADER).is_none());
     }
 

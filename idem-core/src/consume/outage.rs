@@ -14,10 +14,14 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::watch;
 
 use super::{Decision, Handler, Inbox, Message, Protocol};
+
+/// The shortest wait before a held delivery is decided again.
+const FIRST_WAIT: Duration = Duration::from_millis(10);
 
 /// How many deliveries a consumer holds because its inbox is unavailable,
 /// shared by its tasks and its receiving loop (clones share it). While any
@@ -136,9 +140,12 @@ impl Drop for Held<'_> {
 impl<I: Inbox> Protocol<I> {
     /// [`decide`](Protocol::decide), holding the delivery while the inbox is
     /// unavailable: where `decide` answers [`Decision::Requeue`], this waits
-    /// its pause and decides again, `outage` counting the delivery as held
-    /// meanwhile, until another decision comes. When `stop` resolves first
-    /// (the consumer shuts down), it answers the `Requeue`. The caller keeps
+    /// and decides again, `outage` counting the delivery as held meanwhile,
+    /// until another decision comes. The first wait is short (a sixteenth of
+    /// the `Requeue`'s pause, at least 10 ms: one lost connection, or a
+    /// COMMIT whose answer was lost, is over at once), each next one twice
+    /// the last, up to the pause (an outage). When `stop` resolves first (the
+    /// consumer shuts down), it answers the `Requeue`. The caller keeps
     /// the delivery while this runs (extends its lease, leaves it
     /// unacknowledged); see [`Outage`] for why.
     pub async fn decide_holding(
@@ -150,16 +157,23 @@ impl<I: Inbox> Protocol<I> {
     ) -> Decision {
         let mut stop = std::pin::pin!(stop);
         let mut held = None;
+        let mut wait = None;
         loop {
             let decision = self.decide(message, handler).await;
             let Decision::Requeue { after } = decision else {
                 return decision;
             };
             held.get_or_insert_with(|| outage.hold());
+            let next = wait.map_or_else(
+                || (after / 16).max(FIRST_WAIT),
+                |last: Duration| last.saturating_mul(2),
+            );
+            let next = next.min(after);
+            wait = Some(next);
             tokio::select! {
                 biased;
                 () = &mut stop => return decision,
-                () = tokio::time::sleep(after) => {}
+                () = tokio::time::sleep(next) => {}
             }
         }
     }
