@@ -123,7 +123,12 @@ pub(crate) fn hop(
 /// re-driven, persistent.
 pub(crate) fn redriven(properties: &BasicProperties) -> BasicProperties {
     let mut headers = headers(properties);
-    for name in [REASON_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER, REDRIVEN_HEADER] {
+    for name in [
+        REASON_HEADER,
+        ATTEMPTS_HEADER,
+        QUEUE_HEADER,
+        REDRIVEN_HEADER,
+    ] {
         remove(&mut headers, name);
     }
     headers.remove(DELIVERY_COUNT_HEADER);
