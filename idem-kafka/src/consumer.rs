@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak, mpsc as std_mpsc};
 use std::time::Duration;
 
-use idem_core::consume::{Acked, ConsumerPolicy, Decision, Handler, Letter, Protocol};
+use idem_core::consume::{Acked, ConsumerPolicy, Decision, Handler, Letter, Protocol, held_wait};
 use idem_core::log::{bounded, error_chain};
 use idem_core::retry::Backoff;
 use rdkafka::ClientConfig;
@@ -831,6 +831,8 @@ async fn apply<I: Offsets, H: Handler<I::Tx>>(
         from,
         to: record.offset() + 1,
     };
+    // How long the last wait for the inbox was (see `held_wait`).
+    let mut waited = None;
     loop {
         if *stop.borrow() {
             return None;
@@ -871,7 +873,11 @@ async fn apply<I: Offsets, H: Handler<I::Tx>>(
                     fenced(shared, partition);
                     return None;
                 }
-                if !sleep_or_stop(after, stop).await {
+                // The inbox could not take it: retried in place, soon at
+                // first (one lost connection), then up to the pause.
+                let next = held_wait(waited, after);
+                waited = Some(next);
+                if !sleep_or_stop(next, stop).await {
                     return None;
                 }
             }

@@ -79,7 +79,7 @@ pub use inbox::{
 };
 pub use memory::MemoryInbox;
 pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message, id_text, parse_rfc3339, rfc3339};
-pub use outage::{Outage, StopSignal};
+pub use outage::{Outage, StopSignal, held_wait};
 pub use policy::{ConsumerPolicy, DeadLetterAlert, MissingId};
 pub use store_inbox::StoreInbox;
 

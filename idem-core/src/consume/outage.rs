@@ -23,6 +23,32 @@ use super::{Decision, Handler, Inbox, Message, Protocol};
 /// The shortest wait before a held delivery is decided again.
 const FIRST_WAIT: Duration = Duration::from_millis(10);
 
+/// How long a delivery the inbox could not take waits before it is decided
+/// again, after waiting `last` (`None`: the first time), the `Requeue`'s
+/// pause being `pause`: first a sixteenth of the pause (at least 10 ms: one
+/// lost connection, or a COMMIT whose answer was lost, is over at once),
+/// then twice the last wait, up to the pause (an outage). What
+/// [`Protocol::decide_holding`] waits, and a broker crate that retries in
+/// place (idem-kafka's partitions) too.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::consume::held_wait;
+///
+/// let pause = Duration::from_secs(1);
+/// let first = held_wait(None, pause);
+/// assert_eq!(first, Duration::from_micros(62_500));
+/// assert_eq!(held_wait(Some(first), pause), Duration::from_millis(125));
+/// assert_eq!(held_wait(Some(pause), pause), pause);
+/// ```
+pub fn held_wait(last: Option<Duration>, pause: Duration) -> Duration {
+    last.map_or_else(
+        || (pause / 16).max(FIRST_WAIT),
+        |last| last.saturating_mul(2),
+    )
+    .min(pause)
+}
+
 /// How many deliveries a consumer holds because its inbox is unavailable,
 /// shared by its tasks and its receiving loop (clones share it). While any
 /// is held, the loop receives nothing more ([`Outage::is_on`]) and waits for
@@ -164,11 +190,7 @@ impl<I: Inbox> Protocol<I> {
                 return decision;
             };
             held.get_or_insert_with(|| outage.hold());
-            let next = wait.map_or_else(
-                || (after / 16).max(FIRST_WAIT),
-                |last: Duration| last.saturating_mul(2),
-            );
-            let next = next.min(after);
+            let next = held_wait(wait, after);
             wait = Some(next);
             tokio::select! {
                 biased;
