@@ -19,6 +19,10 @@ use tokio::sync::Notify;
 
 use crate::pool::ConnectFailures;
 
+/// How long a relay's shutdown waits for a batch that is settling (see
+/// `Relay::run`).
+const SETTLE_GRACE: Duration = Duration::from_secs(5);
+
 /// How long sent events are kept by default before the cleanup job deletes
 /// them: a day.
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -393,9 +397,10 @@ impl<P: Publish> Relay<P> {
 
     /// [`run_once`](Self::run_once), given up (`None`) when `shutdown`
     /// resolves while the batch is taken or published: the batch is dropped,
-    /// its transaction rolls back, nothing of it is marked sent. Once the
-    /// batch is settling it is not given up: its COMMIT may have reached the
-    /// database, and only its answer says what was marked (and counted).
+    /// its transaction rolls back, nothing of it is marked sent. A batch
+    /// settling when `shutdown` resolves is given 5 s to finish
+    /// (its COMMIT may have reached the database, and only its answer says
+    /// what was marked and counted), then the answer is `None` too.
     async fn run_once_unless(
         &self,
         shutdown: &mut Pin<&mut (impl Future<Output = ()> + Send)>,
@@ -420,7 +425,28 @@ impl<P: Publish> Relay<P> {
             parked: settlement.parked.len() as u64,
             retried: settlement.retried.len() as u64,
         };
-        batch.settle(settlement).await?;
+        // Settling is not given up at once: its COMMIT may have reached the
+        // database, and only its answer says what was marked. A shutdown
+        // waits for it at most `SETTLE_GRACE` (a database that stopped
+        // answering cannot hold the relay's stop), then gives it up: what it
+        // marked is not counted, and what it did not mark is published
+        // again by the next relay, with the same ids.
+        let settling = batch.settle(settlement);
+        let mut settling = std::pin::pin!(settling);
+        let stopping = tokio::select! {
+            biased;
+            settled = &mut settling => {
+                settled?;
+                false
+            }
+            () = &mut *shutdown => {
+                match tokio::time::timeout(SETTLE_GRACE, &mut settling).await {
+                    Ok(settled) => settled?,
+                    Err(_) => return Ok(None),
+                }
+                true
+            }
+        };
         self.counters
             .published
             .fetch_add(relayed.published, Ordering::Relaxed);
@@ -439,7 +465,7 @@ impl<P: Publish> Relay<P> {
             retried = relayed.retried,
             "outbox batch relayed"
         );
-        Ok(Some(relayed))
+        Ok((!stopping).then_some(relayed))
     }
 
     /// Sets the oldest unsent event's gauge, once the look's transaction has
@@ -462,8 +488,9 @@ impl<P: Publish> Relay<P> {
     /// it did. A batch being taken or published when `shutdown` resolves is
     /// dropped: its transaction rolls back, nothing of it is marked sent, and
     /// the next relay publishes those events again, with the same ids (so an
-    /// inbox applies each once). A batch already settling finishes settling
-    /// first (its COMMIT may have landed: the answer says what it marked). A database error is logged and the relay looks
+    /// inbox applies each once). A batch already settling is given 5 s to
+    /// finish first (its COMMIT may have landed: the answer says what it
+    /// marked); a database that stopped answering cannot hold the stop. A database error is logged and the relay looks
     /// again at the next poll.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Relayed {
         let listener = self

@@ -1599,7 +1599,12 @@ async fn outbox_a_full_queue_is_waited_out(case: Case) -> Outcome {
         let _ = relay.run_once().await;
         let backlog = outbox.backlog().await.map_err(failed)?;
         // The queue is full (3) while events wait: the broker refuses them.
-        if count_messages(&channel, &capped).await? == 3 && backlog.unsent > 0 {
+        if idem_rabbitmq::ready(&channel, &capped)
+            .await
+            .map_err(failed)?
+            == 3
+            && backlog.unsent > 0
+        {
             refused_while_full = true;
         }
         if backlog.unsent == 0 && received.len() >= 12 {
@@ -1666,26 +1671,6 @@ async fn outbox_a_full_queue_is_waited_out(case: Case) -> Outcome {
     )?;
     let _ = connection.close(0, "done".into()).await;
     Ok("12 events through a queue capped at 3 (reject-publish): all received once, in order per key, 0 parked".to_owned())
-}
-
-/// The messages ready in `queue`.
-async fn count_messages(
-    channel: &idem_rabbitmq::lapin::Channel,
-    queue: &str,
-) -> Result<u32, Failed> {
-    use idem_rabbitmq::lapin::options::QueueDeclareOptions;
-    let declared = channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            idem_rabbitmq::lapin::types::FieldTable::default(),
-        )
-        .await
-        .map_err(failed)?;
-    Ok(declared.message_count())
 }
 
 /// A consumer whose SQLite inbox was neither migrated nor checked in this

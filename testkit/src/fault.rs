@@ -738,7 +738,6 @@ fn is_commit(sql: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
     use std::process::{Command, Output, Stdio};
     use std::time::Instant;
 
@@ -765,11 +764,7 @@ mod tests {
     /// `psql` through the proxy, each of `commands` a `-c` of its own (one
     /// simple query each); killed after 20 s, so that a test cannot hang.
     fn psql_through(proxy: &Proxy, database: &str, commands: &[&str]) -> Output {
-        let dirs: Vec<PathBuf> = std::env::var_os("IDEM_PG_BIN")
-            .map(PathBuf::from)
-            .into_iter()
-            .chain(newest_postgresql_bin())
-            .collect();
+        let dirs = crate::postgres::find_binaries().into_iter();
         let psql = process::find_in(dirs, "psql").expect("psql not found: install PostgreSQL");
         let mut command = Command::new(psql);
         command
@@ -794,20 +789,6 @@ mod tests {
             thread::sleep(Duration::from_millis(10));
         }
         child.wait_with_output().unwrap()
-    }
-
-    fn newest_postgresql_bin() -> Option<PathBuf> {
-        let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|entry| {
-                let version = entry.file_name().to_str()?.parse().ok()?;
-                Some((version, entry.path().join("bin")))
-            })
-            .collect();
-        versions.sort();
-        versions.pop().map(|(_, dir)| dir)
     }
 
     /// psql's exit status when the connection to the server was lost.

@@ -262,8 +262,8 @@ impl fmt::Debug for TestPostgres {
     }
 }
 
-/// The directory holding `initdb` and `pg_ctl`.
-fn find_binaries() -> Result<PathBuf, Error> {
+/// The directory holding `initdb` and `pg_ctl` (and `psql`).
+pub(crate) fn find_binaries() -> Result<PathBuf, Error> {
     let mut searched = Vec::new();
     let has_server = |dir: &Path| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file();
     if let Some(dir) = env::var_os("IDEM_PG_BIN") {

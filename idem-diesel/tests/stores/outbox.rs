@@ -24,6 +24,7 @@ use idem_diesel::{
 };
 
 use crate::{Databases, TestFn};
+use idem_testkit::fault::{Fault, Proxy};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
@@ -131,6 +132,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         "outbox::sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message",
         |d| Box::pin(sqlite_an_event_staged_in_an_inbox_handler_commits_with_the_message(d)),
     ),
+    (
+        "outbox::postgres_a_stop_while_settling_on_a_silent_database_ends_after_its_grace",
+        |d| Box::pin(postgres_a_stop_while_settling_on_a_silent_database(d)),
+    ),
     #[cfg(feature = "metrics")]
     ("outbox::postgres_the_relay_records_its_metrics", |d| {
         Box::pin(the_relay_records_its_metrics(d, Kind::Postgres))
@@ -140,6 +145,60 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         Box::pin(the_relay_records_its_metrics(d, Kind::Sqlite))
     }),
 ];
+
+/// A relay told to stop while its batch settles on a database that stopped
+/// answering (behind a proxy holding every byte): it stops after its grace,
+/// the batch neither counted nor marked sent; its connections reset, the
+/// database holds the event unsent, for the next relay.
+async fn postgres_a_stop_while_settling_on_a_silent_database(databases: Arc<Databases>) {
+    /// Publishes, then silences the database before the batch settles.
+    struct Silencing(Arc<Proxy>, Arc<AtomicUsize>);
+    impl Publish for Silencing {
+        fn publish<'a>(&'a self, _event: &'a Event) -> PublishFuture<'a> {
+            Box::pin(async move {
+                self.0.set(Fault::Stall);
+                self.1.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })
+        }
+    }
+    let url = databases.fresh_postgres().await;
+    let (head, name) = url.rsplit_once('/').expect("a database name");
+    let port: u16 = head
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.parse().ok())
+        .expect("a port");
+    let proxy = Arc::new(Proxy::postgres(([127, 0, 0, 1], port).into()).expect("a proxy"));
+    let proxied = PgOutbox::connect(&format!("postgres://postgres@{}/{name}", proxy.addr()))
+        .await
+        .expect("connect through the proxy");
+    proxied.migrate().await.expect("migrate");
+    let db = Db::Postgres(proxied);
+    db.stage(&[event("acc_1", "1")], true).await;
+    let Db::Postgres(outbox) = &db else {
+        unreachable!()
+    };
+    let published = Arc::new(AtomicUsize::new(0));
+    let relay = outbox.relay(Silencing(Arc::clone(&proxy), Arc::clone(&published)));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(relay.run(async move {
+        let mut stopped = stopped;
+        let _ = stopped.wait_for(|stop| *stop).await;
+    }));
+    while AtomicUsize::load(&published, Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.send(true).unwrap();
+    let relayed = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the relay stopped within 30 s on a silent database")
+        .unwrap();
+    assert_eq!((relayed.published, relayed.parked), (0, 0));
+    proxy.set(Fault::Reset);
+    let direct = PgOutbox::connect(&url).await.expect("connect");
+    let backlog = direct.backlog().await.expect("the backlog");
+    assert_eq!(backlog.unsent, 1, "{backlog:?}");
+}
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {

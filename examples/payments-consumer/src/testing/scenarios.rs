@@ -951,6 +951,19 @@ async fn consumer_terminated(
     tag: &str,
     secret: &str,
 ) -> Result<String, String> {
+    let lines = stopped_without(consumer, &[tag, secret]).await?;
+    Ok(format!(
+        "{lines} lines at trace, none with a message id, an account or a body value"
+    ))
+}
+
+/// Stops `consumer` (SIGTERM), then checks its log: it has debug lines
+/// (`RUST_LOG=trace` took), and none of them holds any of `secrets`.
+/// Answers how many lines it has.
+pub(super) async fn stopped_without(
+    consumer: super::ConsumerProcess,
+    secrets: &[&str],
+) -> Result<usize, String> {
     let log = consumer.log.clone();
     consumer.terminate().await?;
     let text = super::process::read_log(&log);
@@ -963,15 +976,13 @@ async fn consumer_terminated(
     );
     let leaks: Vec<&str> = text
         .lines()
-        .filter(|line| line.contains(tag) || line.contains(secret))
+        .filter(|line| secrets.iter().any(|secret| line.contains(secret)))
         .take(3)
         .collect();
     ensure!(
         leaks.is_empty(),
-        "log lines with a message id, an account or a body value ({}): {leaks:#?}",
+        "log lines with one of {secrets:?} ({}): {leaks:#?}",
         log.display()
     );
-    Ok(format!(
-        "{lines} lines at trace, none with a message id, an account or a body value"
-    ))
+    Ok(lines)
 }

@@ -21,7 +21,7 @@ use serde_json::json;
 use super::faults;
 use super::process::{Case, ConsumerProcess, PATIENCE, processed, read_log};
 use super::scenarios::{
-    Scenario, Stream, payment, seeded, stream, wait_operations, wait_processed,
+    Scenario, Stream, payment, seeded, stopped_without, stream, wait_operations, wait_processed,
 };
 use crate::database::Database;
 
@@ -40,6 +40,13 @@ pub const SQS_SCENARIOS: &[Scenario] = &[
         alone: false,
         postgres_only: true,
         run: |case| an_endpoint_outage(case).boxed(),
+    },
+    Scenario {
+        name: "sqs_binary_id",
+        check: "consumer on SQS: a Binary message_id keys its message; a resend is a duplicate; one not UTF-8 dead-lettered",
+        alone: false,
+        postgres_only: true,
+        run: |case| a_binary_id_keys_its_message(case).boxed(),
     },
     Scenario {
         name: "sqs_trace_logs",
@@ -361,24 +368,7 @@ async fn trace_logs_hold_no_payload_and_no_credential(case: Case) -> Result<Stri
         .await?;
     wait_operations(&case, &account, 3).await?;
     wait_depth(&client, &dead_letter_queue(&case)?, 1).await?;
-    let log = consumer.log.clone();
-    consumer.terminate().await?;
-    let text = read_log(&log);
-    let lines = text.lines().count();
-    ensure!(
-        text.contains("DEBUG"),
-        "the log has no debug lines: RUST_LOG=trace did not take ({lines} lines)"
-    );
-    let leaks: Vec<&str> = text
-        .lines()
-        .filter(|line| line.contains(&tag) || line.contains(&secret) || line.contains(&key_id))
-        .take(3)
-        .collect();
-    ensure!(
-        leaks.is_empty(),
-        "log lines with a message id, an account, a body value or the access key id ({}): {leaks:#?}",
-        log.display()
-    );
+    let lines = stopped_without(consumer, &[&tag, &secret, &key_id]).await?;
     Ok(format!(
         "{lines} lines at trace, none with a message id, an account, a body value or the access key id"
     ))
@@ -797,6 +787,67 @@ async fn dead_letter_then(case: Case, redrive: bool) -> Result<String, String> {
          redrive moved 0, none listed"
             .to_owned(),
     )
+}
+
+/// A payment sent twice with the same `message_id` attribute of type Binary
+/// (a producer's resend: two SQS messages, two SQS MessageIds), then one
+/// whose Binary id is not UTF-8: the first is applied once, the second is
+/// dead-lettered at once as `unreadable-message-id`, its id shown escaped.
+async fn a_binary_id_keys_its_message(case: Case) -> Result<String, String> {
+    use idem_sqs::aws_sdk_sqs::primitives::Blob;
+    use idem_sqs::aws_sdk_sqs::types::MessageAttributeValue;
+    let client = client(&case)?;
+    let url = create_queue(
+        &case,
+        &client,
+        &[(QueueAttributeName::VisibilityTimeout, "5")],
+    )
+    .await?;
+    let account = format!("acct-{}", case.queue);
+    let body = String::from_utf8(payment(&account, 7)).map_err(|e| e.to_string())?;
+    for id in [&b"pay-binary"[..], b"pay-binary", &[0xff, 0xfe]] {
+        let attribute = MessageAttributeValue::builder()
+            .data_type("Binary")
+            .binary_value(Blob::new(id))
+            .build()
+            .map_err(|e| e.to_string())?;
+        client
+            .send_message()
+            .queue_url(&url)
+            .message_body(&body)
+            .message_attributes(idem_sqs::MESSAGE_ID_ATTRIBUTE, attribute)
+            .send()
+            .await
+            .map_err(|e| format!("sending: {e:?}"))?;
+    }
+    let database = case.database().await?;
+    let consumer = consumer(&case, &[]).await?;
+    wait_depth(&client, &dead_letter_queue(&case)?, 1).await?;
+    let started = Instant::now();
+    while depth(&client, &url).await? != 0 {
+        ensure!(
+            started.elapsed() < PATIENCE,
+            "{url} still held messages after {PATIENCE:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    faults::alive(consumer).await?;
+    let applied = case.balance(&account).await?;
+    ensure!(
+        (applied.balance, applied.operations) == (7, 1),
+        "{account}: {applied:?}, expected 7 over 1 operation (the resend a duplicate)"
+    );
+    let inbox = processed(&database, &case.inbox_consumer()).await?;
+    let letters = list(&case, &url).await?;
+    ensure!(
+        letters.len() == 1
+            && letters[0]["reason"] == "unreadable-message-id"
+            && letters[0]["message_id"] == "\\xff\\xfe",
+        "dead letters: {letters:?}"
+    );
+    Ok(format!(
+        "a Binary id applied once over 2 sends (7, 1 operation; {inbox} inbox rows); one not UTF-8 dead-lettered as unreadable-message-id, shown \\xff\\xfe"
+    ))
 }
 
 /// `dead-letters --sqs`, one JSON value per line.
