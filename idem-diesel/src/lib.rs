@@ -50,5 +50,5 @@ pub use postgres::{
 #[cfg(feature = "sqlite")]
 pub use sqlite::{
     AsyncSqliteConnection, SqliteInbox, SqliteInboxBuilder, SqliteOutbox, SqlitePool, SqliteStore,
-    SqliteStoreBuilder,
+    SqliteStoreBuilder, SqliteTransaction, SqliteTransactionError, TransactionalSqliteStore,
 };

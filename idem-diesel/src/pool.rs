@@ -85,7 +85,6 @@ where
     }
 }
 
-#[cfg(feature = "postgres")]
 /// As [`checkout`], for a connection that outlives the borrow of the pool (a
 /// transaction kept open across store steps).
 pub(crate) async fn checkout_owned<M>(

@@ -22,6 +22,8 @@ mod outbox;
 mod postgres;
 #[path = "stores/sqlite.rs"]
 mod sqlite;
+#[path = "stores/sqlite_transactional.rs"]
+mod sqlite_transactional;
 #[path = "stores/transactional.rs"]
 mod transactional;
 
@@ -121,6 +123,7 @@ fn main() -> ExitCode {
         .chain(sqlite::TESTS)
         .chain(cleanup::TESTS)
         .chain(transactional::TESTS)
+        .chain(sqlite_transactional::TESTS)
         .chain(consumer_inbox::TESTS)
         .chain(outbox::TESTS)
     {
@@ -131,6 +134,7 @@ fn main() -> ExitCode {
         .iter()
         .chain(sqlite::MEASUREMENTS)
         .chain(transactional::MEASUREMENTS)
+        .chain(sqlite_transactional::MEASUREMENTS)
     {
         let test = *test;
         trials.push(trial(&runtime, &databases, (*name).to_owned(), true, test));
@@ -197,6 +201,12 @@ const STORE_VARIANTS: &[(&str, MakeStore)] = &[
                 .expect("connect");
             store.migrate().await.expect("migrate");
             Arc::new(store) as Arc<dyn Store>
+        })
+    }),
+    // Its claims commit on their own, so every case holds.
+    ("sqlite_transactional", |databases| {
+        Box::pin(async move {
+            Arc::new(sqlite_transactional::fresh_transactional(&databases).await) as Arc<dyn Store>
         })
     }),
     ("sqlite_custom_table", |databases| {

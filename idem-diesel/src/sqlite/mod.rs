@@ -3,6 +3,7 @@
 mod consumer_inbox;
 mod outbox;
 mod statements;
+mod transactional;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -42,6 +43,7 @@ type Connection = AsyncSqliteConnection;
 
 pub use consumer_inbox::{SqliteInbox, SqliteInboxBuilder};
 pub use outbox::SqliteOutbox;
+pub use transactional::{SqliteTransaction, SqliteTransactionError, TransactionalSqliteStore};
 
 /// A bb8 pool of SQLite connections, as [`SqliteStore`] uses.
 pub type SqlitePool = bb8::Pool<AsyncDieselConnectionManager<Connection>>;
@@ -279,6 +281,21 @@ impl SqliteStore {
             .map_err(StoreError::unavailable)
     }
 
+    /// The record of the request's key if a claim would not take it, read
+    /// without a transaction (see `Statements::live`).
+    async fn live(&self, request: &ClaimRequest) -> Result<Option<RecordRow>, StoreError> {
+        let (scope, key) = (request.scope.clone(), request.key.clone());
+        self.run(move |c, sql| {
+            diesel::sql_query(&sql.live)
+                .bind::<Text, _>(scope.as_str())
+                .bind::<Text, _>(key.as_str())
+                .prepared()
+                .get_result::<RecordRow>(c)
+                .optional()
+        })
+        .await
+    }
+
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let (scope, key) = (scope.clone(), key.clone());
         self.run(move |c, sql| {
@@ -420,6 +437,36 @@ fn establish(
     })
 }
 
+/// The completion of `claim` with `response`, as a step on a connection: the
+/// rows it updated (0: the claim is no longer held). The plain store runs it on
+/// its own; transactional mode in the execution's transaction.
+fn completion(
+    claim: &Claim,
+    response: &StoredResponse,
+    retention: Duration,
+) -> impl FnOnce(&mut SqliteConnection, &Statements) -> QueryResult<usize> + Send + 'static {
+    let (scope, key) = (claim.scope.clone(), claim.key.clone());
+    let owner = claim.owner.as_uuid();
+    let status = i32::from(response.status);
+    let headers = response.encode_headers();
+    let body = response.body.clone();
+    let replayable = response.replayable;
+    let retention = duration_micros(retention);
+    move |c, sql| {
+        diesel::sql_query(&sql.complete)
+            .bind::<Text, _>(scope.as_str())
+            .bind::<Text, _>(key.as_str())
+            .bind::<Binary, _>(&owner.as_bytes()[..])
+            .bind::<Integer, _>(status)
+            .bind::<Binary, _>(&headers[..])
+            .bind::<Binary, _>(&body[..])
+            .bind::<Bool, _>(replayable)
+            .bind::<BigInt, _>(retention)
+            .prepared()
+            .execute(c)
+    }
+}
+
 impl Store for SqliteStore {
     fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
         self.inner
@@ -494,28 +541,7 @@ impl Store for SqliteStore {
         retention: Duration,
     ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let (scope, key) = (claim.scope.clone(), claim.key.clone());
-            let owner = claim.owner.as_uuid();
-            let status = i32::from(response.status);
-            let headers = response.encode_headers();
-            let body = response.body.clone();
-            let replayable = response.replayable;
-            let retention = duration_micros(retention);
-            let rows = self
-                .run(move |c, sql| {
-                    diesel::sql_query(&sql.complete)
-                        .bind::<Text, _>(scope.as_str())
-                        .bind::<Text, _>(key.as_str())
-                        .bind::<Binary, _>(&owner.as_bytes()[..])
-                        .bind::<Integer, _>(status)
-                        .bind::<Binary, _>(&headers[..])
-                        .bind::<Binary, _>(&body[..])
-                        .bind::<Bool, _>(replayable)
-                        .bind::<BigInt, _>(retention)
-                        .prepared()
-                        .execute(c)
-                })
-                .await?;
+            let rows = self.run(completion(claim, response, retention)).await?;
             fenced(Ok(rows))
         })
     }

@@ -12,7 +12,9 @@ use idem_core::outbox::{Event, Publish};
 use idem_core::store::{BoxError, StoreFuture};
 
 use super::statements::NOW;
-use super::{AsyncSqliteConnection, SqlitePool, build_pool};
+use super::{
+    AsyncSqliteConnection, SqlitePool, SqliteTransaction, SqliteTransactionError, build_pool,
+};
 use crate::SetupError;
 use crate::outbox::{
     self, Backlog, Batch, BoxFuture, OUTBOX_TABLE, Outbox, OutboxBuilder, ParkedEvent, Relay,
@@ -175,6 +177,28 @@ impl Outbox<Sqlite> {
         event: &Event,
     ) -> diesel::QueryResult<()> {
         insert(connection, event)?;
+        self.staged_now(event);
+        Ok(())
+    }
+
+    /// Stages `event` in a transactional execution's transaction (see
+    /// [`TransactionalSqliteStore`](crate::TransactionalSqliteStore)): it
+    /// commits with the request's effects and its record, or not at all. The
+    /// first write of the execution opens the transaction, so this may wait
+    /// for the file's write lock as any write does.
+    ///
+    /// To stage in the same step as the handler's own writes, call
+    /// [`stage_blocking`](Self::stage_blocking) inside
+    /// [`SqliteTransaction::write`](crate::SqliteTransaction::write).
+    pub async fn stage_in(
+        &self,
+        transaction: &SqliteTransaction,
+        event: &Event,
+    ) -> Result<(), SqliteTransactionError> {
+        let staged = event.clone();
+        transaction
+            .write(move |c| insert(c, &staged).map_err(SqliteTransactionError::from))
+            .await?;
         self.staged_now(event);
         Ok(())
     }

@@ -33,6 +33,10 @@ pub(super) struct Statements {
     pub(super) release: String,
     /// `?1` scope, `?2` key → zero or one `RecordRow`.
     pub(super) load: String,
+    /// `?1` scope, `?2` key → the record if a claim would not take it
+    /// (completed within its retention, or in progress within its lease), read
+    /// without the write lock: what transactional mode answers first.
+    pub(super) live: String,
     /// `?1` batch size → rows deleted.
     pub(super) delete_expired: String,
     /// `?1` scope, `?2` key → one `InProgressRow`.
@@ -95,6 +99,11 @@ impl Statements {
                 "SELECT {RECORD_COLUMNS} FROM {t} AS r
                  WHERE r.scope = ?1 AND r.key = ?2 AND NOT ({})",
                 expired(NOW)
+            ),
+            live: format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} AS r
+                 WHERE r.scope = ?1 AND r.key = ?2 AND NOT ({})",
+                claimable(NOW)
             ),
             delete_expired: format!(
                 "DELETE FROM {t} WHERE rowid IN (
