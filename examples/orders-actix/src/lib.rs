@@ -30,35 +30,55 @@ pub mod start;
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::http::{StatusCode, header};
+use actix_web::http::{Method, StatusCode, header};
 use actix_web::middleware::{Next, from_fn};
 use actix_web::{Error, HttpMessage, HttpResponse, web};
-use idem::Policy;
-use idem::actix::Idempotency;
-use idem::diesel::SqliteStore;
+use idem::actix::{Idempotency, StoreContext};
+use idem::diesel::{SqliteStore, SqliteTransaction, SqliteTransactionError};
+use idem::{ContextRouteError, Policy};
 
-pub use orders::{NewOrder, Order, Orders, OrdersError, Principal, problem_body};
+pub use orders::{
+    CrashPoint, NewOrder, Order, Orders, OrdersError, Principal, Publishing, problem_body,
+};
 
 /// The application's routes, for `App::configure`: the orders behind
 /// authentication, `POST /orders` behind the idempotency middleware on
-/// `store`. The orders live in the store's SQLite file ([`Orders::open`] on
-/// `store.pool()`).
-pub fn routes(store: SqliteStore, orders: Orders) -> impl Fn(&mut web::ServiceConfig) + Clone {
-    move |config| {
-        let idempotency =
-            Idempotency::new(store.clone(), Policy::required()).scope_from_extension::<Principal>();
-        config.app_data(web::Data::new(orders.clone())).service(
-            web::scope("")
-                // Wraps the scope, so it runs before the resource's middleware.
-                .wrap(from_fn(authenticate))
-                .service(
-                    web::resource("/orders")
-                        .wrap(idempotency)
-                        .route(web::post().to(create_order))
-                        .route(web::get().to(list_orders)),
-                ),
-        );
-    }
+/// `store` in transactional mode, with a lease of `lease`. The orders live in
+/// the store's SQLite file and are written in the request's transaction
+/// ([`Orders::create`]): the order and the record's completion commit
+/// together.
+///
+/// Fails when the route cannot hand the handler its transaction (never, on
+/// this store: `on` checks it when the route is built).
+pub fn routes(
+    store: &SqliteStore,
+    orders: Orders,
+    lease: std::time::Duration,
+) -> Result<impl Fn(&mut web::ServiceConfig) + Clone + use<>, ContextRouteError> {
+    let idempotency = Idempotency::new(store.transactional(), Policy::required().lease(lease))
+        .scope_from_extension::<Principal>();
+    // Built once here, so that a route that cannot be built fails the start.
+    idempotency.on(Method::POST, create_order)?;
+    let crashes = orders.crashes_before_answer();
+    Ok(move |config: &mut web::ServiceConfig| {
+        let Ok(create) = idempotency.on(Method::POST, create_order) else {
+            return;
+        };
+        let resource = web::resource("/orders")
+            .route(create)
+            .route(web::get().to(list_orders));
+        let scope = web::scope("")
+            // Wraps the scope, so it runs before the resource's middleware.
+            .wrap(from_fn(authenticate));
+        let scope = if crashes {
+            scope.service(resource.wrap(from_fn(crash_before_answer)))
+        } else {
+            scope.service(resource)
+        };
+        config
+            .app_data(web::Data::new(orders.clone()))
+            .service(scope);
+    })
 }
 
 /// Puts the caller's [`Principal`] in the request, or answers `401`.
@@ -79,8 +99,10 @@ async fn authenticate(
     }
 }
 
-/// Runs once per (principal, key): retries get its answer replayed.
+/// Runs once per (principal, key), in the request's transaction: retries
+/// get its answer replayed.
 async fn create_order(
+    StoreContext(transaction): StoreContext<SqliteTransaction>,
     orders: web::Data<Orders>,
     principal: web::ReqData<Principal>,
     order: web::Json<NewOrder>,
@@ -92,10 +114,22 @@ async fn create_order(
             "quantity must be at least 1",
         );
     }
-    match orders.create(&principal, order).await {
+    match orders.create(&transaction, &principal, order).await {
         Ok(order) => HttpResponse::Created().json(order),
-        Err(error) => unavailable(&error),
+        Err(error) => not_written(&error),
     }
+}
+
+/// The crash test's `answer` point: the order is committed, its answer lost.
+async fn crash_before_answer(
+    request: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<BoxBody>, Error> {
+    let response = next.call(request).await?;
+    if response.status() == StatusCode::CREATED {
+        CrashPoint::BeforeAnswer.crash();
+    }
+    Ok(response.map_into_boxed_body())
 }
 
 async fn list_orders(
@@ -112,6 +146,14 @@ async fn list_orders(
 /// so the retry runs again. The cause goes to the log only.
 fn unavailable(error: &OrdersError) -> HttpResponse {
     tracing::error!(error = %error, "the orders table failed");
+    problem(StatusCode::SERVICE_UNAVAILABLE, "try again shortly")
+}
+
+/// An order that could not be written (the file's write lock busy past its
+/// timeout, the disk failing): `503`, not stored, rolled back; the retry
+/// orders once.
+fn not_written(error: &SqliteTransactionError) -> HttpResponse {
+    tracing::error!(error = %idem::log::error_chain(error), "the order could not be written");
     problem(StatusCode::SERVICE_UNAVAILABLE, "try again shortly")
 }
 

@@ -1,4 +1,5 @@
-//! `orders-actix [--listen ADDR] [--database sqlite://PATH]`: the orders API
+//! `orders-actix [--listen ADDR] [--database sqlite://PATH] [--publish URL]
+//! [--publish-to NAME] [--lease-secs N]`: the orders API
 //! (see the library's docs), served until Ctrl-C or SIGTERM.
 //!
 //! Prints `listening on http://ADDR` first on stdout (port 0 picks a free
@@ -17,11 +18,11 @@ async fn main() -> ExitCode {
 
 async fn serve() -> Result<(), StartError> {
     let options = Options::from_args()?;
-    let (store, orders) = start::open(&options.database).await?;
+    let (store, orders) = start::open(&options).await?;
     let cleanup = CleanupJob::spawn(&store);
     let listener = std::net::TcpListener::bind(&options.listen)?;
     let addr = listener.local_addr()?;
-    let routes = orders_actix::routes(store, orders);
+    let routes = orders_actix::routes(&store, orders, options.lease)?;
     // actix-web stops on Ctrl-C and SIGTERM by itself, letting in-flight
     // requests finish.
     let server = HttpServer::new(move || App::new().configure(routes.clone()))

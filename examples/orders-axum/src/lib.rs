@@ -29,31 +29,45 @@ pub mod start;
 struct ReadmeSnippets;
 
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
 use axum::{Extension, Json, Router};
-use idem::Policy;
 use idem::axum::IdempotencyLayer;
-use idem::diesel::SqliteStore;
+use idem::diesel::{SqliteStore, SqliteTransaction, SqliteTransactionError};
+use idem::{ContextRouteError, Policy, StoreContext};
 
-pub use orders::{NewOrder, Order, Orders, OrdersError, Principal, problem_body};
+pub use orders::{
+    CrashPoint, NewOrder, Order, Orders, OrdersError, Principal, Publishing, problem_body,
+};
 
 /// The application: the orders routes behind authentication, `POST /orders`
-/// behind the idempotency layer on `store`. The orders live in the store's
-/// SQLite file ([`Orders::open`] on `store.pool()`).
-pub fn app(store: SqliteStore, orders: Orders) -> Router {
-    let idempotency =
-        IdempotencyLayer::new(store, Policy::required()).scope_from_extension::<Principal>();
-    Router::new()
-        .route(
-            "/orders",
-            post(create_order).route_layer(idempotency).get(list_orders),
-        )
+/// behind the idempotency layer on `store` in transactional mode, with a
+/// lease of `lease`. The orders live in the store's SQLite file and are
+/// written in the request's transaction ([`Orders::create`]): the order and
+/// the record's completion commit together.
+///
+/// Fails when the route cannot hand the handler its transaction (never, on
+/// this store: `on` checks it when the route is built).
+pub fn app(
+    store: &SqliteStore,
+    orders: Orders,
+    lease: std::time::Duration,
+) -> Result<Router, ContextRouteError> {
+    let idempotency = IdempotencyLayer::new(store.transactional(), Policy::required().lease(lease))
+        .scope_from_extension::<Principal>();
+    let crashes = orders.crashes_before_answer();
+    let mut router = Router::new().route(
+        "/orders",
+        idempotency.on(Method::POST, create_order)?.get(list_orders),
+    );
+    if crashes {
+        router = router.layer(middleware::from_fn(crash_before_answer));
+    }
+    Ok(router
         // Added last, so it runs first: the idempotency layer finds the principal.
         .layer(middleware::from_fn(authenticate))
-        .with_state(orders)
+        .with_state(orders))
 }
 
 /// Puts the caller's [`Principal`] in the request, or answers `401`.
@@ -68,8 +82,10 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
     }
 }
 
-/// Runs once per (principal, key): retries get its answer replayed.
+/// Runs once per (principal, key), in the request's transaction: retries
+/// get its answer replayed.
 async fn create_order(
+    StoreContext(transaction): StoreContext<SqliteTransaction>,
     State(orders): State<Orders>,
     Extension(principal): Extension<Principal>,
     Json(order): Json<NewOrder>,
@@ -80,10 +96,19 @@ async fn create_order(
             "quantity must be at least 1",
         );
     }
-    match orders.create(&principal, order).await {
+    match orders.create(&transaction, &principal, order).await {
         Ok(order) => (StatusCode::CREATED, Json(order)).into_response(),
-        Err(error) => unavailable(&error),
+        Err(error) => not_written(&error),
     }
+}
+
+/// The crash test's `answer` point: the order is committed, its answer lost.
+async fn crash_before_answer(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    if response.status() == StatusCode::CREATED {
+        CrashPoint::BeforeAnswer.crash();
+    }
+    response
 }
 
 async fn list_orders(
@@ -100,6 +125,14 @@ async fn list_orders(
 /// the retry runs again. The cause goes to the log only.
 fn unavailable(error: &OrdersError) -> Response {
     tracing::error!(error = %error, "the orders table failed");
+    problem(StatusCode::SERVICE_UNAVAILABLE, "try again shortly")
+}
+
+/// An order that could not be written (the file's write lock busy past its
+/// timeout, the disk failing): `503`, not stored, rolled back; the retry
+/// orders once.
+fn not_written(error: &SqliteTransactionError) -> Response {
+    tracing::error!(error = %idem::log::error_chain(error), "the order could not be written");
     problem(StatusCode::SERVICE_UNAVAILABLE, "try again shortly")
 }
 

@@ -1,4 +1,5 @@
-//! `orders-axum [--listen ADDR] [--database sqlite://PATH]`: the orders API
+//! `orders-axum [--listen ADDR] [--database sqlite://PATH] [--publish URL]
+//! [--publish-to NAME] [--lease-secs N]`: the orders API
 //! (see the library's docs), served until Ctrl-C or SIGTERM.
 //!
 //! Prints `listening on http://ADDR` first on stdout (port 0 picks a free
@@ -16,11 +17,12 @@ async fn main() -> ExitCode {
 
 async fn serve() -> Result<(), StartError> {
     let options = Options::from_args()?;
-    let (store, orders) = start::open(&options.database).await?;
+    let (store, orders) = start::open(&options).await?;
     let cleanup = CleanupJob::spawn(&store);
     let listener = tokio::net::TcpListener::bind(&options.listen).await?;
     start::print_listening(listener.local_addr()?)?;
-    axum::serve(listener, orders_axum::app(store, orders))
+    let app = orders_axum::app(&store, orders, options.lease)?;
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     cleanup.stop().await

@@ -7,3 +7,8 @@ mod checks;
 async fn orders_are_made_once() {
     checks::orders_are_made_once(env!("CARGO_BIN_EXE_orders-axum")).await;
 }
+
+#[tokio::test]
+async fn crashes_leave_one_order_and_one_event() {
+    checks::crashes_leave_one_order_and_one_event(env!("CARGO_BIN_EXE_orders-axum")).await;
+}

@@ -21,19 +21,31 @@ impl Server {
     /// Starts `binary` on 127.0.0.1, port 0, with a new database file, and
     /// waits for its `listening on http://ADDR` line.
     pub(crate) async fn start(binary: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "idem-orders-{}-{}",
-            std::process::id(),
-            binary.rsplit('/').next().unwrap_or("example")
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut child = Command::new(binary)
-            .args(["--listen", "127.0.0.1:0", "--database"])
+        let dir = fresh_dir(binary, "orders");
+        Self::start_in(binary, dir, "127.0.0.1:0", &[], &[]).await
+    }
+
+    /// Starts `binary` listening on `listen`, on `dir/orders.db`, with extra
+    /// arguments and environment variables, and waits for its listening line.
+    pub(crate) async fn start_in(
+        binary: &str,
+        dir: PathBuf,
+        listen: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let mut command = Command::new(binary);
+        command
+            .args(["--listen", listen, "--database"])
             .arg(format!("sqlite://{}", dir.join("orders.db").display()))
+            .args(args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
-            .kill_on_drop(true)
+            .kill_on_drop(true);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let mut child = command
             .spawn()
             .unwrap_or_else(|e| panic!("could not start {binary}: {e}"));
         let stdout = child.stdout.take().unwrap();
@@ -56,6 +68,27 @@ impl Server {
         }
     }
 
+    /// Kills the server with SIGKILL and waits for it to be gone; the files
+    /// stay.
+    pub(crate) async fn kill(mut self) -> PathBuf {
+        self.child.kill().await.unwrap();
+        std::mem::take(&mut self.dir)
+    }
+
+    /// Waits for the server to die by itself (a crash point), and answers
+    /// its directory.
+    pub(crate) async fn crashed(mut self) -> PathBuf {
+        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
+            .await
+            .expect("the server dies at its crash point")
+            .unwrap();
+        assert!(
+            !status.success(),
+            "the crash point ended the server: {status}"
+        );
+        std::mem::take(&mut self.dir)
+    }
+
     /// Sends SIGTERM and answers whether the server exited cleanly.
     pub(crate) async fn stop(mut self) -> bool {
         let pid = self.child.id().unwrap();
@@ -68,9 +101,23 @@ impl Server {
             .await
             .expect("the server stops within 15 s of SIGTERM")
             .unwrap();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if !self.dir.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
         status.success()
     }
+}
+
+/// A new, empty directory for one check of `binary`.
+pub(crate) fn fresh_dir(binary: &str, check: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "idem-{check}-{}-{}",
+        std::process::id(),
+        binary.rsplit('/').next().unwrap_or("example")
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 fn order(client: &reqwest::Client, base: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
@@ -171,5 +218,199 @@ pub(crate) async fn orders_are_made_once(binary: &str) {
         .collect();
     assert_eq!(items, ["tea", "cake"], "one order per key");
 
+    assert!(server.stop().await, "a clean exit on SIGTERM");
+}
+
+/// A free port on 127.0.0.1, for a server restarted on the same address.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Sends the order of `key` until it is answered `201` (a `409` while a
+/// crashed execution's lease runs, a refused connection while the server is
+/// down), and answers whether that `201` was a replay.
+async fn order_until_created(client: &reqwest::Client, base: &str, key: &str) -> bool {
+    let body = r#"{"item":"crash-proof","quantity":1}"#;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{key} was never ordered"
+        );
+        if let Ok(response) = order(client, base, key, body).send().await {
+            match response.status() {
+                StatusCode::CREATED => {
+                    return response.headers().contains_key("idempotent-replayed");
+                }
+                StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE => {}
+                other => panic!("{key} was answered {other}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The caller's orders' ids.
+async fn order_ids(client: &reqwest::Client, base: &str) -> Vec<i64> {
+    let listed: serde_json::Value = client
+        .get(format!("{base}/orders"))
+        .bearer_auth("alice-token")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|order| order["id"].as_i64().unwrap())
+        .collect()
+}
+
+/// Transactional mode across crashes (`docs/contract.md` §7, §13), with
+/// `--publish` to a real RabbitMQ: the server dies at each crash point the
+/// test arms (the order written but not committed; committed but not
+/// answered), then is SIGKILLed at random instants while 8 clients retry 48
+/// keys. Afterwards every key made exactly one order, and each order exactly
+/// one `order.created` event (the relay publishes at least once: a resend
+/// after a crash carries the same message id).
+pub(crate) async fn crashes_leave_one_order_and_one_event(binary: &str) {
+    use idem::rabbitmq::lapin::options::BasicGetOptions;
+    use idem::rabbitmq::lapin::{Connection, ConnectionProperties};
+    use rand::Rng;
+
+    let broker = idem_testkit::TestRabbitMq::start().expect("a RabbitMQ node for the check");
+    let amqp = broker.url();
+    let queue = "orders-created";
+    let listen = format!("127.0.0.1:{}", free_port());
+    let publish = [
+        "--publish",
+        amqp.as_str(),
+        "--publish-to",
+        queue,
+        "--lease-secs",
+        "1",
+    ];
+    let client = reqwest::Client::new();
+    let mut dir = fresh_dir(binary, "crash");
+
+    // The armed crash points, one key each.
+    for (point, replayed_after) in [("write", false), ("answer", true)] {
+        let server = Server::start_in(
+            binary,
+            dir,
+            &listen,
+            &publish,
+            &[("ORDERS_CRASH_AT", point)],
+        )
+        .await;
+        let key = format!("crash-at-{point}");
+        let lost = order(
+            &client,
+            &server.base,
+            &key,
+            r#"{"item":"crash-proof","quantity":1}"#,
+        )
+        .send()
+        .await;
+        assert!(
+            lost.is_err(),
+            "{point}: the answer is lost with the server: {lost:?}"
+        );
+        dir = server.crashed().await;
+        let server = Server::start_in(binary, dir, &listen, &publish, &[]).await;
+        let replayed = order_until_created(&client, &server.base, &key).await;
+        assert_eq!(
+            replayed, replayed_after,
+            "{point}: the retry replays only what committed"
+        );
+        dir = server.kill().await;
+    }
+
+    // Random kills while 8 clients retry their keys.
+    let base = format!("http://{listen}");
+    let clients: Vec<_> = (0..8)
+        .map(|client_number| {
+            let (client, base) = (client.clone(), base.clone());
+            tokio::spawn(async move {
+                for n in 0..6 {
+                    order_until_created(&client, &base, &format!("client-{client_number}-{n}"))
+                        .await;
+                }
+            })
+        })
+        .collect();
+    for _ in 0..5 {
+        let server = Server::start_in(binary, dir, &listen, &publish, &[]).await;
+        let delay = rand::rng().random_range(50..300);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        dir = server.kill().await;
+    }
+    let server = Server::start_in(binary, dir, &listen, &publish, &[]).await;
+    for client in clients {
+        client.await.unwrap();
+    }
+
+    let ids = order_ids(&client, &server.base).await;
+    let keys = 2 + 8 * 6;
+    assert_eq!(ids.len(), keys, "one order per key: {ids:?}");
+
+    // Every order's event, once the relay has drained.
+    let connection = Connection::connect(&amqp, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut events: std::collections::BTreeMap<i64, std::collections::BTreeSet<String>> =
+        std::collections::BTreeMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while events.len() < keys {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} of {keys} orders' events arrived",
+            events.len()
+        );
+        let Some(message) = channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let body: serde_json::Value = serde_json::from_slice(&message.delivery.data).unwrap();
+        assert_eq!(body["type"], "order.created");
+        let id = body["order"]["id"].as_i64().unwrap();
+        let message_id = message
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.to_string())
+            .expect("every event has a message id");
+        events.entry(id).or_default().insert(message_id);
+    }
+    assert_eq!(
+        events.keys().copied().collect::<Vec<_>>(),
+        {
+            let mut sorted = ids.clone();
+            sorted.sort_unstable();
+            sorted
+        },
+        "an event for every order, and none for an order that does not exist"
+    );
+    for (id, message_ids) in &events {
+        assert_eq!(
+            message_ids.len(),
+            1,
+            "order {id} has one event: {message_ids:?}"
+        );
+    }
+    let _ = connection.close(200, "checked".into()).await;
     assert!(server.stop().await, "a clean exit on SIGTERM");
 }
