@@ -40,7 +40,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     // RabbitMQ and PostgreSQL start (seconds) while the HTTP part runs.
     let starting = std::thread::spawn(start_broker_and_database);
     let log = dir.join(format!("{}.log", example.package()));
-    let server = Server::start_logged(&binary, &dir, &[], &log)?;
+    let server = Server::start_logged(&binary, &dir, &[], &[], &log)?;
     let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
     let rows = runtime.block_on(experiment(&server.base));
     drop(server);

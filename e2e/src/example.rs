@@ -57,6 +57,7 @@ impl Server {
         binary: &Path,
         dir: &Path,
         args: &[&str],
+        env: &[(String, String)],
         log: &Path,
     ) -> Result<Self, String> {
         let file = OpenOptions::new()
@@ -64,7 +65,7 @@ impl Server {
             .append(true)
             .open(log)
             .map_err(|e| format!("{}: {e}", log.display()))?;
-        Self::launch(binary, dir, args, Stdio::from(file))
+        Self::launch(binary, dir, args, env, Stdio::from(file))
     }
 
     /// Asks the server to stop (SIGTERM), as a supervisor would, and kills it
@@ -84,10 +85,17 @@ impl Server {
         // Drop kills what is left.
     }
 
-    fn launch(binary: &Path, dir: &Path, args: &[&str], stderr: Stdio) -> Result<Self, String> {
+    fn launch(
+        binary: &Path,
+        dir: &Path,
+        args: &[&str],
+        env: &[(String, String)],
+        stderr: Stdio,
+    ) -> Result<Self, String> {
         let mut child = Command::new(binary)
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
+            .envs(env.iter().map(|(name, value)| (name, value)))
             .current_dir(dir)
             .stdout(Stdio::piped())
             .stderr(stderr)

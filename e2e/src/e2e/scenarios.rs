@@ -116,6 +116,14 @@ pub(crate) const CATALOG: &[Scenario] = &[
         run: |d| restarts::crash(d).boxed(),
     },
     Scenario {
+        name: "crash-at-write",
+        checks: &[restarts::CRASH_AT_WRITE],
+        stores: DURABLE_STORES,
+        alone: false,
+        readiness: Readiness::Built,
+        run: |d| restarts::crash_at_write(d).boxed(),
+    },
+    Scenario {
         name: "outage",
         checks: &[outage::DOWN],
         stores: POSTGRES,

@@ -187,16 +187,30 @@ impl Site {
 
     /// Starts the example over this site's store with extra `flags`.
     pub(crate) async fn start(&self, flags: &[&str]) -> Result<Instance, Failure> {
+        self.start_with_env(flags, &[]).await
+    }
+
+    /// [`start`](Self::start), with environment variables (a crash test's
+    /// crash point).
+    pub(crate) async fn start_with_env(
+        &self,
+        flags: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Instance, Failure> {
         let n = self.servers.fetch_add(1, Ordering::Relaxed) + 1;
         let log = self.dir.join(format!("server-{n}.log"));
         let mut args = vec!["--store".to_owned(), self.url.clone()];
         args.extend(flags.iter().map(|f| (*f).to_owned()));
         let (binary, dir) = (self.binary.clone(), self.dir.clone());
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+            .collect();
         let started = {
             let log = log.clone();
             blocking(move || {
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                Server::start_logged(&binary, &dir, &args, &log)
+                Server::start_logged(&binary, &dir, &args, &env, &log)
             })
             .await
         };

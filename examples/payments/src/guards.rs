@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{InProgress, Policy, Store};
-use idem_diesel::PgStore;
 
 /// How long, in transactional mode, a request waits for a running request
 /// with its key to commit before it is answered `409`.
@@ -73,22 +72,25 @@ impl Guards {
         }
     }
 
-    /// Both routes in transactional mode on `store` (`docs/contract.md` §7): the claim,
-    /// the ledger's writes (through the request's
-    /// [`PgTransaction`](idem_diesel::PgTransaction)) and the completion commit
-    /// together, or not at all, so a crash at any point leaves one effect or
-    /// none.
+    /// Both routes in transactional mode on `store`, a store's
+    /// `transactional()` (`docs/contract.md` §7): the ledger's writes
+    /// (through the request's [`PgTransaction`](idem_diesel::PgTransaction)
+    /// or [`SqliteTransaction`](idem_diesel::SqliteTransaction)) and the
+    /// completion commit together, or not at all, so a crash at any point
+    /// leaves one effect or none.
     ///
     /// - **Deposits too**: a keyed deposit joins the transaction as a charge
     ///   does. A deposit without a key has no record to commit with; it passes
     ///   through, and its writes commit on their own.
-    /// - **Duplicates wait**: a request whose key is running sees only the
-    ///   running transaction's lock, not its record (uncommitted, so invisible),
-    ///   so a `409` would tell it nothing. It waits up to [`TRANSACTIONAL_WAIT`]
-    ///   for the commit instead and replays the committed answer (or gets `422`
-    ///   if its body differs; if the first request rolled back, it runs itself).
-    pub fn transactional(store: &PgStore) -> Self {
-        let store: Arc<dyn Store> = Arc::new(store.transactional());
+    /// - **Duplicates wait**: a request whose key is running waits up to
+    ///   [`TRANSACTIONAL_WAIT`] for the commit and replays the committed
+    ///   answer (or gets `422` if its body differs; if the first request
+    ///   rolled back, it runs itself). On PostgreSQL it sees only the running
+    ///   transaction's lock, not its record (uncommitted, so invisible), so a
+    ///   `409` would tell it nothing; on SQLite it behaves the same, for one
+    ///   behaviour on both.
+    pub fn transactional(store: impl Store) -> Self {
+        let store: Arc<dyn Store> = Arc::new(store);
         let wait = InProgress::Wait {
             up_to: TRANSACTIONAL_WAIT,
         };

@@ -215,7 +215,7 @@ impl Payments {
             amount = operation.amount,
             balance = applied.balance,
             keyed = attempt.key().is_some(),
-            transactional = attempt.transaction().is_some(),
+            transactional = attempt.is_transactional(),
             "applied"
         );
         Ok(Receipt {
@@ -464,12 +464,17 @@ mod tests {
 
         /// The ledger in the file, as `--store sqlite://…` opens it.
         async fn ledger(&self) -> Ledger {
+            self.store_and_ledger().await.1
+        }
+
+        /// The store and the ledger in the file.
+        async fn store_and_ledger(&self) -> (SqliteStore, Ledger) {
             let url = format!("sqlite://{}", self.0.join("payments.db").display());
             let store = SqliteStore::connect(&url).await.unwrap();
             store.migrate().await.unwrap();
-            let ledger = Ledger::sqlite(store.pool().clone(), Duration::from_secs(60));
+            let ledger = Ledger::sqlite(store.pool().clone());
             ledger.migrate().await.unwrap();
-            ledger
+            (store, ledger)
         }
     }
 
@@ -512,30 +517,68 @@ mod tests {
         every_charge_applies_its_amount(file.ledger().await).await;
     }
 
-    /// A retry that runs the handler again after a crash between the ledger's
-    /// commit and the record's completion (SQLite has no transactional mode)
-    /// gets the key's operation back, not a second one.
+    /// In transactional mode on SQLite, a keyed charge is written in the
+    /// request's transaction: nothing of it is visible until the record
+    /// completes with it, and a release rolls it back, so the retry applies
+    /// it once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_keys_operation_is_applied_once_on_sqlite() {
+    async fn a_keyed_charge_commits_with_its_record_on_sqlite() {
+        use idem_core::{Begin, Engine, Fingerprint, Settlement, StoredResponse};
+
         let file = SqliteFile::new();
-        let payments = Payments::new(file.ledger().await, Duration::ZERO);
+        let (store, ledger) = file.store_and_ledger().await;
+        let payments = Payments::new(ledger, Duration::ZERO);
+        let engine = Engine::new(store.transactional(), idem_core::Policy::required());
         let body = br#"{"amount": 100, "currency": "EUR"}"#;
-        let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("k-1").unwrap());
-        let first = payments.charge("a1", body, &keyed).await.unwrap();
-        let again = payments.charge("a1", body, &keyed).await.unwrap();
-        assert_eq!((again.id, again.balance), (first.id, 100));
-        // Another scope's key of the same name, or an unkeyed charge, applies.
-        let bob = Attempt::keyed(Scope::new("bob"), IdempotencyKey::new("k-1").unwrap());
+        let begin = || {
+            engine.begin(
+                Scope::new("alice"),
+                IdempotencyKey::new("k-1").unwrap(),
+                Fingerprint::from_bytes([1; 32]),
+            )
+        };
+        let attempt_of = |execution: &idem_core::Execution| {
+            let transaction = std::sync::Arc::clone(execution.context().unwrap())
+                .downcast::<idem_diesel::SqliteTransaction>()
+                .unwrap();
+            Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("k-1").unwrap())
+                .within_sqlite(transaction)
+        };
+
+        // Released (the handler failed after its write): rolled back.
+        let Begin::Execute(execution) = begin().await else {
+            panic!("a new key runs")
+        };
+        payments
+            .charge("a1", body, &attempt_of(&execution))
+            .await
+            .unwrap();
+        assert_eq!(payments.account("a1").await.unwrap().operations, 0);
+        execution.release().await;
+        assert_eq!(payments.account("a1").await.unwrap().balance, 0);
+
+        // The retry runs, and commits with its record.
+        let Begin::Execute(execution) = begin().await else {
+            panic!("the released key runs again")
+        };
+        let receipt = payments
+            .charge("a1", body, &attempt_of(&execution))
+            .await
+            .unwrap();
+        assert_eq!(receipt.balance, 100);
+        let settled = execution
+            .settle(&StoredResponse::new(201, vec![], "charged"))
+            .await;
+        assert!(matches!(settled, Settlement::Deliver));
         assert_eq!(
-            payments.charge("a1", body, &bob).await.unwrap().balance,
-            200
+            payments.account("a1").await.unwrap(),
+            AccountView {
+                account_id: "a1".into(),
+                balance: 100,
+                operations: 1
+            }
         );
-        let unkeyed = Attempt::unkeyed();
-        assert_eq!(
-            payments.charge("a1", body, &unkeyed).await.unwrap().balance,
-            300
-        );
-        assert_eq!(payments.account("a1").await.unwrap().operations, 3);
+        assert!(matches!(begin().await, Begin::Replay(_)));
     }
 
     #[tokio::test]

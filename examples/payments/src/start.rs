@@ -146,7 +146,7 @@ pub enum StoreUrl {
 /// | `--store` | records | ledger | keyed charges and deposits |
 /// |---|---|---|---|
 /// | `memory` | in memory | in memory | plain: `409` for a running duplicate |
-/// | `sqlite://PATH` | `idem_records` in the file | `payment_accounts`, `payment_operations` in the file | plain |
+/// | `sqlite://PATH` | `idem_records` in the file | `payment_accounts`, `payment_operations` in the file | transactional ([`Guards::transactional`]) |
 /// | `postgres://…` | `idem_records` | `payment_accounts`, `payment_operations` | transactional ([`Guards::transactional`]) |
 /// | `redis://…`, `redis+cluster://…` | hashes under `idem:` | keys under `payments:` | plain, with a ledger that remembers each key's operation |
 ///
@@ -201,6 +201,9 @@ pub enum StartError {
         #[source]
         source: LedgerError,
     },
+    /// A crash test's `PAYMENTS_CRASH_AT` names no crash point.
+    #[error("{0}")]
+    CrashPoint(String),
     /// The `--provider-url` value is not a provider URL.
     #[error("invalid --provider-url")]
     Provider(#[from] InvalidProviderUrl),
@@ -389,7 +392,7 @@ impl StoreUrl {
                 let failed = |source| StartError::Store { kind, source };
                 let store = SqliteStore::connect(path).await.map_err(failed)?;
                 store.migrate().await.map_err(failed)?;
-                let ledger = Ledger::sqlite(store.pool().clone(), expiry.retention);
+                let ledger = Ledger::sqlite(store.pool().clone());
                 ledger
                     .migrate()
                     .await
@@ -401,7 +404,7 @@ impl StoreUrl {
                         .run(std::future::pending()),
                 );
                 Storage {
-                    guards: Guards::plain(Arc::new(store)),
+                    guards: Guards::transactional(store.transactional()),
                     ledger,
                 }
             }
@@ -426,7 +429,7 @@ impl StoreUrl {
                         .run(std::future::pending()),
                 );
                 Storage {
-                    guards: Guards::transactional(&store),
+                    guards: Guards::transactional(store.transactional()),
                     ledger,
                 }
             }
@@ -441,7 +444,10 @@ impl StoreUrl {
         };
         let storage = Storage {
             guards: storage.guards.retention(expiry.retention),
-            ..storage
+            ledger: storage
+                .ledger
+                .crash_point_from_env()
+                .map_err(StartError::CrashPoint)?,
         };
         tracing::info!(
             ledger = storage.ledger.kind(),

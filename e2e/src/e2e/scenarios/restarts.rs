@@ -11,6 +11,8 @@ use crate::e2e::site::Deployment;
 
 pub(super) const RESTART: &str = "restart, retry → replay";
 pub(super) const CRASH: &str = "SIGKILL mid-charge, restart, retry";
+pub(super) const CRASH_AT_WRITE: &str =
+    "crash once the charge is written, before its record completes; retry";
 
 pub(super) async fn restart(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
     let site = deployment.site("restart").await?;
@@ -97,4 +99,64 @@ pub(super) async fn crash(deployment: Arc<Deployment>) -> Result<Checks, Failure
     }
     .await;
     Ok(vec![(CRASH, outcome)])
+}
+
+/// The instant between the handler's write and the record's completion,
+/// reached exactly: the server is started with `PAYMENTS_CRASH_AT=write` and
+/// dies there (in transactional mode inside the request's transaction; on
+/// Redis after the ledger's own step). The retry, once the claim's lease
+/// (1 s here) has lapsed, leaves exactly one effect.
+pub(super) async fn crash_at_write(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
+    let site = deployment.site("crash-at-write").await?;
+    let principal = &unique("ivan");
+    let account = &unique("written");
+    let witness = Call::charge(principal, account, &unique("key"), 1);
+    let call = Call::charge(principal, account, &unique("key"), 100);
+    let lease = ["--lease-secs", "1"];
+    let before = site.start(&lease).await?;
+    let witnessed = before.api.send(&witness).await?;
+    before.terminate().await;
+    let doomed = site
+        .start_with_env(&lease, &[("PAYMENTS_CRASH_AT", "write")])
+        .await?;
+    let lost = doomed
+        .api
+        .send_within(&call, Some(Duration::from_secs(10)))
+        .await;
+    doomed.kill();
+    let after = site.start(&lease).await?;
+    let outcome: Outcome = async {
+        if witnessed.status != 201 {
+            return Err(Failure::unexpected(&witness, "201", &witnessed));
+        }
+        // A timeout (`Ok(None)`) or a broken connection (`Err`): no answer.
+        if let Ok(Some(answer)) = lost {
+            return Err(Failure::unexpected(
+                &call,
+                "no answer: the server dies at its crash point",
+                &answer,
+            ));
+        }
+        let settled = after
+            .api
+            .settle(&call, || None, Duration::from_secs(30))
+            .await?;
+        if settled.answer.status != 201 {
+            return Err(Failure::unexpected(&call, "201", &settled.answer));
+        }
+        expect_account(
+            &after.api,
+            principal,
+            account,
+            effects(2, 101),
+            "a charge of 1, then a charge of 100 whose server died once it was written, retried",
+        )
+        .await?;
+        Ok(format!(
+            "died once the charge was written; retry → {}201; 1 effect",
+            waits(&settled.on_the_way)
+        ))
+    }
+    .await;
+    Ok(vec![(CRASH_AT_WRITE, outcome)])
 }

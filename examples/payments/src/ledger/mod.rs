@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::store::BoxError;
 use idem_core::{ExecutionInfo, IdempotencyKey, Scope};
-use idem_diesel::{PgPool, PgTransaction, SqlitePool};
+use idem_diesel::{PgPool, PgTransaction, SqlitePool, SqliteTransaction};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -26,11 +26,12 @@ use redis::RedisLedger;
 ///
 /// - [`Ledger::memory`]: in this process, lost on exit (`--store memory`).
 /// - [`Ledger::sqlite`]: tables in the SQLite store's file, through its pool;
-///   a keyed request's operation is found again by its key, as on Redis.
-/// - [`Ledger::postgres`]: tables in the PostgreSQL store's database, through
-///   its pool; an operation whose [`Attempt`] carries the request's
-///   [`PgTransaction`] is written in that transaction, so it commits with the
-///   idempotency record or not at all (transactional mode, `docs/contract.md` §7).
+///   an operation whose [`Attempt`] carries the request's
+///   [`SqliteTransaction`] is written in that transaction, so it commits with
+///   the idempotency record or not at all (transactional mode,
+///   `docs/contract.md` §7).
+/// - [`Ledger::postgres`]: the same in the PostgreSQL store's database, with
+///   the request's [`PgTransaction`].
 /// - [`Ledger::redis`]: keys in the Redis store's Redis, through its
 ///   connection; each account in one cluster slot, each operation one script
 ///   that also remembers which operation a keyed request applied
@@ -66,12 +67,15 @@ pub struct Ledger {
     /// `--publish`: each operation applied stages its event in its own
     /// transaction.
     publishing: Option<Publishing>,
+    /// A crash test's `PAYMENTS_CRASH_AT=write`: die once an operation is
+    /// written, before the request's record completes.
+    crash_after_write: bool,
 }
 
 #[derive(Clone)]
 enum Backend {
     Memory(MemoryLedger),
-    Sqlite(SqlitePool, Duration),
+    Sqlite(SqlitePool),
     Postgres(PgPool),
     Redis(RedisLedger),
 }
@@ -110,13 +114,20 @@ pub struct Operation {
 /// assert!(unkeyed.key().is_none());
 /// let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("order-1")?);
 /// assert_eq!(keyed.key().map(|(_, key)| key.as_str()), Some("order-1"));
-/// assert!(keyed.transaction().is_none());
+/// assert!(!keyed.is_transactional());
 /// # Ok::<(), idem_core::KeyError>(())
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct Attempt {
     key: Option<(Scope, IdempotencyKey)>,
-    transaction: Option<Arc<PgTransaction>>,
+    transaction: Option<Joined>,
+}
+
+/// The request's transaction, which an attempt's writes join.
+#[derive(Clone, Debug)]
+enum Joined {
+    Postgres(Arc<PgTransaction>),
+    Sqlite(Arc<SqliteTransaction>),
 }
 
 /// An operation the ledger applied.
@@ -155,10 +166,10 @@ pub enum LedgerError {
     Unavailable(#[source] BoxError),
 }
 
-/// An operation carried the request's PostgreSQL transaction to a ledger that
+/// An operation carried the request's transaction to a ledger that
 /// is not in that database: its writes could not commit with the record.
 #[derive(Debug, thiserror::Error)]
-#[error("the request runs in a PostgreSQL transaction, but the ledger is not on PostgreSQL")]
+#[error("the request runs in a transaction of another database than the ledger's")]
 struct ForeignTransaction;
 
 impl Ledger {
@@ -167,18 +178,17 @@ impl Ledger {
         Self {
             backend: Backend::Memory(MemoryLedger::default()),
             publishing: None,
+            crash_after_write: false,
         }
     }
 
     /// The ledger in the SQLite file of `pool` (the SQLite store's:
-    /// `SqliteStore::pool`). Call [`migrate`](Self::migrate) before use. A
-    /// keyed request's operation is found again for `retention` (the
-    /// records'), so that a retry that runs the handler again within it does
-    /// not apply it twice (`src/ledger/sqlite.rs` says why).
-    pub fn sqlite(pool: SqlitePool, retention: Duration) -> Self {
+    /// `SqliteStore::pool`). Call [`migrate`](Self::migrate) before use.
+    pub fn sqlite(pool: SqlitePool) -> Self {
         Self {
-            backend: Backend::Sqlite(pool, retention),
+            backend: Backend::Sqlite(pool),
             publishing: None,
+            crash_after_write: false,
         }
     }
 
@@ -188,6 +198,7 @@ impl Ledger {
         Self {
             backend: Backend::Postgres(pool),
             publishing: None,
+            crash_after_write: false,
         }
     }
 
@@ -199,19 +210,42 @@ impl Ledger {
         Self {
             backend: Backend::Redis(RedisLedger::new(connection, retention)),
             publishing: None,
+            crash_after_write: false,
         }
     }
 
     /// The outbox in this ledger's database (SQLite and PostgreSQL only).
     pub(crate) fn outbox(&self) -> Option<PublishingOutbox> {
         match &self.backend {
-            Backend::Sqlite(pool, _) => Some(PublishingOutbox::sqlite(pool.clone())),
+            Backend::Sqlite(pool) => Some(PublishingOutbox::sqlite(pool.clone())),
             Backend::Postgres(pool) => Some(PublishingOutbox::postgres(pool.clone())),
             Backend::Memory(_) | Backend::Redis(_) => None,
         }
     }
 
     /// The same ledger, staging an event with every operation it applies.
+    /// Arms the crash point a crash test asks for in the environment:
+    /// `PAYMENTS_CRASH_AT=write` makes the process die (as `SIGKILL` would)
+    /// right after an operation is written, before the request's record
+    /// completes: inside the request's transaction in transactional mode,
+    /// after the ledger's own commit otherwise. Not part of what the example
+    /// shows; an unknown value is an error.
+    pub(crate) fn crash_point_from_env(self) -> Result<Self, String> {
+        let crash_after_write = match std::env::var("PAYMENTS_CRASH_AT").as_deref() {
+            Err(_) => false,
+            Ok("write") => true,
+            Ok(other) => {
+                return Err(format!(
+                    "PAYMENTS_CRASH_AT is {other:?}: expected \"write\""
+                ));
+            }
+        };
+        Ok(Self {
+            crash_after_write,
+            ..self
+        })
+    }
+
     pub(crate) fn publishing(self, publishing: Publishing) -> Self {
         Self {
             publishing: Some(publishing),
@@ -223,7 +257,7 @@ impl Ledger {
     pub async fn migrate(&self) -> Result<(), LedgerError> {
         match &self.backend {
             Backend::Memory(_) | Backend::Redis(_) => Ok(()),
-            Backend::Sqlite(pool, _) => sqlite::migrate(pool).await,
+            Backend::Sqlite(pool) => sqlite::migrate(pool).await,
             Backend::Postgres(pool) => postgres::migrate(pool).await,
         }
     }
@@ -237,6 +271,19 @@ impl Ledger {
         attempt: &Attempt,
     ) -> Result<Applied, LedgerError> {
         let id = Uuid::new_v4();
+        let applied = self.apply_to_backend(id, operation, attempt).await;
+        if self.crash_after_write && applied.is_ok() {
+            std::process::abort();
+        }
+        applied
+    }
+
+    async fn apply_to_backend(
+        &self,
+        id: Uuid,
+        operation: &Operation,
+        attempt: &Attempt,
+    ) -> Result<Applied, LedgerError> {
         let staged = self
             .publishing
             .as_ref()
@@ -246,18 +293,21 @@ impl Ledger {
             Some((PublishingOutbox::Sqlite(outbox), event)) => (None, Some((outbox, event))),
             None => (None, None),
         };
-        match (&self.backend, attempt.transaction()) {
+        match (&self.backend, &attempt.transaction) {
             (Backend::Postgres(pool), None) => {
                 postgres::apply(pool, id, operation, attempt, pg_event).await
             }
-            (Backend::Postgres(_), Some(transaction)) => {
+            (Backend::Postgres(_), Some(Joined::Postgres(transaction))) => {
                 postgres::apply_in(transaction, id, operation, attempt, pg_event).await
+            }
+            (Backend::Sqlite(pool), None) => {
+                sqlite::apply(pool, id, operation, attempt, sqlite_event).await
+            }
+            (Backend::Sqlite(_), Some(Joined::Sqlite(transaction))) => {
+                sqlite::apply_in(transaction, id, operation, attempt, sqlite_event).await
             }
             (_, Some(_)) => Err(LedgerError::Unavailable(ForeignTransaction.into())),
             (Backend::Memory(memory), None) => memory.apply(id, operation),
-            (Backend::Sqlite(pool, retention), None) => {
-                sqlite::apply(pool, *retention, id, operation, attempt, sqlite_event).await
-            }
             (Backend::Redis(redis), None) => redis.apply(id, operation, attempt).await,
         }
     }
@@ -266,7 +316,7 @@ impl Ledger {
     pub async fn account(&self, account_id: &str) -> Result<AccountView, LedgerError> {
         let (balance, operations) = match &self.backend {
             Backend::Memory(memory) => memory.account(account_id),
-            Backend::Sqlite(pool, _) => sqlite::account(pool, account_id).await?,
+            Backend::Sqlite(pool) => sqlite::account(pool, account_id).await?,
             Backend::Postgres(pool) => postgres::account(pool, account_id).await?,
             Backend::Redis(redis) => redis.account(account_id).await?,
         };
@@ -281,7 +331,7 @@ impl Ledger {
     pub fn kind(&self) -> &'static str {
         match self.backend {
             Backend::Memory(_) => "memory",
-            Backend::Sqlite(..) => "SQLite",
+            Backend::Sqlite(_) => "SQLite",
             Backend::Postgres(_) => "PostgreSQL",
             Backend::Redis(_) => "Redis",
         }
@@ -352,8 +402,13 @@ impl Attempt {
     /// or not at all.
     pub fn of(execution: Option<&ExecutionInfo>) -> Self {
         match execution {
-            Some(execution) => Self::keyed(execution.scope().clone(), execution.key().clone())
-                .within(execution.context::<PgTransaction>()),
+            Some(execution) => {
+                let keyed = Self::keyed(execution.scope().clone(), execution.key().clone());
+                match execution.context::<SqliteTransaction>() {
+                    Some(transaction) => keyed.within_sqlite(transaction),
+                    None => keyed.within(execution.context::<PgTransaction>()),
+                }
+            }
             None => Self::unkeyed(),
         }
     }
@@ -364,7 +419,16 @@ impl Attempt {
     #[must_use]
     pub fn within(self, transaction: Option<Arc<PgTransaction>>) -> Self {
         Self {
-            transaction,
+            transaction: transaction.map(Joined::Postgres),
+            ..self
+        }
+    }
+
+    /// [`within`](Self::within), on SQLite.
+    #[must_use]
+    pub fn within_sqlite(self, transaction: Arc<SqliteTransaction>) -> Self {
+        Self {
+            transaction: Some(Joined::Sqlite(transaction)),
             ..self
         }
     }
@@ -374,9 +438,10 @@ impl Attempt {
         self.key.as_ref().map(|(scope, key)| (scope, key))
     }
 
-    /// The request's transaction, in transactional mode.
-    pub fn transaction(&self) -> Option<&PgTransaction> {
-        self.transaction.as_deref()
+    /// Whether the attempt's writes join the request's transaction
+    /// (transactional mode).
+    pub fn is_transactional(&self) -> bool {
+        self.transaction.is_some()
     }
 
     /// The scope and key as the ledger's rows store them.

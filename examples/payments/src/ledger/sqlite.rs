@@ -1,20 +1,16 @@
 //! The ledger in the SQLite store's file.
 //!
-//! A keyed request's operation is found again by its scope and key, within
-//! the records' retention. SQLite has no transactional mode: the idempotency
-//! record completes in a transaction of its own, after the ledger's. A
-//! process that dies between the two leaves the key in progress; once its
-//! lease lapses, the retry runs the handler again, and the ledger answers the
-//! operation the key already applied instead of applying it a second time (and
-//! stages no second event): one effect, and the same receipt. The Redis ledger
-//! does the same with a marker key (`src/ledger/redis.rs`).
-
-use std::time::Duration;
+//! A keyed request runs in transactional mode (`docs/contract.md` §7): its
+//! operation and its event are written in the request's
+//! [`SqliteTransaction`], and commit with the idempotency record's completion
+//! or not at all, so a crash at any instant leaves one effect or none, with no
+//! lookup of the key's earlier operation (only the Redis ledger, which has no
+//! such transaction, needs one). An unkeyed deposit commits on its own.
 
 use diesel::connection::SimpleConnection;
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel::{OptionalExtension, QueryResult, RunQueryDsl, SqliteConnection};
-use idem_diesel::{Event, SqliteOutbox, SqlitePool};
+use idem_diesel::{Event, SqliteOutbox, SqlitePool, SqliteTransaction};
 use uuid::Uuid;
 
 use super::{Applied, Attempt, BALANCE_IN_RANGE, LedgerError, Operation};
@@ -27,13 +23,6 @@ const INSERT_OPERATION: &str = "INSERT INTO payment_operations
      VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
 
 const ACCOUNT: &str = "SELECT balance, operations FROM payment_accounts WHERE account_id = ?";
-
-/// The operation a key applied within the retention (`?` account, scope, key,
-/// and the oldest time as a `strftime` modifier such as `-86400 seconds`).
-const EARLIER: &str = "SELECT id, balance_after AS balance FROM payment_operations
-     WHERE account_id = ? AND idempotency_scope = ? AND idempotency_key = ?
-       AND created_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)
-     LIMIT 1";
 
 /// The balance update (`?` account, `?` amount); an overflow updates nothing
 /// and returns no row.
@@ -56,14 +45,6 @@ struct BalanceRow {
 }
 
 #[derive(diesel::QueryableByName)]
-struct EarlierRow {
-    #[diesel(sql_type = Text)]
-    id: String,
-    #[diesel(sql_type = BigInt)]
-    balance: i64,
-}
-
-#[derive(diesel::QueryableByName)]
 struct AccountRow {
     #[diesel(sql_type = BigInt)]
     balance: i64,
@@ -77,8 +58,6 @@ struct Row {
     operation: Operation,
     scope: Option<String>,
     key: Option<String>,
-    /// How far back a key's operation is found again (the records' retention).
-    retention: Duration,
     /// With `--publish`: the event staged with the operation.
     staged: Option<(SqliteOutbox, Event)>,
 }
@@ -90,32 +69,62 @@ pub(super) async fn migrate(pool: &SqlitePool) -> Result<(), LedgerError> {
     .await
 }
 
-/// Applies the operation in an immediate transaction of its own, unless its
-/// key applied one within `retention`: then answers that one.
+/// Applies the operation in an immediate transaction of its own.
 pub(super) async fn apply(
     pool: &SqlitePool,
-    retention: Duration,
     id: Uuid,
     operation: &Operation,
     attempt: &Attempt,
     staged: Option<(SqliteOutbox, Event)>,
 ) -> Result<Applied, LedgerError> {
-    let (scope, key) = attempt.recorded_key();
-    let row = Row {
-        id: id.to_string(),
-        operation: operation.clone(),
-        scope: scope.map(str::to_owned),
-        key: key.map(str::to_owned),
-        retention,
-        staged,
-    };
+    let row = Row::new(id, operation, attempt, staged);
     let outcome = run(pool, move |c| c.immediate_transaction(|c| insert(c, &row))).await?;
+    applied(id, operation, outcome)
+}
+
+/// Applies the operation in the request's transaction: it commits with the
+/// idempotency record, or not at all.
+pub(super) async fn apply_in(
+    transaction: &SqliteTransaction,
+    id: Uuid,
+    operation: &Operation,
+    attempt: &Attempt,
+    staged: Option<(SqliteOutbox, Event)>,
+) -> Result<Applied, LedgerError> {
+    let row = Row::new(id, operation, attempt, staged);
+    let outcome = transaction
+        .write(move |c| insert(c, &row).map_err(LedgerError::unavailable))
+        .await?;
+    applied(id, operation, outcome)
+}
+
+impl From<idem_diesel::SqliteTransactionError> for LedgerError {
+    fn from(error: idem_diesel::SqliteTransactionError) -> Self {
+        Self::unavailable(error)
+    }
+}
+
+impl Row {
+    fn new(
+        id: Uuid,
+        operation: &Operation,
+        attempt: &Attempt,
+        staged: Option<(SqliteOutbox, Event)>,
+    ) -> Self {
+        let (scope, key) = attempt.recorded_key();
+        Self {
+            id: id.to_string(),
+            operation: operation.clone(),
+            scope: scope.map(str::to_owned),
+            key: key.map(str::to_owned),
+            staged,
+        }
+    }
+}
+
+fn applied(id: Uuid, operation: &Operation, outcome: Outcome) -> Result<Applied, LedgerError> {
     match outcome {
         Outcome::Applied(balance) => Ok(Applied { id, balance }),
-        Outcome::Earlier(EarlierRow { id, balance }) => Ok(Applied {
-            id: Uuid::parse_str(&id).map_err(LedgerError::unavailable)?,
-            balance,
-        }),
         Outcome::Overflow => Err(LedgerError::Overflow {
             account_id: operation.account_id.clone(),
         }),
@@ -124,10 +133,8 @@ pub(super) async fn apply(
 
 /// What one apply did.
 enum Outcome {
-    /// Applied now; the balance after it.
+    /// Applied; the balance after it.
     Applied(i64),
-    /// The key's operation, applied before.
-    Earlier(EarlierRow),
     /// Nothing: the balance would leave 64 bits.
     Overflow,
 }
@@ -149,22 +156,10 @@ pub(super) async fn account(
     }))
 }
 
-/// The key's earlier operation if there is one; else the balance update,
-/// then the operation's row and its event (nothing staged on overflow).
+/// The balance update, then the operation's row and its event (nothing
+/// staged on overflow).
 fn insert(c: &mut SqliteConnection, row: &Row) -> QueryResult<Outcome> {
     let operation = &row.operation;
-    if let (Some(scope), Some(key)) = (&row.scope, &row.key) {
-        let earlier = diesel::sql_query(EARLIER)
-            .bind::<Text, _>(&operation.account_id)
-            .bind::<Text, _>(scope)
-            .bind::<Text, _>(key)
-            .bind::<Text, _>(format!("-{} seconds", row.retention.as_secs()))
-            .get_result::<EarlierRow>(c)
-            .optional()?;
-        if let Some(earlier) = earlier {
-            return Ok(Outcome::Earlier(earlier));
-        }
-    }
     let updated = diesel::sql_query(update_statement())
         .bind::<Text, _>(&operation.account_id)
         .bind::<BigInt, _>(operation.amount)
