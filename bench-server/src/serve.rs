@@ -12,7 +12,11 @@ use std::time::Duration;
 
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken, ReplayCache};
 use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Policy, Scope, Store};
-use idem_diesel::{PgOutbox, PgStore, Transaction};
+use idem_core::StoreContext;
+use idem_diesel::{
+    PgOutbox, PgStore, SqlitePool, SqliteStore, SqliteTransaction, SqliteTransactionError,
+    Transaction,
+};
 
 use crate::BoxError;
 use crate::handler::{self, CONTENT_TYPE, SCOPE};
@@ -23,7 +27,8 @@ pub(crate) struct Options {
     /// `axum` or `actix`.
     #[arg(long)]
     framework: Framework,
-    /// `memory`, a `postgres://` URL, or a `redis://` or `redis+cluster://` URL.
+    /// `memory`, a `postgres://` or `sqlite://` URL, or a `redis://` or
+    /// `redis+cluster://` URL.
     #[arg(long, default_value = "memory")]
     store: String,
     /// Worker threads (tokio workers for axum, actix workers).
@@ -32,8 +37,8 @@ pub(crate) struct Options {
     /// The largest pool of database connections.
     #[arg(long, default_value_t = 10)]
     pool: u32,
-    /// With PostgreSQL: the layered route in transactional mode (the claim and
-    /// the completion in one transaction).
+    /// With PostgreSQL or SQLite: the layered route in transactional mode (the
+    /// handler's writes and the completion in one transaction).
     #[arg(long)]
     transactional: bool,
     /// With `--transactional`: the layered route's handler stages one outbox
@@ -42,11 +47,12 @@ pub(crate) struct Options {
     /// itself does.
     #[arg(long, requires = "transactional")]
     outbox: bool,
-    /// With `--transactional`: the layered route's handler writes a row of
-    /// its own (`INSERT INTO bench_charges`) in the request's transaction, as
-    /// a charge does; with `--outbox` too, the event is staged pipelined with
-    /// that write (one round trip for both).
-    #[arg(long, requires = "transactional")]
+    /// The layered route's handler writes a row of its own (`INSERT INTO
+    /// bench_charges`), as a charge does: in the request's transaction with
+    /// `--transactional` (with `--outbox` too, on PostgreSQL, the event is
+    /// staged pipelined with that write: one round trip for both); on SQLite
+    /// without it, on its own, as a handler over the plain store writes.
+    #[arg(long)]
     write: bool,
     /// With `--outbox`: stage without `NOTIFY` (`PgOutboxBuilder::notify(false)`;
     /// a relay then finds the events by polling).
@@ -81,11 +87,8 @@ pub(crate) fn run(options: Options) -> Result<(), BoxError> {
             .build()?
             .block_on(async {
                 let store = open(&options).await?;
-                let outbox = staging_outbox(&options).await?;
-                if options.write {
-                    create_charges(&options.store).await?;
-                }
-                axum_server(listener, store, outbox, options.write).await
+                let writes = writes(&options).await?;
+                axum_server(listener, store, writes).await
             }),
         Framework::Actix => actix_web::rt::System::new().block_on(async {
             if options.outbox || options.write {
@@ -125,6 +128,63 @@ async fn staging_outbox(options: &Options) -> Result<Option<PgOutbox>, BoxError>
     Ok(Some(outbox))
 }
 
+/// What the layered route's handler writes, besides answering.
+enum Writes {
+    /// Nothing.
+    Nothing,
+    /// On PostgreSQL, in the request's transaction: a row (`--write`), an
+    /// outbox event (`--outbox`), or both.
+    Postgres { outbox: Option<PgOutbox>, row: bool },
+    /// On SQLite, a row in the request's transaction (`SqliteTransaction::write`).
+    SqliteInTransaction,
+    /// On SQLite, a row on its own, through this pool (the plain store's way).
+    SqliteOnItsOwn(SqlitePool),
+}
+
+/// What the options ask the handler to write, its table created.
+async fn writes(options: &Options) -> Result<Writes, BoxError> {
+    if options.store.starts_with("sqlite") {
+        if options.outbox {
+            return Err("--outbox needs a PostgreSQL store".into());
+        }
+        if !options.write {
+            return Ok(Writes::Nothing);
+        }
+        let store = SqliteStore::builder()
+            .max_connections(options.pool)
+            .connect(&options.store)
+            .await?;
+        let mut connection = store.pool().get().await?;
+        diesel_async::RunQueryDsl::execute(
+            diesel::sql_query(
+                "CREATE TABLE IF NOT EXISTS bench_charges (id INTEGER PRIMARY KEY, amount BIGINT NOT NULL)",
+            ),
+            &mut *connection,
+        )
+        .await?;
+        drop(connection);
+        return Ok(if options.transactional {
+            Writes::SqliteInTransaction
+        } else {
+            Writes::SqliteOnItsOwn(store.pool().clone())
+        });
+    }
+    let outbox = staging_outbox(options).await?;
+    if options.write {
+        if !options.transactional {
+            return Err("--write on PostgreSQL needs --transactional".into());
+        }
+        create_charges(&options.store).await?;
+    }
+    if outbox.is_none() && !options.write {
+        return Ok(Writes::Nothing);
+    }
+    Ok(Writes::Postgres {
+        outbox,
+        row: options.write,
+    })
+}
+
 /// With `--write`: the table the handler writes its row in.
 async fn create_charges(url: &str) -> Result<(), BoxError> {
     use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
@@ -153,6 +213,17 @@ async fn open_store(options: &Options) -> Result<Arc<dyn Store>, BoxError> {
         return Ok(Arc::new(
             idem_redis::RedisStore::connect(&options.store).await?,
         ));
+    }
+    if options.store.starts_with("sqlite") {
+        let store = SqliteStore::builder()
+            .max_connections(options.pool)
+            .connect(&options.store)
+            .await?;
+        store.migrate().await?;
+        if options.transactional {
+            return Ok(Arc::new(store.transactional()));
+        }
+        return Ok(Arc::new(store));
     }
     let store = PgStore::builder()
         .max_connections(options.pool)
@@ -200,8 +271,7 @@ fn announce(listener: &TcpListener) -> Result<(), BoxError> {
 async fn axum_server(
     listener: TcpListener,
     store: Arc<dyn Store>,
-    outbox: Option<PgOutbox>,
-    write: bool,
+    writes: Writes,
 ) -> Result<(), BoxError> {
     use axum::Router;
     use axum::http::{StatusCode, header};
@@ -266,18 +336,64 @@ async fn axum_server(
         }
     }
 
+    /// The charge, after its row written in the request's SQLite transaction.
+    async fn sqlite_transactional_charge(
+        StoreContext(transaction): StoreContext<SqliteTransaction>,
+        body: bytes::Bytes,
+    ) -> axum::response::Response {
+        let written = transaction
+            .write(|c| {
+                diesel::RunQueryDsl::execute(
+                    diesel::sql_query("INSERT INTO bench_charges (amount) VALUES (100)"),
+                    c,
+                )
+                .map_err(SqliteTransactionError::from)
+            })
+            .await;
+        match written {
+            Ok(_) => charge(body).await.into_response(),
+            Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+        }
+    }
+
+    /// The charge, after its row written on its own (a handler over the
+    /// plain store), as a task of its own (see `SqliteStore`).
+    async fn sqlite_plain_charge(pool: SqlitePool, body: bytes::Bytes) -> axum::response::Response {
+        let written = tokio::spawn(async move {
+            let mut connection = pool.get_owned().await.map_err(|e| e.to_string())?;
+            diesel_async::RunQueryDsl::execute(
+                diesel::sql_query("INSERT INTO bench_charges (amount) VALUES (100)"),
+                &mut *connection,
+            )
+            .await
+            .map_err(|e| e.to_string())
+        })
+        .await;
+        match written {
+            Ok(Ok(_)) => charge(body).await.into_response(),
+            Ok(Err(error)) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
+            Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+        }
+    }
+
     let layer =
         IdempotencyLayer::from_engine(idem_core::Engine::from_shared(store, Policy::required()))
             .scope_with(|_| Some(Scope::new(SCOPE)));
-    let layered = if outbox.is_none() && !write {
-        post(charge).route_layer(layer.clone())
-    } else {
-        layer.on(
+    let layered = match writes {
+        Writes::Nothing => post(charge).route_layer(layer.clone()),
+        Writes::Postgres { outbox, row } => layer.on(
             axum::http::Method::POST,
             move |transaction: Transaction, body: bytes::Bytes| {
-                transactional_charge(outbox.clone(), write, transaction, body)
+                transactional_charge(outbox.clone(), row, transaction, body)
             },
-        )?
+        )?,
+        Writes::SqliteInTransaction => {
+            layer.on(axum::http::Method::POST, sqlite_transactional_charge)?
+        }
+        Writes::SqliteOnItsOwn(pool) => post(move |body: bytes::Bytes| {
+            sqlite_plain_charge(pool.clone(), body)
+        })
+        .route_layer(layer.clone()),
     };
     let app = Router::new()
         .route("/bare", post(charge))

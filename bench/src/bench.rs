@@ -10,6 +10,9 @@
 //!   store's own statements ([`pgbench`]) at the same concurrency, on the same
 //!   throwaway cluster, nothing pinned. Transactional mode against the plain
 //!   one.
+//! - **SQLite** ([`sqlite`]): the layered route on `SqliteStore`, its handler
+//!   writing a row, in transactional mode against the plain store: first
+//!   executions and replays.
 //! - **Redis**: the layered route on `RedisStore` against the store's own
 //!   scripts called without HTTP ([`redis`]) at the same concurrency, on the
 //!   same throwaway `redis-server`: first executions and replays.
@@ -65,6 +68,7 @@ mod postgres;
 mod process;
 mod redis;
 mod report;
+mod sqlite;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -277,12 +281,13 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 11] = [
+    let sections: [(&str, Section); 12] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
         ("storm", memory::storm),
         ("postgres", postgres::postgres),
+        ("sqlite", sqlite::sqlite),
         ("redis", redis::redis),
         ("consumer", consumer::consumer),
         ("kafka", consumer::kafka),
