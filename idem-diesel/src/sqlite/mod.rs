@@ -56,7 +56,9 @@ const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
 /// Each store step runs as one task on a blocking thread, inside one
 /// `BEGIN IMMEDIATE` transaction where it takes more than one statement: SQLite
 /// cannot put an upsert inside a CTE, so a claim that finds a live record reads
-/// it with a second statement in the same transaction. The file is opened in WAL
+/// it with a second statement in the same transaction. A claim first reads the
+/// record without a transaction, and answers a live one (a replay, a duplicate
+/// of a running execution) from that read alone. The file is opened in WAL
 /// mode, so reads do not wait for writes; writes take turns, waiting up to the
 /// busy timeout.
 ///
@@ -474,8 +476,16 @@ impl Store for SqliteStore {
             .readiness(&self.inner.table, "SqliteStoreBuilder")
     }
 
+    /// Reads the record first, without the write lock: a live one (a replay,
+    /// or an execution in progress within its lease) is answered from that
+    /// read, so replays and duplicates do not queue for the file's one
+    /// writer (nor wait behind a transactional execution's open
+    /// transaction). Otherwise claims in one immediate transaction.
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
+            if let Some(live) = self.live(request).await? {
+                return live.into_found();
+            }
             let (scope, key) = (request.scope.clone(), request.key.clone());
             let fingerprint = *request.fingerprint.as_bytes();
             let owner = request.owner.as_uuid();

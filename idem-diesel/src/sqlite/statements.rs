@@ -35,7 +35,7 @@ pub(super) struct Statements {
     pub(super) load: String,
     /// `?1` scope, `?2` key → the record if a claim would not take it
     /// (completed within its retention, or in progress within its lease), read
-    /// without the write lock: what transactional mode answers first.
+    /// without the write lock: what a claim answers first.
     pub(super) live: String,
     /// `?1` batch size → rows deleted.
     pub(super) delete_expired: String,

@@ -33,11 +33,11 @@ type OwnedConnection =
 /// SQLite has one writer at a time, so the file's write lock is not held for
 /// the whole request:
 ///
-/// 1. `claim` first reads the record without the write lock (WAL readers do
-///    not wait for writers): a live one (a replay, or an execution in progress
-///    within its lease) is answered at once, even while another execution's
-///    transaction holds the lock. Otherwise it claims as the plain store does,
-///    in its own short transaction: the in-progress record is committed, so a
+/// 1. `claim` is the plain store's. It first reads the record without the
+///    write lock (WAL readers do not wait for writers): a live one (a replay,
+///    or an execution in progress within its lease) is answered at once, even
+///    while another execution's transaction holds the lock. Otherwise it
+///    claims in its own short transaction: the in-progress record is committed, so a
 ///    concurrent duplicate sees it as on the plain store (`409` while it runs,
 ///    `422` for another body under the key, a wait then the replay in wait
 ///    mode).
@@ -253,9 +253,6 @@ impl TransactionalSqliteStore {
 impl Store for TransactionalSqliteStore {
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
-            if let Some(live) = self.store.live(request).await? {
-                return live.into_found();
-            }
             let outcome = self.store.claim(request).await?;
             if let ClaimOutcome::Claimed(claim) = &outcome {
                 let transaction = SqliteTransaction {
