@@ -10,9 +10,9 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_core::StoreContext;
 use idem_core::store::{ClaimOutcome, ClaimRequest, OwnerToken, ReplayCache};
 use idem_core::{Fingerprint, IdempotencyKey, MemoryStore, Policy, Scope, Store};
-use idem_core::StoreContext;
 use idem_diesel::{
     PgOutbox, PgStore, SqlitePool, SqliteStore, SqliteTransaction, SqliteTransactionError,
     Transaction,
@@ -390,10 +390,10 @@ async fn axum_server(
         Writes::SqliteInTransaction => {
             layer.on(axum::http::Method::POST, sqlite_transactional_charge)?
         }
-        Writes::SqliteOnItsOwn(pool) => post(move |body: bytes::Bytes| {
-            sqlite_plain_charge(pool.clone(), body)
-        })
-        .route_layer(layer.clone()),
+        Writes::SqliteOnItsOwn(pool) => {
+            post(move |body: bytes::Bytes| sqlite_plain_charge(pool.clone(), body))
+                .route_layer(layer.clone())
+        }
     };
     let app = Router::new()
         .route("/bare", post(charge))

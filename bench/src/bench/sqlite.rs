@@ -23,7 +23,8 @@ fn rows(bench: &Bench, report: &mut Report, dir: &std::path::Path) -> Result<(),
     for &c in &bench.settings.pg_concurrencies {
         // SQLite has one writer: more connections than that only wait.
         let pool = c.clamp(1, 8).to_string();
-        let file = |name: &str| format!("sqlite://{}", dir.join(format!("{name}-{c}.db")).display());
+        let file =
+            |name: &str| format!("sqlite://{}", dir.join(format!("{name}-{c}.db")).display());
         let (plain_url, transactional_url) = (file("plain"), file("transactional"));
         let plain = bench.serve(
             Framework::Axum,
@@ -69,15 +70,28 @@ fn rows(bench: &Bench, report: &mut Report, dir: &std::path::Path) -> Result<(),
         let [first_plain, first_tx, replay_plain, replay_tx] = <[Measured; 4]>::try_from(pooled)
             .map_err(|_| "four workloads, four results".to_owned())?;
         for (what, measured) in [
-            ("axum layered on SqliteStore, a row written on its own, first execution", &first_plain),
-            ("axum layered on SqliteStore transactional, a row written in the request's transaction, first execution", &first_tx),
+            (
+                "axum layered on SqliteStore, a row written on its own, first execution",
+                &first_plain,
+            ),
+            (
+                "axum layered on SqliteStore transactional, a row written in the request's transaction, first execution",
+                &first_tx,
+            ),
             ("axum layered on SqliteStore, replay", &replay_plain),
-            ("axum layered on SqliteStore transactional, replay", &replay_tx),
+            (
+                "axum layered on SqliteStore transactional, replay",
+                &replay_tx,
+            ),
         ] {
-            report.rows.push(Row::from_load("sqlite", what, c, measured));
+            report
+                .rows
+                .push(Row::from_load("sqlite", what, c, measured));
         }
         report.ratios.push(Ratio::new(
-            format!("transactional / plain SqliteStore, first executions writing a row, req/s (c={c})"),
+            format!(
+                "transactional / plain SqliteStore, first executions writing a row, req/s (c={c})"
+            ),
             first_tx.rps() / first_plain.rps(),
             Target::AtLeast(0.85),
         ));

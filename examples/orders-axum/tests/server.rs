@@ -8,7 +8,20 @@ async fn orders_are_made_once() {
     checks::orders_are_made_once(env!("CARGO_BIN_EXE_orders-axum")).await;
 }
 
-#[tokio::test]
-async fn crashes_leave_one_order_and_one_event() {
-    checks::crashes_leave_one_order_and_one_event(env!("CARGO_BIN_EXE_orders-axum")).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashes_leave_one_order_and_one_event_on_rabbitmq() {
+    checks::crashes_leave_one_order_and_one_event(
+        env!("CARGO_BIN_EXE_orders-axum"),
+        checks::Broker::RabbitMq,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashes_leave_one_order_and_one_event_on_kafka() {
+    checks::crashes_leave_one_order_and_one_event(
+        env!("CARGO_BIN_EXE_orders-axum"),
+        checks::Broker::Kafka,
+    )
+    .await;
 }

@@ -273,32 +273,158 @@ async fn order_ids(client: &reqwest::Client, base: &str) -> Vec<i64> {
         .collect()
 }
 
+/// Where `--publish` sends the events in a crash check.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Broker {
+    /// A throwaway RabbitMQ node, to a queue.
+    RabbitMq,
+    /// A throwaway Kafka-compatible broker (tansu), to a topic.
+    Kafka,
+}
+
+/// A running broker of a crash check.
+enum Running {
+    RabbitMq(idem_testkit::TestRabbitMq),
+    Kafka(idem_testkit::TestKafka),
+}
+
+/// The events read back: for each order id, the message ids of its events.
+type Events = std::collections::BTreeMap<i64, std::collections::BTreeSet<String>>;
+
+impl Running {
+    fn start(broker: Broker) -> Self {
+        match broker {
+            Broker::RabbitMq => Self::RabbitMq(
+                idem_testkit::TestRabbitMq::start().expect("a RabbitMQ node for the check"),
+            ),
+            Broker::Kafka => Self::Kafka(
+                idem_testkit::TestKafka::start().expect("a Kafka broker (tansu) for the check"),
+            ),
+        }
+    }
+
+    fn publish_url(&self) -> String {
+        match self {
+            Self::RabbitMq(broker) => broker.url(),
+            Self::Kafka(broker) => format!("kafka://{}", broker.servers()),
+        }
+    }
+
+    /// Reads `destination` until `orders` orders have events, within 60 s.
+    async fn events(&self, destination: &str, orders: usize) -> Events {
+        let mut events = Events::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        match self {
+            Self::RabbitMq(broker) => {
+                use idem::rabbitmq::lapin::options::BasicGetOptions;
+                use idem::rabbitmq::lapin::{Connection, ConnectionProperties};
+                let connection =
+                    Connection::connect(&broker.url(), ConnectionProperties::default())
+                        .await
+                        .unwrap();
+                let channel = connection.create_channel().await.unwrap();
+                loop {
+                    let got = channel
+                        .basic_get(destination.into(), BasicGetOptions { no_ack: true })
+                        .await
+                        .unwrap();
+                    match got {
+                        Some(message) => record(
+                            &mut events,
+                            &message.delivery.data,
+                            message
+                                .delivery
+                                .properties
+                                .message_id()
+                                .as_ref()
+                                .map(|id| id.to_string()),
+                        ),
+                        None => {
+                            if count(&events) >= orders || tokio::time::Instant::now() > deadline {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+                let _ = connection.close(200, "checked".into()).await;
+            }
+            Self::Kafka(broker) => {
+                use idem::kafka::rdkafka::ClientConfig;
+                use idem::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+                use idem::kafka::rdkafka::message::{Headers, Message};
+                let consumer: BaseConsumer = ClientConfig::new()
+                    .set("bootstrap.servers", broker.servers())
+                    .set("group.id", "orders-check")
+                    .set("enable.auto.commit", "false")
+                    .set("auto.offset.reset", "earliest")
+                    .create()
+                    .unwrap();
+                consumer.subscribe(&[destination]).unwrap();
+                while count(&events) < orders && tokio::time::Instant::now() < deadline {
+                    let polled = tokio::task::block_in_place(|| {
+                        consumer.poll(Duration::from_millis(100)).map(|message| {
+                            let message = message.unwrap();
+                            let message_id = message.headers().and_then(|headers| {
+                                headers
+                                    .iter()
+                                    .find(|header| header.key == "message_id")
+                                    .and_then(|header| header.value)
+                                    .map(|value| String::from_utf8_lossy(value).into_owned())
+                            });
+                            (message.payload().unwrap_or_default().to_vec(), message_id)
+                        })
+                    });
+                    if let Some((payload, message_id)) = polled {
+                        record(&mut events, &payload, message_id);
+                    }
+                }
+            }
+        }
+        events
+    }
+}
+
+/// Notes an event read back: its order's id and its message id.
+fn record(events: &mut Events, payload: &[u8], message_id: Option<String>) {
+    let body: serde_json::Value = serde_json::from_slice(payload).unwrap();
+    assert_eq!(body["type"], "order.created");
+    let id = body["order"]["id"].as_i64().unwrap();
+    let message_id = message_id.expect("every event has a message id");
+    events.entry(id).or_default().insert(message_id);
+}
+
+/// How many orders have an event.
+fn count(events: &Events) -> usize {
+    events.len()
+}
+
 /// Transactional mode across crashes (`docs/contract.md` §7, §13), with
-/// `--publish` to a real RabbitMQ: the server dies at each crash point the
+/// `--publish` to a real broker: the server dies at each crash point the
 /// test arms (the order written but not committed; committed but not
 /// answered), then is SIGKILLed at random instants while 8 clients retry 48
 /// keys. Afterwards every key made exactly one order, and each order exactly
 /// one `order.created` event (the relay publishes at least once: a resend
 /// after a crash carries the same message id).
-pub(crate) async fn crashes_leave_one_order_and_one_event(binary: &str) {
-    use idem::rabbitmq::lapin::options::BasicGetOptions;
-    use idem::rabbitmq::lapin::{Connection, ConnectionProperties};
+pub(crate) async fn crashes_leave_one_order_and_one_event(binary: &str, broker: Broker) {
     use rand::Rng;
 
-    let broker = idem_testkit::TestRabbitMq::start().expect("a RabbitMQ node for the check");
-    let amqp = broker.url();
-    let queue = "orders-created";
+    let running = tokio::task::spawn_blocking(move || Running::start(broker))
+        .await
+        .unwrap();
+    let url = running.publish_url();
+    let destination = "orders-created";
     let listen = format!("127.0.0.1:{}", free_port());
     let publish = [
         "--publish",
-        amqp.as_str(),
+        url.as_str(),
         "--publish-to",
-        queue,
+        destination,
         "--lease-secs",
         "1",
     ];
     let client = reqwest::Client::new();
-    let mut dir = fresh_dir(binary, "crash");
+    let mut dir = fresh_dir(binary, &format!("crash-{broker:?}"));
 
     // The armed crash points, one key each.
     for (point, replayed_after) in [("write", false), ("answer", true)] {
@@ -357,51 +483,16 @@ pub(crate) async fn crashes_leave_one_order_and_one_event(binary: &str) {
         client.await.unwrap();
     }
 
-    let ids = order_ids(&client, &server.base).await;
+    let mut ids = order_ids(&client, &server.base).await;
     let keys = 2 + 8 * 6;
     assert_eq!(ids.len(), keys, "one order per key: {ids:?}");
+    ids.sort_unstable();
 
     // Every order's event, once the relay has drained.
-    let connection = Connection::connect(&amqp, ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let mut events: std::collections::BTreeMap<i64, std::collections::BTreeSet<String>> =
-        std::collections::BTreeMap::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while events.len() < keys {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "only {} of {keys} orders' events arrived",
-            events.len()
-        );
-        let Some(message) = channel
-            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
-            .await
-            .unwrap()
-        else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let body: serde_json::Value = serde_json::from_slice(&message.delivery.data).unwrap();
-        assert_eq!(body["type"], "order.created");
-        let id = body["order"]["id"].as_i64().unwrap();
-        let message_id = message
-            .delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.to_string())
-            .expect("every event has a message id");
-        events.entry(id).or_default().insert(message_id);
-    }
+    let events = running.events(destination, keys).await;
     assert_eq!(
         events.keys().copied().collect::<Vec<_>>(),
-        {
-            let mut sorted = ids.clone();
-            sorted.sort_unstable();
-            sorted
-        },
+        ids,
         "an event for every order, and none for an order that does not exist"
     );
     for (id, message_ids) in &events {
@@ -411,6 +502,5 @@ pub(crate) async fn crashes_leave_one_order_and_one_event(binary: &str) {
             "order {id} has one event: {message_ids:?}"
         );
     }
-    let _ = connection.close(200, "checked".into()).await;
     assert!(server.stop().await, "a clean exit on SIGTERM");
 }
