@@ -42,6 +42,7 @@ use self::site::{Deployment, StoreKind, help_text};
 mod api;
 mod chain;
 mod consumer;
+mod orders;
 mod postgres;
 mod report;
 mod scenarios;
@@ -158,6 +159,8 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     if options.runs_consumer() || options.runs_chain() {
         examples.push(Example::Consumer);
     }
+    let orders_apps = options.orders_apps();
+    examples.extend(orders_apps.iter().copied());
     let profile = options.profile;
     let packages: Vec<&'static str> = examples.iter().map(|e| e.package()).collect();
     let built = tokio::task::spawn_blocking(move || profile.build(&packages))
@@ -169,9 +172,11 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
             .map(|dir| example.binary(dir))
             .map_err(Clone::clone)
     };
+    let orders_builds: Vec<(Example, Result<PathBuf, String>)> =
+        orders_apps.iter().map(|&app| (app, binary(app))).collect();
     let builds: Vec<(Example, Result<PathBuf, String>)> = examples
         .iter()
-        .filter(|e| **e != Example::Consumer)
+        .filter(|e| **e != Example::Consumer && !orders_apps.contains(e))
         .map(|&example| (example, binary(example)))
         .collect();
     let consumer = options.runs_consumer().then(|| binary(Example::Consumer));
@@ -286,6 +291,7 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         };
         rows.extend(chain::rows(setup, root, &options.stores, slots.clone()).await);
     }
+    let orders = orders::rows(orders_builds, slots.clone());
     eprintln!(
         "e2e: the scenarios that run alone done after {:.0} s",
         phase.elapsed().as_secs_f64()
@@ -308,9 +314,10 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     };
     // Polled in this order, so the slowest rows (the consumer's on SQS and
     // Kafka) queue for slots first.
-    let (consumer_shared, http) = tokio::join!(consumer_shared, http);
+    let (consumer_shared, http, orders) = tokio::join!(consumer_shared, http, orders);
     rows.extend(http);
     rows.extend(consumer_shared);
+    rows.extend(orders);
     servers.stop().await;
     // `rabbitmqctl stop` and the wait for the node, off the async workers.
     let _ = tokio::task::spawn_blocking(move || drop(broker)).await;
@@ -521,12 +528,13 @@ impl Options {
                     if !CATALOG.iter().any(|s| s.name == name)
                         && !consumer::has(name)
                         && !chain::has(name)
+                        && !orders::has(name)
                     {
                         let names: Vec<&str> = CATALOG
                             .iter()
                             .map(|s| s.name)
                             .chain(consumer::names())
-                            .chain([chain::NAME])
+                            .chain([chain::NAME, orders::NAME])
                             .collect();
                         return Err(format!(
                             "no scenario {name:?}; there are {}",
@@ -564,6 +572,21 @@ impl Options {
         self.examples.contains(&Example::Axum)
             && !chain::backends(&self.stores).is_empty()
             && (self.scenarios.is_empty() || self.scenarios.iter().any(|n| chain::has(n)))
+    }
+
+    /// The orders apps whose crash rows run: the orders app of each payments
+    /// example selected, with SQLite, and `--scenario orders-crash` (or no
+    /// scenario at all).
+    fn orders_apps(&self) -> Vec<Example> {
+        let selected = self.stores.contains(&StoreKind::Sqlite)
+            && (self.scenarios.is_empty() || self.scenarios.iter().any(|n| orders::has(n)));
+        if !selected {
+            return Vec::new();
+        }
+        self.examples
+            .iter()
+            .filter_map(|&example| orders::orders_of(example))
+            .collect()
     }
 
     /// The consumer scenarios named on the command line (none: all of them).

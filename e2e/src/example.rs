@@ -1,4 +1,4 @@
-//! The payments examples as real processes on 127.0.0.1.
+//! The examples as real processes on 127.0.0.1.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -7,13 +7,17 @@ use std::time::{Duration, Instant};
 
 use idem_testkit::shell::{self, cargo, target_dir};
 
-/// A payments example binary.
+/// An example binary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Example {
     Axum,
     Actix,
     /// `payments-consumer`, the RabbitMQ consumer (no HTTP server).
     Consumer,
+    /// `orders-axum`, the Getting started app on axum.
+    OrdersAxum,
+    /// `orders-actix`, the Getting started app on actix-web.
+    OrdersActix,
 }
 
 impl Example {
@@ -22,6 +26,8 @@ impl Example {
             Self::Axum => "payments-axum",
             Self::Actix => "payments-actix",
             Self::Consumer => "payments-consumer",
+            Self::OrdersAxum => "orders-axum",
+            Self::OrdersActix => "orders-actix",
         }
     }
 

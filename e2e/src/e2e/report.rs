@@ -154,5 +154,7 @@ fn short(example: Example) -> &'static str {
         Example::Axum => "axum",
         Example::Actix => "actix",
         Example::Consumer => "consumer",
+        Example::OrdersAxum => "orders-axum",
+        Example::OrdersActix => "orders-actix",
     }
 }
