@@ -39,12 +39,14 @@
 //!   idem-diesel's SQLite store, and the ledger's tables in the same file; both
 //!   survive a restart.
 //! - `postgres://…`: idem-diesel's PostgreSQL store, and the ledger's tables in
-//!   the same database. The keyed routes run in **transactional mode**
-//!   ([`Guards::transactional`]): the claim, the ledger's writes and the
-//!   completion commit together, so a process killed at any point leaves one
-//!   effect or none, and the retry gets exactly one charge. A duplicate that
-//!   arrives while the first request's transaction is open waits for the commit
-//!   and replays the committed answer.
+//!   the same database.
+//!
+//!   On both, the keyed routes run in **transactional mode**
+//!   ([`Guards::transactional`]): the ledger's writes and the completion
+//!   commit together, so a process killed at any point leaves one effect or
+//!   none, and the retry gets exactly one charge. A duplicate that arrives
+//!   while the first request runs waits for the commit and replays the
+//!   committed answer.
 //! - `redis://HOST:PORT` or `redis+cluster://HOST:PORT[,HOST:PORT…]`:
 //!   idem-redis's store, and the ledger in the same Redis ([`Ledger::redis`]);
 //!   both survive an application restart, and as much of a Redis restart or

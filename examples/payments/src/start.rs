@@ -154,8 +154,9 @@ pub enum StoreUrl {
 /// separate steps: a process killed between the ledger's commit and the
 /// completion leaves a charge applied with its key still in progress; once the
 /// claim's lease (`--lease-secs`, 30 s by default) lapses, the retry applies it
-/// again. On PostgreSQL the
-/// three commit together, so a crash at any point leaves one effect or none.
+/// again. On PostgreSQL and SQLite (transactional mode) the ledger's writes
+/// and the completion commit together, so a crash at any point leaves one
+/// effect or none.
 /// On Redis the record and the account live in different slots, so they
 /// cannot change in one step; instead the ledger's script records, with the
 /// operation, which operation the request's key applied, and the retry gets
