@@ -283,21 +283,6 @@ impl SqliteStore {
             .map_err(StoreError::unavailable)
     }
 
-    /// The record of the request's key if a claim would not take it, read
-    /// without a transaction (see `Statements::live`).
-    async fn live(&self, request: &ClaimRequest) -> Result<Option<RecordRow>, StoreError> {
-        let (scope, key) = (request.scope.clone(), request.key.clone());
-        self.run(move |c, sql| {
-            diesel::sql_query(&sql.live)
-                .bind::<Text, _>(scope.as_str())
-                .bind::<Text, _>(key.as_str())
-                .prepared()
-                .get_result::<RecordRow>(c)
-                .optional()
-        })
-        .await
-    }
-
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let (scope, key) = (scope.clone(), key.clone());
         self.run(move |c, sql| {
@@ -480,12 +465,10 @@ impl Store for SqliteStore {
     /// or an execution in progress within its lease) is answered from that
     /// read, so replays and duplicates do not queue for the file's one
     /// writer (nor wait behind a transactional execution's open
-    /// transaction). Otherwise claims in one immediate transaction.
+    /// transaction). Otherwise claims in one immediate transaction. Both in
+    /// one blocking step, on one pooled connection.
     fn claim<'a>(&'a self, request: &'a ClaimRequest) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
-            if let Some(live) = self.live(request).await? {
-                return live.into_found();
-            }
             let (scope, key) = (request.scope.clone(), request.key.clone());
             let fingerprint = *request.fingerprint.as_bytes();
             let owner = request.owner.as_uuid();
@@ -493,6 +476,17 @@ impl Store for SqliteStore {
             let retention = duration_micros(request.retention);
             let step = self
                 .run(move |c, sql| {
+                    let read = |c: &mut SqliteConnection, statement: &str| {
+                        diesel::sql_query(statement)
+                            .bind::<Text, _>(scope.as_str())
+                            .bind::<Text, _>(key.as_str())
+                            .prepared()
+                            .get_result::<RecordRow>(c)
+                            .optional()
+                    };
+                    if let Some(live) = read(c, &sql.live)? {
+                        return Ok(Some(ClaimStep::Found(live)));
+                    }
                     c.immediate_transaction(|c| {
                         let written = diesel::sql_query(&sql.claim)
                             .bind::<Text, _>(scope.as_str())
@@ -506,13 +500,7 @@ impl Store for SqliteStore {
                         if written > 0 {
                             return Ok(Some(ClaimStep::Claimed));
                         }
-                        diesel::sql_query(&sql.found)
-                            .bind::<Text, _>(scope.as_str())
-                            .bind::<Text, _>(key.as_str())
-                            .prepared()
-                            .get_result::<RecordRow>(c)
-                            .optional()
-                            .map(|row| row.map(ClaimStep::Found))
+                        read(c, &sql.found).map(|row| row.map(ClaimStep::Found))
                     })
                 })
                 .await?;

@@ -450,11 +450,18 @@ where
             *state = State::Idle;
             Err(SqliteTransactionError::Unavailable(error.into()).into())
         }
-        // The blocking step itself failed (it panicked): the connection's
-        // transaction is in an unknown state, so it is not reused.
+        // The blocking step itself failed (`work` panicked), maybe inside the
+        // transaction: roll it back, so that the connection goes back to the
+        // pool outside any transaction (a later step on it would otherwise
+        // run inside this one). The request's handler fails with it.
         Err(error) => {
             *state = State::Ended;
-            drop(connection);
+            let _ = connection
+                .spawn_blocking(|c| {
+                    roll_back(c);
+                    Ok(())
+                })
+                .await;
             Err(SqliteTransactionError::Unavailable(error.into()).into())
         }
     }

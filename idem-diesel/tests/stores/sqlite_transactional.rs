@@ -62,6 +62,10 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         },
     ),
     (
+        "sqlite_transactional::a_panicking_write_leaves_no_transaction_open",
+        |d| Box::pin(a_panicking_write_leaves_no_transaction_open(d)),
+    ),
+    (
         "sqlite_transactional::nested_transactions_are_savepoints",
         |d| Box::pin(nested_transactions_are_savepoints(d)),
     ),
@@ -529,6 +533,57 @@ async fn plain_path(store: &SqliteStore) -> String {
     .await
     .unwrap()
     .file
+}
+
+async fn a_panicking_write_leaves_no_transaction_open(databases: Arc<Databases>) {
+    // One connection: the one the panic happened on is the next step's.
+    let url = databases.fresh_sqlite_url();
+    let store = SqliteStore::builder()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    execute(
+        &store,
+        "CREATE TABLE ledger (key TEXT NOT NULL, amount BIGINT NOT NULL)",
+    )
+    .await;
+    let transactional = store.transactional();
+    let engine = engine(&transactional, Policy::required());
+    let execution = execute_new(&engine, "panics").await;
+    let transaction = transaction_of(&execution);
+    let panicked = transaction
+        .write(|c| -> Result<(), SqliteTransactionError> {
+            diesel::sql_query("INSERT INTO ledger (key, amount) VALUES ('panics', 1)")
+                .execute(c)?;
+            panic!("the handler's step panics mid-transaction")
+        })
+        .await;
+    assert!(
+        matches!(panicked, Err(SqliteTransactionError::Unavailable(_))),
+        "{panicked:?}"
+    );
+    execution.release().await;
+
+    // The next execution runs on the same connection, and commits: seen from
+    // another pool on the file.
+    let next = execute_new(&engine, "after").await;
+    let transaction = transaction_of(&next);
+    write_ledger(&transaction, "after", 2).await.unwrap();
+    assert!(matches!(
+        next.settle(&created("after")).await,
+        Settlement::Deliver
+    ));
+    let other = SqliteStore::connect(&url).await.expect("another pool");
+    other.check_schema().await.expect("the table");
+    assert_eq!(ledger_rows(&other, "after").await, 1, "committed");
+    assert_eq!(ledger_rows(&other, "panics").await, 0, "rolled back");
+    assert!(matches!(
+        record_state(&other, "after").await,
+        Some(RecordState::Completed { .. })
+    ));
+    assert_eq!(record_state(&other, "panics").await, None);
 }
 
 async fn nested_transactions_are_savepoints(databases: Arc<Databases>) {
