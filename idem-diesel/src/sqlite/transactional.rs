@@ -384,18 +384,20 @@ impl SqliteTransaction {
         E: From<SqliteTransactionError> + Send + 'static,
     {
         let mut state = Arc::clone(&self.state).lock_owned().await;
-        let (connection, begun) = match std::mem::replace(&mut *state, State::Ended) {
-            State::Open(connection) => (connection, true),
+        // The state changes only once the step is spawned: a write given up
+        // on while it waits for a connection leaves the transaction as it was.
+        let (connection, begun) = match &*state {
             State::Ended => return Err(SqliteTransactionError::Ended.into()),
+            State::Open(_) => match std::mem::replace(&mut *state, State::Ended) {
+                State::Open(connection) => (connection, true),
+                State::Idle | State::Ended => return Err(SqliteTransactionError::Ended.into()),
+            },
             State::Idle => {
                 let inner = &self.store.inner;
-                match pool::checkout_owned(&inner.pool, inner.failures.as_ref()).await {
-                    Ok(connection) => (connection, false),
-                    Err(error) => {
-                        *state = State::Idle;
-                        return Err(SqliteTransactionError::Unavailable(error.into()).into());
-                    }
-                }
+                let connection = pool::checkout_owned(&inner.pool, inner.failures.as_ref())
+                    .await
+                    .map_err(|error| SqliteTransactionError::Unavailable(error.into()))?;
+                (connection, false)
             }
         };
         // A task of its own, holding the state: the step finishes, and its
