@@ -136,8 +136,10 @@ impl Payments {
     /// The service over `ledger`, with the simulated provider, which takes
     /// `provider_latency` per charge.
     ///
-    /// In transactional mode the provider's latency passes inside the
-    /// request's transaction (the claim comes before the handler).
+    /// In transactional mode on PostgreSQL the provider's latency passes
+    /// inside the request's transaction (the claim comes before the handler);
+    /// on SQLite before it (the transaction opens at the ledger's write, after
+    /// the provider has answered), so no write lock is held meanwhile.
     pub fn new(ledger: Ledger, provider_latency: Duration) -> Self {
         Self::with_provider(ledger, Provider::simulated(provider_latency))
     }
