@@ -36,8 +36,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use idem_core::Store;
 use idem_core::store::ReplayCache;
+use idem_core::{Begin, Engine, Execution, Fingerprint, Scope, Store, StoredResponse};
 use idem_diesel::{PgStore, SqliteStore};
 use idem_testkit::TestPostgres;
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -317,3 +317,49 @@ impl Drop for Databases {
 }
 
 pub(crate) use idem_core::log::error_chain;
+
+/// The fingerprint every transactional-mode test's request has.
+pub(crate) fn fingerprint() -> Fingerprint {
+    Fingerprint::from_bytes([1; 32])
+}
+
+/// A `201` answer with `body`.
+pub(crate) fn created(body: &'static str) -> StoredResponse {
+    StoredResponse::new(201, vec![], body)
+}
+
+/// The execution of a new key of alice's, which must be granted.
+pub(crate) async fn execute_new(engine: &Engine, key_name: &str) -> Execution {
+    match engine
+        .begin(Scope::new("alice"), postgres::key(key_name), fingerprint())
+        .await
+    {
+        Begin::Execute(execution) => execution,
+        other => panic!("a new key answered {other:?}"),
+    }
+}
+
+/// What the store handed the execution (a transactional store's
+/// transaction), as a handler gets it.
+pub(crate) fn context_of<T: Clone + Send + Sync + 'static>(execution: &Execution) -> T {
+    let context = execution
+        .context()
+        .expect("a transactional execution has a context");
+    T::clone(
+        &Arc::clone(context)
+            .downcast::<T>()
+            .expect("the context is the store's transaction"),
+    )
+}
+
+/// Waits until `condition` holds, checking every few milliseconds. The trial's
+/// own bound ends a wait that never succeeds.
+pub(crate) async fn until<F, Fut>(mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    while !condition().await {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -10,3 +10,8 @@ mod checks;
 async fn orders_are_made_once() {
     checks::orders_are_made_once(env!("CARGO_BIN_EXE_orders-axum")).await;
 }
+
+#[tokio::test]
+async fn a_bad_publish_url_fails_the_start() {
+    checks::a_bad_publish_url_fails_the_start(env!("CARGO_BIN_EXE_orders-axum")).await;
+}

@@ -22,7 +22,7 @@ use idem_diesel::{
 
 use crate::postgres::key;
 use crate::sqlite::{count, execute};
-use crate::{Databases, TestFn};
+use crate::{Databases, TestFn, context_of, created, execute_new, fingerprint, until};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
@@ -111,34 +111,9 @@ fn engine(store: &TransactionalSqliteStore, policy: Policy) -> Engine {
     Engine::new(store.clone(), policy)
 }
 
-fn fingerprint() -> Fingerprint {
-    Fingerprint::from_bytes([1; 32])
-}
-
-fn created(body: &'static str) -> StoredResponse {
-    StoredResponse::new(201, vec![], body)
-}
-
-async fn execute_new(engine: &Engine, key_name: &str) -> Execution {
-    match engine
-        .begin(Scope::new("alice"), key(key_name), fingerprint())
-        .await
-    {
-        Begin::Execute(execution) => execution,
-        other => panic!("a new key answered {other:?}"),
-    }
-}
-
 /// The execution's transaction, as a handler gets it.
 fn transaction_of(execution: &Execution) -> SqliteTransaction {
-    let context = execution
-        .context()
-        .expect("a transactional execution has a context");
-    SqliteTransaction::clone(
-        &Arc::clone(context)
-            .downcast::<SqliteTransaction>()
-            .expect("the context is the transaction"),
-    )
+    context_of(execution)
 }
 
 /// The handler's effect: one ledger row, written in the execution's transaction.
@@ -172,16 +147,6 @@ async fn record_state(store: &SqliteStore, key_name: &str) -> Option<RecordState
         .await
         .expect("load")
         .map(|record| record.state)
-}
-
-async fn until<F, Fut>(mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    while !condition().await {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 async fn a_stored_status_commits_the_record_and_the_writes_together(databases: Arc<Databases>) {

@@ -16,7 +16,7 @@ use idem_core::{
 use idem_diesel::{PgStore, PgTransaction, TransactionEnded, TransactionalPgStore};
 
 use crate::postgres::{Count, count, execute, fresh_store, key};
-use crate::{Databases, TestFn};
+use crate::{Databases, TestFn, context_of, created, execute_new, fingerprint, until};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
@@ -113,34 +113,9 @@ fn engine(store: &TransactionalPgStore, policy: Policy) -> Engine {
     Engine::new(store.clone(), policy)
 }
 
-fn fingerprint() -> Fingerprint {
-    Fingerprint::from_bytes([1; 32])
-}
-
-fn created(body: &'static str) -> StoredResponse {
-    StoredResponse::new(201, vec![], body)
-}
-
-async fn execute_new(engine: &Engine, key_name: &str) -> Execution {
-    match engine
-        .begin(Scope::new("alice"), key(key_name), fingerprint())
-        .await
-    {
-        Begin::Execute(execution) => execution,
-        other => panic!("a new key answered {other:?}"),
-    }
-}
-
 /// The execution's transaction, as a handler gets it.
 fn transaction_of(execution: &Execution) -> PgTransaction {
-    let context = execution
-        .context()
-        .expect("a transactional execution has a context");
-    PgTransaction::clone(
-        &Arc::clone(context)
-            .downcast::<PgTransaction>()
-            .expect("the context is the transaction"),
-    )
+    context_of(execution)
 }
 
 /// The handler's effect: one ledger row, written in the execution's transaction.
@@ -174,18 +149,6 @@ async fn record_state(store: &PgStore, key_name: &str) -> Option<RecordState> {
         .await
         .expect("load")
         .map(|record| record.state)
-}
-
-/// Waits until `condition` holds, checking every few milliseconds. The trial's
-/// own bound ends a wait that never succeeds.
-async fn until<F, Fut>(mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    while !condition().await {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 async fn a_replay_reads_the_record_outside_any_transaction(databases: Arc<Databases>) {

@@ -504,3 +504,30 @@ pub(crate) async fn crashes_leave_one_order_and_one_event(binary: &str, broker: 
     }
     assert!(server.stop().await, "a clean exit on SIGTERM");
 }
+
+/// `--publish` with a URL that is neither `amqp://` nor `kafka://` stops the
+/// start with an error naming what is expected, without repeating the URL
+/// (it may hold a password).
+pub(crate) async fn a_bad_publish_url_fails_the_start(binary: &str) {
+    let dir = fresh_dir(binary, "bad-publish");
+    let output = tokio::time::timeout(
+        Duration::from_secs(15),
+        Command::new(binary)
+            .args(["--listen", "127.0.0.1:0", "--database"])
+            .arg(format!("sqlite://{}", dir.join("orders.db").display()))
+            .args(["--publish", "http://user:hunter2@example.invalid"])
+            .output(),
+    )
+    .await
+    .expect("the start fails within 15 s")
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(output.stdout.is_empty(), "nothing listened");
+    assert!(
+        stderr.contains("--publish needs an amqp:// or a kafka:// URL"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+}
