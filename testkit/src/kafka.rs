@@ -142,6 +142,13 @@ pub fn binary() -> Result<PathBuf, Error> {
 
 impl TestKafka {
     /// Starts a broker on a free port, and waits until it takes connections.
+    ///
+    /// Its in-memory engine answers a fetch that starts inside a batch of
+    /// records with the next batch, skipping the rest of that one (Kafka
+    /// serves the batch from the requested offset on). Cases that produce
+    /// several records at once (a relay, a producer's `linger.ms`) and then
+    /// consume from a stored position in the middle of them take
+    /// [`start_durable`](Self::start_durable), whose engine stores each record.
     pub fn start() -> Result<Self, Error> {
         Self::start_on(IN_MEMORY)
     }

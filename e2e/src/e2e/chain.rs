@@ -117,14 +117,23 @@ pub(crate) async fn rows(
     stores: &[StoreKind],
     slots: Slots,
 ) -> Vec<Row> {
+    // The broker keeps its records in SQLite: the relay produces its events
+    // a batch at a time, and a consumer killed then started again fetches
+    // from its stored position, which may fall inside one of those batches.
+    // Kafka serves that fetch the batch's records from the position on, as
+    // tansu's SQLite engine does (it stores each record); its in-memory
+    // engine serves it the next batch instead, skipping the rest of that one
+    // (an event the consumer never saw, once in a CI run).
     let kafka = if backends(stores).is_empty() {
         None
     } else {
-        Some(match tokio::task::spawn_blocking(TestKafka::start).await {
-            Ok(Ok(broker)) => Ok(Arc::new(broker)),
-            Ok(Err(why)) => Err(format!("no Kafka broker: {why}")),
-            Err(why) => Err(format!("the Kafka broker's start failed: {why}")),
-        })
+        Some(
+            match tokio::task::spawn_blocking(TestKafka::start_durable).await {
+                Ok(Ok(broker)) => Ok(Arc::new(broker)),
+                Ok(Err(why)) => Err(format!("no Kafka broker: {why}")),
+                Err(why) => Err(format!("the Kafka broker's start failed: {why}")),
+            },
+        )
     };
     let buses = [
         setup.broker.clone().map(Bus::RabbitMq),
