@@ -29,12 +29,12 @@ use payments_consumer::testing::{Case, Client, ConsumerProcess};
 
 use crate::example::Example;
 
-use super::Slots;
 use super::api::{Account, Api, Call, Failure};
 use super::postgres::Cluster;
 use super::report::{Row, Verdict};
 use super::scenarios::{CATALOG, random_millis, unique};
 use super::site::{Deployment, Instance, Site, StoreKind};
+use super::{Room, Slots};
 
 /// Selects the chain (`--scenario chain`), on PostgreSQL and on SQLite.
 pub(crate) const NAME: &str = "chain";
@@ -150,7 +150,7 @@ pub(crate) async fn rows(
     let rows = join_all(runs.map(|(on_kafka, bus, store)| {
         let (setup, slots) = (&setup, slots.clone());
         async move {
-            let _slots = slots.take(true).await;
+            let _slots = slots.take(Room::Alone).await;
             let started = Instant::now();
             let outcome = match (&setup.api, &setup.consumer, bus) {
                 (Err(why), _, _) => Err(Failure::new("did not build", why.clone())),

@@ -12,11 +12,11 @@ use payments_consumer::testing::{Case, KAFKA_SCENARIOS, SCENARIOS, SQS_SCENARIOS
 
 use crate::example::Example;
 
-use super::Slots;
 use super::postgres::Cluster;
 use super::report::{Row, Verdict};
 use super::scenarios::CATALOG;
 use super::site::StoreKind;
+use super::{Room, Slots};
 
 /// No consumer scenario runs longer (the slowest takes seconds).
 const LIMIT: Duration = Duration::from_secs(150);
@@ -157,7 +157,11 @@ pub(crate) async fn rows(
                 .unwrap_or_else(|| Err("no SQS server was started".to_owned()))
         });
         async move {
-            let _slots = slots.take(scenario.alone).await;
+            let room = match scenario.alone {
+                true => Room::Alone,
+                false => Room::Shared,
+            };
+            let _slots = slots.take(room).await;
             let started = std::time::Instant::now();
             let outcome =
                 run_one(scenario, store, binary, broker, &cluster, &logs, kafka, sqs).await;

@@ -16,10 +16,10 @@ use futures_util::future::join_all;
 
 use crate::example::Example;
 
-use super::Slots;
 use super::report::{Row, Verdict};
 use super::scenarios::CATALOG;
 use super::site::StoreKind;
+use super::{Room, Slots};
 
 #[allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 #[path = "../../../examples/orders-axum/tests/checks/mod.rs"]
@@ -57,7 +57,7 @@ pub(crate) async fn rows(apps: Vec<(Example, Result<PathBuf, String>)>, slots: S
     join_all(runs.map(|(app, binary, index, broker)| {
         let slots = slots.clone();
         async move {
-            let _slot = slots.take(false).await;
+            let _slot = slots.take(Room::Shared).await;
             let started = Instant::now();
             let (verdict, figure) = match binary {
                 Err(why) => (Verdict::Fail(why), "did not build".to_owned()),

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 
+use super::Room;
 use super::api::{Failure, Outcome};
 use super::site::{Deployment, StoreKind};
 
@@ -28,9 +29,12 @@ pub(crate) struct Scenario {
     /// Its rows in the table, in order.
     pub(crate) checks: &'static [&'static str],
     pub(crate) stores: &'static [StoreKind],
-    /// Runs with nothing else beside it: it opens hundreds of connections or
-    /// depends on timing that a busy machine would blur.
-    pub(crate) alone: bool,
+    /// What it needs beside it: a storm opens hundreds of connections, the
+    /// slow provider's 1 s leases need a quiet machine.
+    pub(crate) room: Room,
+    /// It waits tens of seconds (a default lease, a timeout): it queues for
+    /// a slot before the others, so that it does not end the run alone.
+    pub(crate) long: bool,
     pub(crate) readiness: Readiness,
     /// An `Err` is a failed setup: every check fails with it.
     pub(crate) run: fn(Arc<Deployment>) -> BoxFuture<'static, Result<Checks, Failure>>,
@@ -55,7 +59,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "answers",
         checks: answers::CHECKS,
         stores: EVERY_STORE,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| answers::run(d).boxed(),
     },
@@ -63,7 +68,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "in-progress",
         checks: &[in_flight::IN_PROGRESS],
         stores: EVERY_STORE,
-        alone: false,
+        room: Room::Shared,
+        long: true,
         readiness: Readiness::Built,
         run: |d| in_flight::in_progress(d).boxed(),
     },
@@ -71,7 +77,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "scopes",
         checks: &[scopes::CHECK],
         stores: EVERY_STORE,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| scopes::run(d).boxed(),
     },
@@ -79,7 +86,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "storm",
         checks: &[storm::CHECK],
         stores: EVERY_STORE,
-        alone: true,
+        room: Room::Alone,
+        long: false,
         readiness: Readiness::Built,
         run: |d| storm::run(d).boxed(),
     },
@@ -87,7 +95,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "timeouts",
         checks: &[in_flight::TIMEOUTS],
         stores: EVERY_STORE,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| in_flight::timeouts(d).boxed(),
     },
@@ -95,7 +104,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "disconnect",
         checks: &[in_flight::DISCONNECT],
         stores: EVERY_STORE,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| in_flight::disconnect(d).boxed(),
     },
@@ -103,7 +113,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "restart",
         checks: &[restarts::RESTART],
         stores: DURABLE_STORES,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| restarts::restart(d).boxed(),
     },
@@ -111,7 +122,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "crash",
         checks: &[restarts::CRASH],
         stores: SHARED_STORES,
-        alone: false,
+        room: Room::Shared,
+        long: true,
         readiness: Readiness::Built,
         run: |d| restarts::crash(d).boxed(),
     },
@@ -119,7 +131,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "crash-at-write",
         checks: &[restarts::CRASH_AT_WRITE],
         stores: DURABLE_STORES,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| restarts::crash_at_write(d).boxed(),
     },
@@ -127,7 +140,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "outage",
         checks: &[outage::DOWN],
         stores: POSTGRES,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| outage::down(d).boxed(),
     },
@@ -135,7 +149,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "outage-mid-charge",
         checks: &[outage::CUT_OFF],
         stores: POSTGRES,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::Built,
         run: |d| outage::cut_off(d).boxed(),
     },
@@ -143,8 +158,10 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "slow-provider",
         checks: &[slow_provider::CHECK],
         stores: EVERY_STORE,
-        // Its lease is 1 s: a busy machine could delay a renewal past it.
-        alone: true,
+        // Its lease is 1 s: a busy machine could delay a renewal past it;
+        // two of them leave the machine idle most of their 3 s.
+        room: Room::Half,
+        long: false,
         readiness: Readiness::NeedsFlags(slow_provider::FLAGS),
         run: |d| slow_provider::run(d).boxed(),
     },
@@ -152,7 +169,8 @@ pub(crate) const CATALOG: &[Scenario] = &[
         name: "cleanup",
         checks: &[cleanup::CHECK],
         stores: EVERY_STORE,
-        alone: false,
+        room: Room::Shared,
+        long: false,
         readiness: Readiness::NeedsFlags(cleanup::FLAGS),
         run: |d| cleanup::run(d).boxed(),
     },
