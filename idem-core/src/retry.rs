@@ -131,6 +131,135 @@ impl Backoff {
     }
 }
 
+/// How one attempt of a request ended, as its client saw it: what
+/// [`RetryPolicy::decide`] judges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attempt {
+    /// The server answered with `status`, and a `Retry-After` of this many
+    /// seconds if it sent one (the delta-seconds form; an HTTP date is read
+    /// as none).
+    Answered {
+        status: u16,
+        retry_after: Option<Duration>,
+    },
+    /// No answer: the connection failed, broke or timed out. The server may
+    /// have applied the request: only a retry with the same key is safe.
+    NoAnswer,
+}
+
+/// What to do after an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Hand the answer (or the error) to the caller: it succeeded, or it
+    /// can never succeed by being sent again.
+    Finish,
+    /// Send the same request, with the same key, after this delay.
+    RetryAfter(Duration),
+}
+
+/// When a client retries a request that carries an `Idempotency-Key`
+/// (`docs/contract.md`): the same key on every attempt, so a retry of a
+/// request that was applied gets its replay, never a second effect.
+///
+/// Retried: no answer (a broken connection, a timeout), `409` (the key's
+/// first request is still in progress), `429` and `503` (the server asks for
+/// time: its `Retry-After` is honoured, up to [`retry_after_cap`]), `502` and
+/// `504` (a gateway lost the server). Never retried: every other answer —
+/// a `2xx`, a `422` (the key was sent with another request: a bug to
+/// report, which a retry would only repeat), any other `4xx` (the request
+/// is wrong), a `500` (the server failed the request, and says so). Without
+/// a `Retry-After`, the delay is [`Backoff`]'s, full jitter by default; at
+/// most [`max_retries`] retries (Stripe's clients retry twice by default;
+/// the default here is 3).
+///
+/// [`retry_after_cap`]: RetryPolicy::retry_after_cap
+/// [`max_retries`]: RetryPolicy::max_retries
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::retry::{Attempt, Decision, RetryPolicy};
+///
+/// let policy = RetryPolicy::default();
+/// let busy = Attempt::Answered { status: 503, retry_after: Some(Duration::from_secs(2)) };
+/// assert_eq!(policy.decide(1, busy, 0.5), Decision::RetryAfter(Duration::from_secs(2)));
+/// let reused = Attempt::Answered { status: 422, retry_after: None };
+/// assert_eq!(policy.decide(1, reused, 0.5), Decision::Finish);
+/// assert_eq!(policy.decide(4, Attempt::NoAnswer, 0.5), Decision::Finish); // 3 retries done
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub struct RetryPolicy {
+    backoff: Backoff,
+    max_retries: u32,
+    retry_after_cap: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// [`Backoff::for_clients`], 3 retries, a `Retry-After` honoured up to 30 s.
+    fn default() -> Self {
+        Self {
+            backoff: Backoff::for_clients(),
+            max_retries: 3,
+            retry_after_cap: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Sets the backoff used when the server gives no `Retry-After`.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// Sets how many retries follow the first attempt (0: none).
+    pub fn max_retries(mut self, retries: u32) -> Self {
+        self.max_retries = retries;
+        self
+    }
+
+    /// Sets the longest `Retry-After` waited; a longer one is waited this long.
+    pub fn retry_after_cap(mut self, cap: Duration) -> Self {
+        self.retry_after_cap = cap;
+        self
+    }
+
+    /// The backoff used when the server gives no `Retry-After`.
+    pub fn get_backoff(&self) -> Backoff {
+        self.backoff
+    }
+
+    /// How many retries may follow the first attempt.
+    pub fn get_max_retries(&self) -> u32 {
+        self.max_retries
+    }
+
+    /// Whether an answer of `status` may be retried with the same key.
+    pub fn retries_status(status: u16) -> bool {
+        matches!(status, 409 | 429 | 502 | 503 | 504)
+    }
+
+    /// What to do after attempt number `attempt` (1 for the first) ended in
+    /// `ended`; `point` is the jitter's draw in `[0, 1]`
+    /// ([`Backoff::delay_at`]), the caller's so that a schedule can be
+    /// replayed.
+    pub fn decide(&self, attempt: u32, ended: Attempt, point: f64) -> Decision {
+        if attempt > self.max_retries {
+            return Decision::Finish;
+        }
+        match ended {
+            Attempt::Answered { status, .. } if !Self::retries_status(status) => Decision::Finish,
+            Attempt::Answered {
+                retry_after: Some(after),
+                ..
+            } => Decision::RetryAfter(after.min(self.retry_after_cap)),
+            Attempt::Answered { .. } | Attempt::NoAnswer => {
+                Decision::RetryAfter(self.backoff.delay_at(attempt, point))
+            }
+        }
+    }
+}
+
 /// What [`simulate_storm`] saw.
 #[cfg(any(test, feature = "test-util"))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,6 +308,58 @@ pub fn simulate_storm(backoff: Backoff, clients: usize, outage: Duration, seed: 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn answered(status: u16, retry_after: Option<u64>) -> Attempt {
+        Attempt::Answered {
+            status,
+            retry_after: retry_after.map(Duration::from_secs),
+        }
+    }
+
+    #[test]
+    fn only_what_a_resend_can_mend_is_retried() {
+        let policy = RetryPolicy::default();
+        for status in [409, 429, 502, 503, 504] {
+            assert_eq!(
+                policy.decide(1, answered(status, None), 1.0),
+                Decision::RetryAfter(Duration::from_secs(1)),
+                "{status}"
+            );
+        }
+        for status in [200, 201, 204, 301, 400, 401, 403, 404, 422, 500, 501] {
+            assert_eq!(
+                policy.decide(1, answered(status, Some(1)), 1.0),
+                Decision::Finish,
+                "{status}"
+            );
+        }
+        assert_eq!(
+            policy.decide(2, Attempt::NoAnswer, 1.0),
+            Decision::RetryAfter(Duration::from_secs(2))
+        );
+    }
+
+    #[test]
+    fn retry_after_is_honoured_up_to_its_cap_and_retries_end() {
+        let policy = RetryPolicy::default()
+            .retry_after_cap(Duration::from_secs(10))
+            .max_retries(2);
+        assert_eq!(
+            policy.decide(1, answered(429, Some(7)), 0.0),
+            Decision::RetryAfter(Duration::from_secs(7))
+        );
+        assert_eq!(
+            policy.decide(2, answered(503, Some(3_600)), 0.0),
+            Decision::RetryAfter(Duration::from_secs(10))
+        );
+        assert_eq!(policy.decide(3, answered(503, Some(1)), 0.0), Decision::Finish);
+        assert_eq!(
+            RetryPolicy::default()
+                .max_retries(0)
+                .decide(1, Attempt::NoAnswer, 0.0),
+            Decision::Finish
+        );
+    }
 
     #[test]
     fn ceiling_doubles_up_to_the_cap() {
