@@ -139,7 +139,9 @@ pub enum Attempt {
     /// seconds if it sent one (the delta-seconds form; an HTTP date is read
     /// as none).
     Answered {
+        /// The answer's status code.
         status: u16,
+        /// Its `Retry-After`, if it had one in seconds.
         retry_after: Option<Duration>,
     },
     /// No answer: the connection failed, broke or timed out. The server may
@@ -352,7 +354,10 @@ mod tests {
             policy.decide(2, answered(503, Some(3_600)), 0.0),
             Decision::RetryAfter(Duration::from_secs(10))
         );
-        assert_eq!(policy.decide(3, answered(503, Some(1)), 0.0), Decision::Finish);
+        assert_eq!(
+            policy.decide(3, answered(503, Some(1)), 0.0),
+            Decision::Finish
+        );
         assert_eq!(
             RetryPolicy::default()
                 .max_retries(0)

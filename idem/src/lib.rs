@@ -82,3 +82,13 @@ pub mod kafka {
 pub mod sqs {
     pub use idem_sqs::*;
 }
+
+/// The client half: retries that keep the `Idempotency-Key` contract,
+/// idem-client's items (feature `client`).
+///
+/// See idem-client's documentation, whose `idem_client::` paths are
+/// `idem::client::` here.
+#[cfg(feature = "client")]
+pub mod client {
+    pub use idem_client::*;
+}

@@ -103,6 +103,12 @@ pub enum Fault {
     /// answered. A client sees its timeouts. The bytes dropped are lost: a
     /// connection that carried some is broken for its protocol after.
     Blackhole,
+    /// Any protocol: the client's bytes reach the server, and the server's
+    /// never reach the client: the connection is closed, both sides, as
+    /// soon as the server sends anything, while set. An HTTP server has
+    /// done the request's work, and its client sees the connection end
+    /// without an answer: the lost answer a retry with the same key mends.
+    LoseAnswers,
 }
 
 /// A TCP proxy on 127.0.0.1 to one target, injecting the [`Fault`] set.
@@ -479,6 +485,7 @@ fn pump(shared: &Shared, link: &Link, side: Side, mut framer: Option<Framer>) {
         match shared.unstalled() {
             None | Some(Fault::Reset) => return link.close(),
             Some(Fault::Blackhole) => continue,
+            Some(Fault::LoseAnswers) if side == Side::Down => return link.close(),
             Some(_) => {}
         }
         if let Some(start) = commits.into_iter().find(|_| shared.loses(side)) {

@@ -30,6 +30,7 @@ const PUBLISHED: &[&str] = &[
     "idem-rabbitmq",
     "idem-kafka",
     "idem-sqs",
+    "idem-client",
 ];
 
 /// Runs formatting, clippy, each store feature set alone, docs, the published

@@ -1,0 +1,258 @@
+//! The client half of idem: retries that keep the `Idempotency-Key`
+//! contract (`docs/contract.md`).
+//!
+//! A server that keeps keys is half of the story: a retried `POST` is safe
+//! only if every attempt carries the same key. [`IdempotentRetry`], a
+//! [`reqwest_middleware`] middleware, mints the key once, before the first
+//! attempt (a UUID v4, unless the request carries one already), and sends it
+//! on every retry of that request; the server answers a retry of a request
+//! it applied with the stored answer (`Idempotent-Replayed: true`, see
+//! [`replayed`]), never with a second effect.
+//!
+//! What is retried, when, and how often is [`idem_core::retry::RetryPolicy`]'s
+//! decision: no answer at all (a refused, broken or timed-out connection),
+//! `409` (in progress), `429` and `503` (`Retry-After` honoured, capped),
+//! `502` and `504`; never a `422` (the key was reused with another body: a
+//! bug to report) nor any other `4xx` or `500`. Backoff has full jitter. A
+//! per-request deadline bounds the whole exchange, and a **retry budget**
+//! shared by every request through one middleware ([`tower`]'s
+//! [`TpsBudget`]: retries at most a share of the first attempts of the last
+//! seconds, plus a small floor) keeps a failing server from being buried
+//! under retries.
+//!
+//! ```no_run
+//! use idem_client::IdempotentRetry;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(IdempotentRetry::new())
+//!     .build();
+//! let answer = client
+//!     .post("http://127.0.0.1:3000/charges")
+//!     .body(r#"{"account":"acct_1","amount":100}"#)
+//!     .send()
+//!     .await?;
+//! println!("{} (replayed: {})", answer.status(), idem_client::replayed(&answer));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Which methods get a key: `POST` and `PATCH`, the ones HTTP does not make
+//! idempotent. The others (`GET`, `PUT`, `DELETE`…) are retried as they
+//! are, by the same policy. A request whose body is a stream cannot be sent
+//! twice: it is sent once, as it would be without the middleware.
+//!
+//! Crates: `reqwest-middleware` (TrueLayer's, the middleware chain reqwest's
+//! users already have, with `reqwest-retry` and `reqwest-tracing` on it) and
+//! tower's retry budget (the one tower's own retry layer uses), rather than a
+//! client or a budget of this crate's own.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{Extensions, HeaderValue, Method};
+use idem_core::retry::{Attempt, Decision, RetryPolicy};
+use idem_core::{KEY_HEADER, REPLAYED_HEADER};
+use reqwest::{Request, Response};
+use reqwest_middleware::{Middleware, Next};
+use tower::retry::budget::{Budget, TpsBudget};
+
+/// Retries with one `Idempotency-Key` per request: see the [crate] docs.
+#[derive(Clone, Debug)]
+pub struct IdempotentRetry {
+    policy: RetryPolicy,
+    budget: Option<Arc<TpsBudget>>,
+    deadline: Option<Duration>,
+}
+
+impl Default for IdempotentRetry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl IdempotentRetry {
+    /// The default [`RetryPolicy`] (3 retries, backoff within 1 s doubling
+    /// to 30 s, `Retry-After` up to 30 s), a budget of 20 % of the first
+    /// attempts of the last 10 s plus 10 retries a second, no deadline.
+    pub fn new() -> Self {
+        Self {
+            policy: RetryPolicy::default(),
+            budget: Some(Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2))),
+            deadline: None,
+        }
+    }
+
+    /// Sets what is retried, when, and how often.
+    #[must_use]
+    pub fn policy(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets the retry budget: over the last `window`, retries may add at
+    /// most `share` (0.0 to 1000.0; 0.2 is 20 %) of the first attempts, plus
+    /// `floor` retries a second (tower's [`TpsBudget::new`]). Shared by
+    /// every request through this middleware and its clones.
+    #[must_use]
+    pub fn budget(mut self, window: Duration, floor: u32, share: f32) -> Self {
+        self.budget = Some(Arc::new(TpsBudget::new(window, floor, share)));
+        self
+    }
+
+    /// No budget: every request retries as its policy says, however many
+    /// others do.
+    #[must_use]
+    pub fn without_budget(mut self) -> Self {
+        self.budget = None;
+        self
+    }
+
+    /// Bounds each request, every attempt and wait included: no retry
+    /// starts whose wait would end past it (the last answer, or error, is
+    /// the caller's).
+    #[must_use]
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Whether the budget lets one more retry go, counting the refusal.
+    fn may_retry(&self) -> bool {
+        self.budget.as_ref().is_none_or(|budget| budget.withdraw())
+    }
+}
+
+/// What the middleware did for a request, in its response's extensions
+/// ([`attempts`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attempts {
+    /// The attempts sent: 1 when the first was answered for good.
+    pub sent: u32,
+    /// The key every attempt carried, if the request had one.
+    pub key: Option<HeaderValue>,
+}
+
+/// Whether the server answered with the answer it stored for the key
+/// (`Idempotent-Replayed: true`): an earlier attempt, whose answer was
+/// lost, had been applied.
+pub fn replayed(response: &Response) -> bool {
+    response
+        .headers()
+        .get(REPLAYED_HEADER)
+        .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true"))
+}
+
+/// How many attempts the middleware sent for `response`, and with which key.
+pub fn attempts(response: &Response) -> Option<&Attempts> {
+    response.extensions().get::<Attempts>()
+}
+
+/// Whether a request of `method` gets a key: the methods HTTP does not make
+/// idempotent.
+fn needs_key(method: &Method) -> bool {
+    method == Method::POST || method == Method::PATCH
+}
+
+/// A `Retry-After` in seconds (an HTTP date is read as none: the policy's
+/// backoff applies).
+fn retry_after(response: &Response) -> Option<Duration> {
+    let value = response.headers().get(http::header::RETRY_AFTER)?;
+    let seconds: u64 = value.to_str().ok()?.trim().parse().ok()?;
+    Some(Duration::from_secs(seconds))
+}
+
+/// How an attempt ended, or `None` for an error no resend can mend (a
+/// request that cannot be built, another middleware's refusal).
+fn ended(result: &reqwest_middleware::Result<Response>) -> Option<Attempt> {
+    match result {
+        Ok(response) => Some(Attempt::Answered {
+            status: response.status().as_u16(),
+            retry_after: retry_after(response),
+        }),
+        Err(reqwest_middleware::Error::Reqwest(error))
+            if !(error.is_builder() || error.is_redirect() || error.is_status()) =>
+        {
+            Some(Attempt::NoAnswer)
+        }
+        Err(_) => None,
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for IdempotentRetry {
+    async fn handle(
+        &self,
+        mut request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<Response> {
+        let started = Instant::now();
+        if needs_key(request.method()) && !request.headers().contains_key(KEY_HEADER) {
+            let minted = uuid::Uuid::new_v4().hyphenated().to_string();
+            if let Ok(value) = HeaderValue::from_str(&minted) {
+                request.headers_mut().insert(KEY_HEADER, value);
+            }
+        }
+        let key = request.headers().get(KEY_HEADER).cloned();
+        if let Some(budget) = &self.budget {
+            budget.deposit();
+        }
+        let mut sent = 0;
+        loop {
+            sent += 1;
+            let Some(copy) = request.try_clone() else {
+                // A streamed body: one attempt, as without the middleware.
+                return next.run(request, extensions).await;
+            };
+            let span = tracing::debug_span!(
+                "idem_client.attempt",
+                attempt = sent,
+                method = %copy.method(),
+                path = copy.url().path(),
+            );
+            let result = {
+                let _entered = span.enter();
+                next.clone().run(copy, extensions).await
+            };
+            let decision = match ended(&result) {
+                Some(attempt) => self.policy.decide(sent, attempt, rand::random()),
+                None => Decision::Finish,
+            };
+            let wait = match decision {
+                Decision::Finish => return finished(result, sent, key),
+                Decision::RetryAfter(wait) => wait,
+            };
+            let past_deadline = self
+                .deadline
+                .is_some_and(|deadline| started.elapsed() + wait > deadline);
+            if past_deadline {
+                tracing::debug!(attempt = sent, "no retry: it would end past the deadline");
+                return finished(result, sent, key);
+            }
+            if !self.may_retry() {
+                tracing::debug!(attempt = sent, "no retry: the retry budget is spent");
+                return finished(result, sent, key);
+            }
+            tracing::debug!(
+                attempt = sent,
+                wait_ms = wait.as_millis() as u64,
+                "retrying"
+            );
+            drop(result);
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// The caller's result, its response marked with the [`Attempts`] sent.
+fn finished(
+    result: reqwest_middleware::Result<Response>,
+    sent: u32,
+    key: Option<HeaderValue>,
+) -> reqwest_middleware::Result<Response> {
+    result.map(|mut response| {
+        response.extensions_mut().insert(Attempts { sent, key });
+        response
+    })
+}

@@ -1,0 +1,227 @@
+//! The middleware against a real axum server keeping keys in idem's
+//! layer, through a fault-injecting proxy where an answer must be lost.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use idem_axum::IdempotencyLayer;
+use idem_axum::idem_core::retry::{Backoff, Jitter, RetryPolicy};
+use idem_axum::idem_core::{MemoryStore, Policy};
+use idem_client::{IdempotentRetry, attempts, replayed};
+use idem_testkit::fault::{Fault, Proxy};
+use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
+
+/// What the server saw.
+#[derive(Default)]
+struct Seen {
+    /// Charges begun (the handler behind the layer was entered).
+    begun: AtomicU32,
+    /// Charges applied.
+    effects: AtomicU32,
+    /// Requests to `/unavailable`, by the key they carried.
+    unavailable: Mutex<HashMap<String, u32>>,
+}
+
+async fn server() -> (SocketAddr, Arc<Seen>) {
+    let seen = Arc::new(Seen::default());
+    let store = MemoryStore::new();
+    let charges = {
+        let seen = seen.clone();
+        move |body: String| async move {
+            seen.begun.fetch_add(1, Ordering::SeqCst);
+            // Long enough for a second request to find the first in progress.
+            if body.contains("slow") {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+            }
+            let effect = seen.effects.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, format!("charge {effect}"))
+        }
+    };
+    let unavailable = {
+        let seen = seen.clone();
+        move |headers: HeaderMap| async move {
+            let key = headers
+                .get("idempotency-key")
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or("none")
+                .to_owned();
+            *seen.unavailable.lock().unwrap().entry(key).or_default() += 1;
+            let retry_after = headers.contains_key("x-ask-retry-after");
+            match retry_after {
+                true => (StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "1")]).into_response(),
+                false => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+            }
+        }
+    };
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(charges).route_layer(
+                IdempotencyLayer::new(store, Policy::required().lease(Duration::from_secs(5)))
+                    .global_scope(),
+            ),
+        )
+        .route("/unavailable", post(unavailable));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, seen)
+}
+
+/// Retries at fixed delays (no jitter), so a test knows when each comes.
+fn fixed(base_ms: u64) -> RetryPolicy {
+    let base = Duration::from_millis(base_ms);
+    RetryPolicy::default().backoff(Backoff::new(base, base).jitter(Jitter::None))
+}
+
+fn client(retry: IdempotentRetry) -> ClientWithMiddleware {
+    ClientBuilder::new(reqwest::Client::new())
+        .with(retry)
+        .build()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_is_retried_with_the_same_key_and_replayed() {
+    let (addr, seen) = server().await;
+    let proxy = Proxy::tcp(addr).unwrap();
+    proxy.set(Fault::LoseAnswers);
+    let client = client(IdempotentRetry::new().policy(fixed(300)));
+    let url = format!("http://{}/charges", proxy.addr());
+    let sending = tokio::spawn(async move { client.post(url).body("amount=100").send().await });
+    // The server applies the charge; its answer is lost; the retry, 300 ms
+    // later, passes.
+    while seen.effects.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.set(Fault::None);
+    let answer = sending.await.unwrap().unwrap();
+    assert_eq!(answer.status(), StatusCode::CREATED);
+    assert!(replayed(&answer), "the retry is answered from the record");
+    assert_eq!(attempts(&answer).map(|a| a.sent), Some(2));
+    assert!(attempts(&answer).and_then(|a| a.key.clone()).is_some());
+    assert_eq!(answer.text().await.unwrap(), "charge 1");
+    assert_eq!(seen.effects.load(Ordering::SeqCst), 1, "one charge");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_is_waited_out_and_the_first_answer_replayed() {
+    let (addr, seen) = server().await;
+    let url = format!("http://{addr}/charges");
+    let key = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+    let first = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(url)
+                .header("idempotency-key", key)
+                .body("slow")
+                .send()
+                .await
+        })
+    };
+    // In the handler: the layer has claimed the key.
+    while seen.begun.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let answer = client(IdempotentRetry::new().policy(fixed(200)))
+        .post(&url)
+        .header("idempotency-key", key)
+        .body("slow")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::CREATED);
+    assert!(replayed(&answer));
+    assert!(
+        attempts(&answer).is_some_and(|a| a.sent >= 2),
+        "a 409 came first"
+    );
+    assert_eq!(answer.text().await.unwrap(), "charge 1");
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    assert_eq!(seen.effects.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_reused_with_another_body_is_not_retried() {
+    let (addr, seen) = server().await;
+    let client = client(IdempotentRetry::new().policy(fixed(10)));
+    let url = format!("http://{addr}/charges");
+    let key = "5b0e1c7a-0d7e-4c55-9d0f-1f2a3b4c5d6e";
+    let first = client
+        .post(&url)
+        .header("idempotency-key", key)
+        .body("amount=1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let reused = client
+        .post(&url)
+        .header("idempotency-key", key)
+        .body("amount=2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(attempts(&reused).map(|a| a.sent), Some(1));
+    assert_eq!(seen.effects.load(Ordering::SeqCst), 1);
+}
+
+/// 50 requests at once against a server that answers 503 to all: without a
+/// budget each is sent 4 times; with one, the retries stay within a fifth of
+/// the first attempts and the floor. Every attempt of a request carries its
+/// one key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_stops_a_storm() {
+    async fn storm(retry: IdempotentRetry) -> HashMap<String, u32> {
+        let (addr, seen) = server().await;
+        let client = client(retry.policy(fixed(20)));
+        let url = format!("http://{addr}/unavailable");
+        let sends = (0..50).map(|_| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move { client.post(url).body("x").send().await })
+        });
+        for send in sends {
+            let answer = send.await.unwrap().unwrap();
+            assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        }
+        seen.unavailable.lock().unwrap().clone()
+    }
+    let unbudgeted = storm(IdempotentRetry::new().without_budget()).await;
+    assert_eq!(unbudgeted.len(), 50, "a key per request");
+    assert!(unbudgeted.values().all(|&sent| sent == 4), "{unbudgeted:?}");
+    // 20 % of 50 first attempts, and a floor of 1 a second over 1 s.
+    let budgeted = storm(IdempotentRetry::new().budget(Duration::from_secs(1), 1, 0.2)).await;
+    assert_eq!(budgeted.len(), 50, "a key per request");
+    let sent: u32 = budgeted.values().sum();
+    assert!((50..=61).contains(&sent), "{sent} requests: {budgeted:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_honoured_within_the_deadline() {
+    let (addr, seen) = server().await;
+    let client = client(IdempotentRetry::new().deadline(Duration::from_millis(1_500)));
+    let started = std::time::Instant::now();
+    let answer = client
+        .post(format!("http://{addr}/unavailable"))
+        .header("x-ask-retry-after", "1")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    // At 0 s, then after the asked 1 s; a third would start past 1.5 s.
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(attempts(&answer).map(|a| a.sent), Some(2));
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    let hits = seen.unavailable.lock().unwrap().clone();
+    assert_eq!(hits.values().copied().collect::<Vec<_>>(), vec![2]);
+}
