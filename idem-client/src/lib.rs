@@ -37,6 +37,9 @@
 //! # }
 //! ```
 //!
+//! Tower clients (hyper's, tonic's) get the same retries from
+//! [`IdempotentRetryLayer`].
+//!
 //! Which methods get a key: `POST` and `PATCH`, the ones HTTP does not make
 //! idempotent. The others (`GET`, `PUT`, `DELETE`…) are retried as they
 //! are, by the same policy. A request whose body is a stream cannot be sent
@@ -50,12 +53,21 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use http::{Extensions, HeaderValue, Method};
+use http::{Extensions, HeaderMap, HeaderValue, Method};
 use idem_core::retry::{Attempt, Decision, RetryPolicy};
 use idem_core::{KEY_HEADER, REPLAYED_HEADER};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
 use tower::retry::budget::{Budget, TpsBudget};
+use tracing::Instrument;
+
+mod layer;
+
+/// The middleware chain [`IdempotentRetry`] plugs into, re-exported so that
+/// its version is the one this crate was built with.
+pub use reqwest_middleware;
+
+pub use layer::{IdempotentRetryLayer, MintKey, TowerPolicy};
 
 /// Retries with one `Idempotency-Key` per request: see the [crate] docs.
 #[derive(Clone, Debug)]
@@ -117,10 +129,52 @@ impl IdempotentRetry {
         self
     }
 
-    /// Whether the budget lets one more retry go, counting the refusal.
-    fn may_retry(&self) -> bool {
-        self.budget.as_ref().is_none_or(|budget| budget.withdraw())
+    /// Counts a request's first attempt in the budget.
+    fn deposit(&self) {
+        if let Some(budget) = &self.budget {
+            budget.deposit();
+        }
     }
+
+    /// After attempt number `sent` of a request begun at `started` ended in
+    /// `ended`: how long to wait before the next, or `None` to hand the
+    /// caller this one's result (the policy says so, the wait would end
+    /// past the deadline, or the budget is spent).
+    fn next(&self, started: Instant, sent: u32, ended: Attempt) -> Option<Duration> {
+        let wait = match self.policy.decide(sent, ended, rand::random()) {
+            Decision::Finish => return None,
+            Decision::RetryAfter(wait) => wait,
+        };
+        if self
+            .deadline
+            .is_some_and(|deadline| started.elapsed() + wait > deadline)
+        {
+            tracing::debug!(attempt = sent, "no retry: it would end past the deadline");
+            return None;
+        }
+        if !self.budget.as_ref().is_none_or(|budget| budget.withdraw()) {
+            tracing::debug!(attempt = sent, "no retry: the retry budget is spent");
+            return None;
+        }
+        tracing::debug!(
+            attempt = sent,
+            wait_ms = wait.as_millis() as u64,
+            "retrying"
+        );
+        Some(wait)
+    }
+}
+
+/// The key every attempt of a request carries: its own, else one minted
+/// for a method HTTP does not make idempotent, else none.
+fn key_for(method: &Method, headers: &HeaderMap) -> Option<HeaderValue> {
+    if let Some(key) = headers.get(KEY_HEADER) {
+        return Some(key.clone());
+    }
+    if !needs_key(method) {
+        return None;
+    }
+    HeaderValue::from_str(&uuid::Uuid::new_v4().hyphenated().to_string()).ok()
 }
 
 /// What the middleware did for a request, in its response's extensions
@@ -145,7 +199,13 @@ pub fn replayed(response: &Response) -> bool {
 
 /// How many attempts the middleware sent for `response`, and with which key.
 pub fn attempts(response: &Response) -> Option<&Attempts> {
-    response.extensions().get::<Attempts>()
+    attempts_of(response.extensions())
+}
+
+/// The [`Attempts`] in an answer's extensions (an `http::Response`'s, from
+/// [`IdempotentRetryLayer`]).
+pub fn attempts_of(extensions: &Extensions) -> Option<&Attempts> {
+    extensions.get::<Attempts>()
 }
 
 /// Whether a request of `method` gets a key: the methods HTTP does not make
@@ -156,8 +216,8 @@ fn needs_key(method: &Method) -> bool {
 
 /// A `Retry-After` in seconds (an HTTP date is read as none: the policy's
 /// backoff applies).
-fn retry_after(response: &Response) -> Option<Duration> {
-    let value = response.headers().get(http::header::RETRY_AFTER)?;
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(http::header::RETRY_AFTER)?;
     let seconds: u64 = value.to_str().ok()?.trim().parse().ok()?;
     Some(Duration::from_secs(seconds))
 }
@@ -168,7 +228,7 @@ fn ended(result: &reqwest_middleware::Result<Response>) -> Option<Attempt> {
     match result {
         Ok(response) => Some(Attempt::Answered {
             status: response.status().as_u16(),
-            retry_after: retry_after(response),
+            retry_after: retry_after(response.headers()),
         }),
         Err(reqwest_middleware::Error::Reqwest(error))
             if !(error.is_builder() || error.is_redirect() || error.is_status()) =>
@@ -188,16 +248,11 @@ impl Middleware for IdempotentRetry {
         next: Next<'_>,
     ) -> reqwest_middleware::Result<Response> {
         let started = Instant::now();
-        if needs_key(request.method()) && !request.headers().contains_key(KEY_HEADER) {
-            let minted = uuid::Uuid::new_v4().hyphenated().to_string();
-            if let Ok(value) = HeaderValue::from_str(&minted) {
-                request.headers_mut().insert(KEY_HEADER, value);
-            }
+        let key = key_for(request.method(), request.headers());
+        if let Some(key) = &key {
+            request.headers_mut().insert(KEY_HEADER, key.clone());
         }
-        let key = request.headers().get(KEY_HEADER).cloned();
-        if let Some(budget) = &self.budget {
-            budget.deposit();
-        }
+        self.deposit();
         let mut sent = 0;
         loop {
             sent += 1;
@@ -211,34 +266,11 @@ impl Middleware for IdempotentRetry {
                 method = %copy.method(),
                 path = copy.url().path(),
             );
-            let result = {
-                let _entered = span.enter();
-                next.clone().run(copy, extensions).await
-            };
-            let decision = match ended(&result) {
-                Some(attempt) => self.policy.decide(sent, attempt, rand::random()),
-                None => Decision::Finish,
-            };
-            let wait = match decision {
-                Decision::Finish => return finished(result, sent, key),
-                Decision::RetryAfter(wait) => wait,
-            };
-            let past_deadline = self
-                .deadline
-                .is_some_and(|deadline| started.elapsed() + wait > deadline);
-            if past_deadline {
-                tracing::debug!(attempt = sent, "no retry: it would end past the deadline");
+            let result = next.clone().run(copy, extensions).instrument(span).await;
+            let wait = ended(&result).and_then(|ended| self.next(started, sent, ended));
+            let Some(wait) = wait else {
                 return finished(result, sent, key);
-            }
-            if !self.may_retry() {
-                tracing::debug!(attempt = sent, "no retry: the retry budget is spent");
-                return finished(result, sent, key);
-            }
-            tracing::debug!(
-                attempt = sent,
-                wait_ms = wait.as_millis() as u64,
-                "retrying"
-            );
+            };
             drop(result);
             tokio::time::sleep(wait).await;
         }

@@ -16,9 +16,10 @@ use axum::routing::post;
 use idem_axum::IdempotencyLayer;
 use idem_axum::idem_core::retry::{Backoff, Jitter, RetryPolicy};
 use idem_axum::idem_core::{MemoryStore, Policy};
-use idem_client::{IdempotentRetry, attempts, replayed};
+use idem_client::{IdempotentRetry, IdempotentRetryLayer, attempts, attempts_of, replayed};
 use idem_testkit::fault::{Fault, Proxy};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
+use tower::{Layer, ServiceExt};
 
 /// What the server saw.
 #[derive(Default)]
@@ -89,27 +90,75 @@ fn client(retry: IdempotentRetry) -> ClientWithMiddleware {
         .build()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_answer_is_retried_with_the_same_key_and_replayed() {
+/// What a client saw of its charge: status, replayed, attempts, body.
+type Saw = (StatusCode, bool, Option<u32>, String);
+
+/// A charge through a proxy that loses the server's first answer: `send`
+/// posts `amount=100` to the URL it is given and reports what it saw.
+async fn lose_the_first_answer<F, S>(send: S)
+where
+    S: FnOnce(String) -> F,
+    F: Future<Output = Saw> + Send + 'static,
+{
     let (addr, seen) = server().await;
     let proxy = Proxy::tcp(addr).unwrap();
     proxy.set(Fault::LoseAnswers);
-    let client = client(IdempotentRetry::new().policy(fixed(300)));
-    let url = format!("http://{}/charges", proxy.addr());
-    let sending = tokio::spawn(async move { client.post(url).body("amount=100").send().await });
+    let sending = tokio::spawn(send(format!("http://{}/charges", proxy.addr())));
     // The server applies the charge; its answer is lost; the retry, 300 ms
     // later, passes.
     while seen.effects.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     proxy.set(Fault::None);
-    let answer = sending.await.unwrap().unwrap();
-    assert_eq!(answer.status(), StatusCode::CREATED);
-    assert!(replayed(&answer), "the retry is answered from the record");
-    assert_eq!(attempts(&answer).map(|a| a.sent), Some(2));
-    assert!(attempts(&answer).and_then(|a| a.key.clone()).is_some());
-    assert_eq!(answer.text().await.unwrap(), "charge 1");
+    let (status, replayed, sent, body) = sending.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(replayed, "the retry is answered from the record");
+    assert_eq!(sent, Some(2));
+    assert_eq!(body, "charge 1");
     assert_eq!(seen.effects.load(Ordering::SeqCst), 1, "one charge");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_is_retried_with_the_same_key_and_replayed() {
+    lose_the_first_answer(|url| async move {
+        let client = client(IdempotentRetry::new().policy(fixed(300)));
+        let answer = client.post(url).body("amount=100").send().await.unwrap();
+        assert!(attempts(&answer).and_then(|a| a.key.clone()).is_some());
+        let (status, replayed) = (answer.status(), replayed(&answer));
+        let sent = attempts(&answer).map(|a| a.sent);
+        (status, replayed, sent, answer.text().await.unwrap())
+    })
+    .await;
+}
+
+/// The same through the Tower layer, around a service that sends each
+/// request with reqwest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tower_layer_retries_a_lost_answer_with_the_same_key() {
+    lose_the_first_answer(|url| async move {
+        let http = reqwest::Client::new();
+        let transport = tower::service_fn(move |request: http::Request<String>| {
+            let http = http.clone();
+            async move {
+                let answer = http.execute(reqwest::Request::try_from(request)?).await?;
+                let mut response = http::Response::new(String::new());
+                *response.status_mut() = answer.status();
+                *response.headers_mut() = answer.headers().clone();
+                *response.body_mut() = answer.text().await?;
+                Ok::<_, reqwest::Error>(response)
+            }
+        });
+        let client =
+            IdempotentRetryLayer::new(IdempotentRetry::new().policy(fixed(300))).layer(transport);
+        let request = http::Request::post(url)
+            .body("amount=100".to_owned())
+            .unwrap();
+        let answer = client.oneshot(request).await.unwrap();
+        let sent = attempts_of(answer.extensions()).map(|a| a.sent);
+        let replayed = answer.headers().get("idempotent-replayed").is_some();
+        (answer.status(), replayed, sent, answer.into_body())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
