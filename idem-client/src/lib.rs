@@ -37,6 +37,12 @@
 //! # }
 //! ```
 //!
+//! With the feature `metrics`, the `metrics` facade counts the attempts
+//! (`idem_client_attempts_total`), the retries (`idem_client_retries_total`)
+//! and the retries refused (`idem_client_retries_refused_total`, `reason`
+//! `budget` or `deadline`). The span of an attempt (`idem_client.attempt`,
+//! at debug) names its method and path, never its key or body.
+//!
 //! Tower clients (hyper's, tonic's) get the same retries from
 //! [`IdempotentRetryLayer`].
 //!
@@ -141,6 +147,7 @@ impl IdempotentRetry {
     /// caller this one's result (the policy says so, the wait would end
     /// past the deadline, or the budget is spent).
     fn next(&self, started: Instant, sent: u32, ended: Attempt) -> Option<Duration> {
+        count(Counted::Attempt);
         let wait = match self.policy.decide(sent, ended, rand::random()) {
             Decision::Finish => return None,
             Decision::RetryAfter(wait) => wait,
@@ -150,10 +157,12 @@ impl IdempotentRetry {
             .is_some_and(|deadline| started.elapsed() + wait > deadline)
         {
             tracing::debug!(attempt = sent, "no retry: it would end past the deadline");
+            count(Counted::Refused("deadline"));
             return None;
         }
         if !self.budget.as_ref().is_none_or(|budget| budget.withdraw()) {
             tracing::debug!(attempt = sent, "no retry: the retry budget is spent");
+            count(Counted::Refused("budget"));
             return None;
         }
         tracing::debug!(
@@ -161,9 +170,37 @@ impl IdempotentRetry {
             wait_ms = wait.as_millis() as u64,
             "retrying"
         );
+        count(Counted::Retry);
         Some(wait)
     }
 }
+
+/// What the `metrics` feature counts.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+enum Counted {
+    /// `idem_client_attempts_total`: an attempt ended (answered or not).
+    Attempt,
+    /// `idem_client_retries_total`: a retry was scheduled.
+    Retry,
+    /// `idem_client_retries_refused_total{reason}`: the policy wanted a
+    /// retry, and the `budget` or the `deadline` refused it.
+    Refused(&'static str),
+}
+
+#[cfg(feature = "metrics")]
+fn count(counted: Counted) {
+    match counted {
+        Counted::Attempt => metrics::counter!("idem_client_attempts_total").increment(1),
+        Counted::Retry => metrics::counter!("idem_client_retries_total").increment(1),
+        Counted::Refused(reason) => {
+            metrics::counter!("idem_client_retries_refused_total", "reason" => reason).increment(1);
+        }
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+fn count(_: Counted) {}
 
 /// The key every attempt of a request carries: its own, else one minted
 /// for a method HTTP does not make idempotent, else none.

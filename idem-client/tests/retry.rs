@@ -274,3 +274,65 @@ async fn retry_after_is_honoured_within_the_deadline() {
     let hits = seen.unavailable.lock().unwrap().clone();
     assert_eq!(hits.values().copied().collect::<Vec<_>>(), vec![2]);
 }
+
+/// With `metrics`, the storm's attempts, retries and refusals are counted:
+/// read back from a recorder installed on this test's one thread.
+#[cfg(feature = "metrics")]
+#[test]
+fn attempts_retries_and_refusals_are_counted() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let hits: HashMap<String, u32> = metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let (addr, seen) = server().await;
+            let retry =
+                IdempotentRetry::new()
+                    .policy(fixed(20))
+                    .budget(Duration::from_secs(1), 1, 0.2);
+            let client = client(retry);
+            let url = format!("http://{addr}/unavailable");
+            let sends = (0..20).map(|_| {
+                let (client, url) = (client.clone(), url.clone());
+                tokio::spawn(async move { client.post(url).body("x").send().await })
+            });
+            for send in sends {
+                send.await.unwrap().unwrap();
+            }
+            seen.unavailable.lock().unwrap().clone()
+        })
+    });
+    let sent: u32 = hits.values().sum();
+    // The policy retries a 503 three times: a request sent fewer times was
+    // refused a retry by the budget.
+    let refused = hits.values().filter(|&&sent| sent < 4).count() as u64;
+    assert!(refused > 0, "the budget refused some: {hits:?}");
+    let counters: HashMap<String, u64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, .., value)| {
+            let labels: Vec<String> = key.key().labels().map(|l| l.value().to_owned()).collect();
+            let name = [vec![key.key().name().to_owned()], labels]
+                .concat()
+                .join(".");
+            match value {
+                DebugValue::Counter(n) => (name, n),
+                other => panic!("{name}: not a counter: {other:?}"),
+            }
+        })
+        .collect();
+    let count = |name: &str| counters.get(name).copied().unwrap_or(0);
+    assert_eq!(count("idem_client_attempts_total"), u64::from(sent));
+    assert_eq!(count("idem_client_retries_total"), u64::from(sent) - 20);
+    assert_eq!(
+        count("idem_client_retries_refused_total.budget"),
+        refused,
+        "{counters:?}"
+    );
+}
