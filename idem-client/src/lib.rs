@@ -112,6 +112,11 @@ impl IdempotentRetry {
     /// most `share` (0.0 to 1000.0; 0.2 is 20 %) of the first attempts, plus
     /// `floor` retries a second (tower's [`TpsBudget::new`]). Shared by
     /// every request through this middleware and its clones.
+    ///
+    /// # Panics
+    ///
+    /// If `window` is not within 1 to 60 s, or `share` not within 0.0 to
+    /// 1000.0 (tower's bounds): a configuration error, at start-up.
     #[must_use]
     pub fn budget(mut self, window: Duration, floor: u32, share: f32) -> Self {
         self.budget = Some(Arc::new(TpsBudget::new(window, floor, share)));
@@ -304,7 +309,13 @@ impl Middleware for IdempotentRetry {
                 path = copy.url().path(),
             );
             let result = next.clone().run(copy, extensions).instrument(span).await;
-            let wait = ended(&result).and_then(|ended| self.next(started, sent, ended));
+            let wait = match ended(&result) {
+                Some(ended) => self.next(started, sent, ended),
+                None => {
+                    count(Counted::Attempt);
+                    None
+                }
+            };
             let Some(wait) = wait else {
                 return finished(result, sent, key);
             };
