@@ -61,7 +61,7 @@ use std::time::{Duration, Instant};
 
 use http::{Extensions, HeaderMap, HeaderValue, Method};
 use idem_core::retry::{Attempt, Decision, RetryPolicy};
-use idem_core::{KEY_HEADER, REPLAYED_HEADER};
+use idem_core::{KEY_HEADER, KEYED_METHODS, REPLAYED_HEADER};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
 use tower::retry::budget::{Budget, TpsBudget};
@@ -131,9 +131,12 @@ impl IdempotentRetry {
         self
     }
 
-    /// Bounds each request, every attempt and wait included: no retry
-    /// starts whose wait would end past it (the last answer, or error, is
-    /// the caller's).
+    /// Bounds each request, every attempt and wait included: an attempt
+    /// still unanswered at the deadline ends with reqwest's timeout error,
+    /// and no retry starts whose wait would end past it (the last answer, or
+    /// error, is the caller's). Through [`IdempotentRetryLayer`] it bounds
+    /// the waits only: each attempt's own time is the inner service's (a
+    /// `tower::timeout` layer).
     #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
@@ -250,10 +253,10 @@ pub fn attempts_of(extensions: &Extensions) -> Option<&Attempts> {
     extensions.get::<Attempts>()
 }
 
-/// Whether a request of `method` gets a key: the methods HTTP does not make
-/// idempotent.
+/// Whether a request of `method` gets a key: [`KEYED_METHODS`], those the
+/// server's [`idem_core::Policy`] covers by default.
 fn needs_key(method: &Method) -> bool {
-    method == Method::POST || method == Method::PATCH
+    KEYED_METHODS.contains(&method.as_str())
 }
 
 /// A `Retry-After` in seconds (an HTTP date is read as none: the policy's
@@ -298,10 +301,15 @@ impl Middleware for IdempotentRetry {
         let mut sent = 0;
         loop {
             sent += 1;
-            let Some(copy) = request.try_clone() else {
+            let Some(mut copy) = request.try_clone() else {
                 // A streamed body: one attempt, as without the middleware.
                 return next.run(request, extensions).await;
             };
+            if let Some(deadline) = self.deadline {
+                let left = deadline.saturating_sub(started.elapsed());
+                let timeout = copy.timeout_mut();
+                *timeout = Some(timeout.map_or(left, |own| own.min(left)));
+            }
             let span = tracing::debug_span!(
                 "idem_client.attempt",
                 attempt = sent,

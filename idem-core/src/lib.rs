@@ -32,7 +32,8 @@ pub use fingerprint::{
 };
 pub use key::{IdempotencyKey, KEY_HEADER, KeyError, MAX_KEY_LEN, Redacted};
 pub use policy::{
-    InProgress, KeyRequirement, OnStoreFailure, Policy, ProblemStatuses, StatusFilter,
+    InProgress, KEYED_METHODS, KeyRequirement, OnStoreFailure, Policy, ProblemStatuses,
+    StatusFilter,
 };
 pub use problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, Problem, ProblemKind};
 pub use response::{Header, REPLAYED_HEADER, StoredResponse};

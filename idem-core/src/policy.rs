@@ -6,6 +6,11 @@ use std::time::Duration;
 
 use crate::{FingerprintSpec, ProblemKind};
 
+/// The methods HTTP does not make idempotent, which a key protects: those a
+/// [`Policy`] covers by default, and those a client mints a key for
+/// (idem-client).
+pub const KEYED_METHODS: &[&str] = &["POST", "PATCH"];
+
 /// How a route treats idempotency keys. Built from [`Policy::required`] or
 /// [`Policy::optional`] (the one choice every route makes); every default is
 /// the one the behaviour specification (`docs/contract.md`) names.
@@ -240,7 +245,7 @@ impl Policy {
     fn with_requirement(key_requirement: KeyRequirement) -> Self {
         Self {
             key_requirement,
-            methods: vec!["POST".into(), "PATCH".into()],
+            methods: KEYED_METHODS.iter().map(|&m| m.to_owned()).collect(),
             stored_statuses: StatusFilter::contract(),
             request_body_limit: MIB,
             request_body_timeout: Duration::from_secs(30),
