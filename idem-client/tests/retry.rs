@@ -111,9 +111,10 @@ where
     let proxy = Proxy::tcp(addr).unwrap();
     proxy.set(Fault::LoseAnswers);
     let sending = tokio::spawn(send(format!("http://{}/charges", proxy.addr())));
-    // The server applies the charge; its answer is lost; the retry, 300 ms
-    // later, passes.
-    while seen.effects.load(Ordering::SeqCst) == 0 {
+    // The server applies the charge; its answer is lost (the proxy has
+    // closed the connection on it, not merely seen the charge: the answer
+    // could still be on its way); the retry, 300 ms later, passes.
+    while proxy.lost_answers() == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     proxy.set(Fault::None);
@@ -224,7 +225,7 @@ async fn a_key_reused_with_another_body_is_not_retried() {
 
 /// 50 requests at once against a server that answers 503 to all: without a
 /// budget each is sent 4 times; with one, the retries stay within a fifth of
-/// the first attempts and the floor. Every attempt of a request carries its
+/// the first attempts. Every attempt of a request carries its
 /// one key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_budget_stops_a_storm() {
@@ -245,12 +246,13 @@ async fn the_budget_stops_a_storm() {
     let unbudgeted = storm(IdempotentRetry::new().without_budget()).await;
     assert_eq!(unbudgeted.len(), 50, "a key per request");
     assert!(unbudgeted.values().all(|&sent| sent == 4), "{unbudgeted:?}");
-    // 20 % of 50 first attempts, and a floor of 1 a second over 1 s.
-    let budgeted = storm(IdempotentRetry::new().budget(Duration::from_secs(1), 1, 0.2)).await;
+    // 20 % of 50 first attempts, no floor, over a window the storm ends
+    // well within however slow the machine (so no deposit expires in it).
+    let budgeted = storm(IdempotentRetry::new().budget(Duration::from_secs(10), 0, 0.2)).await;
     assert_eq!(budgeted.len(), 50, "a key per request");
     let sent: u32 = budgeted.values().sum();
-    // Some retries passed (the budget is not a ban), at most 11 of them.
-    assert!((51..=61).contains(&sent), "{sent} requests: {budgeted:?}");
+    // Some retries passed (the budget is not a ban), at most 10 of them.
+    assert!((51..=60).contains(&sent), "{sent} requests: {budgeted:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

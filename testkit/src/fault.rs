@@ -155,6 +155,7 @@ impl Proxy {
             connections: AtomicU64::new(0),
             lost_commits: AtomicU64::new(0),
             lost_commit_answers: AtomicU64::new(0),
+            lost_answers: AtomicU64::new(0),
         });
         let accepter = thread::Builder::new()
             .name("idem-proxy-accept".to_owned())
@@ -238,6 +239,12 @@ impl Proxy {
     pub fn lost_commit_answers(&self) -> u64 {
         self.shared.lost_commit_answers.load(Ordering::SeqCst)
     }
+
+    /// How many connections [`Fault::LoseAnswers`] has closed on an answer,
+    /// its bytes kept from the client.
+    pub fn lost_answers(&self) -> u64 {
+        self.shared.lost_answers.load(Ordering::SeqCst)
+    }
 }
 
 impl Drop for Proxy {
@@ -290,6 +297,7 @@ struct Shared {
     connections: AtomicU64,
     lost_commits: AtomicU64,
     lost_commit_answers: AtomicU64,
+    lost_answers: AtomicU64,
 }
 
 struct State {
@@ -485,7 +493,10 @@ fn pump(shared: &Shared, link: &Link, side: Side, mut framer: Option<Framer>) {
         match shared.unstalled() {
             None | Some(Fault::Reset) => return link.close(),
             Some(Fault::Blackhole) => continue,
-            Some(Fault::LoseAnswers) if side == Side::Down => return link.close(),
+            Some(Fault::LoseAnswers) if side == Side::Down => {
+                shared.lost_answers.fetch_add(1, Ordering::SeqCst);
+                return link.close();
+            }
             Some(_) => {}
         }
         if let Some(start) = commits.into_iter().find(|_| shared.loses(side)) {
