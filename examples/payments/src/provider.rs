@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+use idem_client::IdempotentRetry;
+use idem_client::reqwest_middleware::{self, ClientBuilder, ClientWithMiddleware};
+use idem_core::retry::RetryPolicy;
 use idem_core::{IdempotencyKey, Scope};
 use serde::Serialize;
 
@@ -31,6 +34,14 @@ const FORWARDED_KEY_CONTEXT: &[u8] = b"payments provider key v1\n";
 ///   record is released and a retry calls the provider again. The URL is
 ///   called directly (no proxy), over plain HTTP.
 ///
+/// The call goes through [`idem_client::IdempotentRetry`] with no retries of
+/// its own: the contract answers the charge `502` on the provider's first
+/// failure (docs/contract.md §8), so the retry is the charge's, by its client,
+/// with the same forwarded key. What the middleware brings is the deadline
+/// ([`PROVIDER_TIMEOUT`] bounds the call, not each read), its attempt span
+/// and its metrics (`idem_client_attempts_total`), and one place to turn on
+/// retries should a provider's contract allow them.
+///
 /// In transactional mode (PostgreSQL) the call happens inside the request's
 /// transaction, after the claim: see [`TransactionalPgStore`]'s slow handlers
 /// for why a provider slower than the lease is still called once.
@@ -57,7 +68,7 @@ enum Backend {
     },
     Http {
         payments: String,
-        client: reqwest::Client,
+        client: ClientWithMiddleware,
     },
 }
 
@@ -66,7 +77,7 @@ enum Backend {
 pub enum ProviderError {
     /// No answer: refused, broken, or past [`PROVIDER_TIMEOUT`].
     #[error("the payment provider did not answer")]
-    Unreachable(#[source] reqwest::Error),
+    Unreachable(#[source] reqwest_middleware::Error),
     /// An answer other than `2xx`.
     #[error("the payment provider answered {0}")]
     Declined(u16),
@@ -99,11 +110,15 @@ impl Provider {
         if !url.starts_with("http://") {
             return Err(InvalidProviderUrl(url.to_owned()));
         }
-        let client = reqwest::Client::builder()
+        let http = reqwest::Client::builder()
             .no_proxy()
-            .timeout(PROVIDER_TIMEOUT)
             .build()
             .map_err(|_| InvalidProviderUrl(url.to_owned()))?;
+        let calls = IdempotentRetry::new()
+            .policy(RetryPolicy::default().max_retries(0))
+            .without_budget()
+            .deadline(PROVIDER_TIMEOUT);
+        let client = ClientBuilder::new(http).with(calls).build();
         Ok(Self {
             backend: Backend::Http {
                 payments: format!("{}/payments", url.trim_end_matches('/')),
