@@ -33,8 +33,14 @@
 //!   RabbitMQ node with idem-rabbitmq's `OutboxPublisher`; and the lag p99
 //!   from a charge's commit to its event's broker confirm under a fixed rate
 //!   of transactional charges.
-//! - **Memory**: bytes per record of the in-memory store; peak RSS of
-//!   payments-axum (`--store memory`) under a storm of charges.
+//! - **Memory**: bytes per record of the in-memory store; (section `rss`)
+//!   peak RSS of payments-axum (`--store memory`) under a flood of charges.
+//! - **Storm** ([`storm`], also `cargo xtask storm`): 100 clients whose
+//!   charges fail at once (the provider behind payments-axum down for 2 s),
+//!   retrying through idem-client by four strategies side by side: the
+//!   requests per 10 ms at the server, the time until every charge
+//!   succeeded, the clients' latency, charges applied twice; a terminal
+//!   chart, and an SVG (`target/bench/storm.svg`).
 //! - **Cleanup**: rows deleted per second with the database otherwise idle,
 //!   and the p99 of live requests while it sweeps under load against without
 //!   it.
@@ -69,6 +75,7 @@ mod process;
 mod redis;
 mod report;
 mod sqlite;
+mod storm;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -96,7 +103,14 @@ struct Settings {
     /// pgbench runs whole seconds.
     pgbench_seconds: u64,
     memory_records: usize,
-    storm: Duration,
+    /// How long the charges run whose peak RSS the rss section reads.
+    rss_load: Duration,
+    /// The retry storm (the storm section): clients failing at once.
+    storm_clients: usize,
+    /// How long the provider fails at the storm's start.
+    storm_outage: Duration,
+    /// The first retry's bound of the exponential strategies.
+    storm_base: Duration,
     cleanup_rows: u64,
     /// Rounds of interleaved runs pooled into each row.
     rounds: usize,
@@ -136,7 +150,10 @@ impl Settings {
             pg_record_counts: vec![10_000, 100_000, 1_000_000],
             pgbench_seconds: 2,
             memory_records: 1_000_000,
-            storm: Duration::from_secs(10),
+            rss_load: Duration::from_secs(10),
+            storm_clients: 100,
+            storm_outage: Duration::from_secs(2),
+            storm_base: Duration::from_secs(1),
             cleanup_rows: 1_000_000,
             rounds: 3,
             consumer_concurrencies: vec![1, 32],
@@ -163,7 +180,10 @@ impl Settings {
             pg_record_counts: Vec::new(),
             pgbench_seconds: 1,
             memory_records: 100_000,
-            storm: Duration::from_secs(2),
+            rss_load: Duration::from_secs(2),
+            storm_clients: 100,
+            storm_outage: Duration::from_secs(2),
+            storm_base: Duration::from_secs(1),
             cleanup_rows: 100_000,
             rounds: 1,
             consumer_concurrencies: vec![1, 32],
@@ -192,7 +212,10 @@ impl Settings {
             record_counts: vec![1_000],
             pg_concurrencies: vec![4],
             memory_records: 10_000,
-            storm: Duration::from_millis(500),
+            rss_load: Duration::from_millis(500),
+            storm_clients: 20,
+            storm_outage: Duration::from_millis(200),
+            storm_base: Duration::from_millis(100),
             cleanup_rows: 2_000,
             consumer_concurrencies: vec![1, 4],
             kafka_concurrencies: vec![1, 2],
@@ -281,11 +304,12 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 12] = [
+    let sections: [(&str, Section); 13] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
-        ("storm", memory::storm),
+        ("rss", memory::rss),
+        ("storm", storm::storm),
         ("postgres", postgres::postgres),
         ("sqlite", sqlite::sqlite),
         ("redis", redis::redis),

@@ -11,9 +11,11 @@
 //!
 //! What is retried, when, and how often is [`idem_core::retry::RetryPolicy`]'s
 //! decision: no answer at all (a refused, broken or timed-out connection),
-//! `409` (in progress), `429` and `503` (`Retry-After` honoured, capped),
-//! `502` and `504`; never a `422` (the key was reused with another body: a
-//! bug to report) nor any other `4xx` or `500`. Backoff has full jitter. A
+//! `409` (in progress), `429` and `503`, `502` and `504`; never a `422` (the
+//! key was reused with another body: a bug to report) nor any other `4xx`
+//! or `500`. Backoff has full jitter, after the answer's `Retry-After`
+//! (capped) when it has one: clients told the same time do not come back in
+//! the same instant. A
 //! per-request deadline bounds the whole exchange, and a **retry budget**
 //! shared by every request through one middleware ([`tower`]'s
 //! [`TpsBudget`]: retries at most a share of the first attempts of the last

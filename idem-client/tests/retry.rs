@@ -199,7 +199,7 @@ async fn in_progress_is_waited_out_and_the_first_answer_replayed() {
     assert_eq!(answer.status(), StatusCode::CREATED);
     assert!(replayed(&answer));
     // A 409 with `Retry-After: 1` (the layer's in-progress answer), then,
-    // the first done by then, its replay.
+    // 1.2 s later, the first done by then, its replay.
     assert_eq!(attempts(&answer).map(|a| a.sent), Some(2));
     assert_eq!(answer.text().await.unwrap(), "charge 1");
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
@@ -258,7 +258,11 @@ async fn the_budget_stops_a_storm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_is_honoured_within_the_deadline() {
     let (addr, seen) = server().await;
-    let client = client(IdempotentRetry::new().deadline(Duration::from_millis(1_500)));
+    let client = client(
+        IdempotentRetry::new()
+            .policy(fixed(200))
+            .deadline(Duration::from_secs(2)),
+    );
     let started = std::time::Instant::now();
     let answer = client
         .post(format!("http://{addr}/unavailable"))
@@ -267,10 +271,11 @@ async fn retry_after_is_honoured_within_the_deadline() {
         .send()
         .await
         .unwrap();
-    // At 0 s, then after the asked 1 s; a third would start past 1.5 s.
+    // At 0 s, then after the asked 1 s and the backoff's 200 ms; a third
+    // would start past 2 s (1.2 + 1 + 0.2).
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(attempts(&answer).map(|a| a.sent), Some(2));
-    assert!(started.elapsed() >= Duration::from_secs(1));
+    assert!(started.elapsed() >= Duration::from_millis(1_200));
     let hits = seen.unavailable.lock().unwrap().clone();
     assert_eq!(hits.values().copied().collect::<Vec<_>>(), vec![2]);
 }

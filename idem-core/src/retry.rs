@@ -169,10 +169,14 @@ pub enum Decision {
 /// `504` (a gateway lost the server). Never retried: every other answer —
 /// a `2xx`, a `422` (the key was sent with another request: a bug to
 /// report, which a retry would only repeat), any other `4xx` (the request
-/// is wrong), a `500` (the server failed the request, and says so). Without
-/// a `Retry-After`, the delay is [`Backoff`]'s, full jitter by default; at
-/// most [`max_retries`] retries (Stripe's clients retry twice by default;
-/// the default here is 3).
+/// is wrong), a `500` (the server failed the request, and says so). The
+/// delay is [`Backoff`]'s, full jitter by default, after the answer's
+/// `Retry-After` when it has one: the server's time is a floor, and the
+/// jitter spreads the clients over the window after it. (Waiting exactly the
+/// `Retry-After` brings every client the server told "1 s" back in the same
+/// instant: `cargo xtask storm` measured it, 100 clients in 10 ms, whatever
+/// their own backoff.) At most [`max_retries`] retries (Stripe's clients
+/// retry twice by default; the default here is 3).
 ///
 /// [`retry_after_cap`]: RetryPolicy::retry_after_cap
 /// [`max_retries`]: RetryPolicy::max_retries
@@ -183,7 +187,8 @@ pub enum Decision {
 ///
 /// let policy = RetryPolicy::default();
 /// let busy = Attempt::Answered { status: 503, retry_after: Some(Duration::from_secs(2)) };
-/// assert_eq!(policy.decide(1, busy, 0.5), Decision::RetryAfter(Duration::from_secs(2)));
+/// // 2 s, then half of the first retry's 1 s window.
+/// assert_eq!(policy.decide(1, busy, 0.5), Decision::RetryAfter(Duration::from_millis(2_500)));
 /// let reused = Attempt::Answered { status: 422, retry_after: None };
 /// assert_eq!(policy.decide(1, reused, 0.5), Decision::Finish);
 /// assert_eq!(policy.decide(4, Attempt::NoAnswer, 0.5), Decision::Finish); // 3 retries done
@@ -254,7 +259,9 @@ impl RetryPolicy {
             Attempt::Answered {
                 retry_after: Some(after),
                 ..
-            } => Decision::RetryAfter(after.min(self.retry_after_cap)),
+            } => Decision::RetryAfter(
+                after.min(self.retry_after_cap) + self.backoff.delay_at(attempt, point),
+            ),
             Attempt::Answered { .. } | Attempt::NoAnswer => {
                 Decision::RetryAfter(self.backoff.delay_at(attempt, point))
             }
@@ -363,6 +370,24 @@ mod tests {
                 .max_retries(0)
                 .decide(1, Attempt::NoAnswer, 0.0),
             Decision::Finish
+        );
+    }
+
+    #[test]
+    fn clients_told_the_same_retry_after_come_back_spread_after_it() {
+        let policy = RetryPolicy::default();
+        let told = answered(503, Some(1));
+        let delays: Vec<_> = [0.0, 0.25, 1.0]
+            .map(|point| policy.decide(1, told, point))
+            .to_vec();
+        assert_eq!(
+            delays,
+            [1_000, 1_250, 2_000].map(|ms| Decision::RetryAfter(Duration::from_millis(ms)))
+        );
+        let unjittered = policy.backoff(Backoff::for_clients().jitter(Jitter::None));
+        assert_eq!(
+            unjittered.decide(1, told, 0.0),
+            Decision::RetryAfter(Duration::from_secs(2))
         );
     }
 

@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask ci | check | e2e | bench | demo`.
+//! Project tasks: `cargo xtask ci | check | e2e | bench | storm | demo`.
 //!
 //! A dispatcher, after rust-analyzer's xtask: `ci` runs the checks in the
 //! order that fails fastest; `check` the fast loop for a change; `e2e` and
@@ -35,6 +35,9 @@ tasks:
   demo    the experiment that motivates idem, against payments-axum
   e2e     both examples on every store as real processes, every scenario; a table
   kafka-broker  builds the Kafka-compatible broker the tests start (tansu, once)
+  storm   100 clients whose charges fail at once, retrying by four strategies
+          through idem-client: requests per 10 ms at payments-axum, a chart,
+          target/bench/storm.svg (bench --only storm; --dev: unoptimized)
 ";
 
 /// Set by `.ci/run`: this checkout is a clean clone whose every build goes
@@ -47,7 +50,7 @@ fn main() -> ExitCode {
     let rest = args.get(1..).unwrap_or_default();
     let task = args.first().map(String::as_str);
     let sources = match task {
-        Some("bench" | "check" | "ci" | "demo" | "e2e") => {
+        Some("bench" | "check" | "ci" | "demo" | "e2e" | "storm") => {
             let target = shell::use_cache_target();
             let restore = std::env::var_os(CLEAN_CHECKOUT).is_some_and(|v| v == "1");
             match freshness::sync(&target, restore) {
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
     };
     let result = match task {
         Some("bench") => bench(rest),
+        Some("storm") => storm(rest),
         Some("check") => check::run(rest),
         Some("ci") => ci::run(rest),
         Some("demo") => e2e("demo", rest),
@@ -146,6 +150,20 @@ fn bench(args: &[String]) -> Result<(), String> {
         &format!("cargo xtask bench {}", args.join(" ")),
         &mut runner("idem-bench", &args)?,
     )
+}
+
+/// `cargo xtask storm ARGS…`: the bench's section `storm` alone, its JSON
+/// in `target/bench/storm.json` (beside, not over, the whole bench's).
+fn storm(args: &[String]) -> Result<(), String> {
+    let out = shell::target_dir().join("bench/storm.json");
+    let mut all = vec![
+        "--only".to_owned(),
+        "storm".to_owned(),
+        "--out".to_owned(),
+        out.display().to_string(),
+    ];
+    all.extend_from_slice(args);
+    bench(&all)
 }
 
 /// Whether `line` is exactly `N passed, M failed`.

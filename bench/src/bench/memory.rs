@@ -1,5 +1,5 @@
 //! Memory: bytes per record of the in-memory store, and the example's peak
-//! resident set under a storm.
+//! resident set under a flood of charges.
 
 use std::process::Command;
 use std::time::Duration;
@@ -36,8 +36,8 @@ pub(super) fn memory(bench: &Bench, report: &mut Report) -> Result<(), String> {
     Ok(())
 }
 
-/// payments-axum on the in-memory store under a storm of charges.
-pub(super) fn storm(bench: &Bench, report: &mut Report) -> Result<(), String> {
+/// payments-axum on the in-memory store under a flood of charges.
+pub(super) fn rss(bench: &Bench, report: &mut Report) -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("idem-bench-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut command = Command::new(&bench.binaries.payments);
@@ -65,7 +65,7 @@ pub(super) fn storm(bench: &Bench, report: &mut Report) -> Result<(), String> {
             keys: Keys::Fresh(format!("s{}", uuid::Uuid::new_v4().simple())),
             concurrency: c,
             warmup: Duration::ZERO,
-            duration: bench.settings.storm,
+            duration: bench.settings.rss_load,
             expect: Expect::Success,
             cpu: None,
         };
@@ -75,14 +75,14 @@ pub(super) fn storm(bench: &Bench, report: &mut Report) -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&dir);
     let (idle, peak, measured) = outcome?;
     report.rows.push(Row::from_load(
-        "storm",
+        "rss",
         "payments-axum charges, a new key each",
         c,
         &measured,
     ));
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
     report.figures.push(Figure {
-        section: "storm",
+        section: "rss",
         what: format!(
             "payments-axum --store memory, peak RSS after {} charges",
             thousands(measured.requests)
@@ -90,9 +90,9 @@ pub(super) fn storm(bench: &Bench, report: &mut Report) -> Result<(), String> {
         value: peak.map(mib),
         unit: "MiB",
         note: format!(
-            "{} MiB before the storm; {c} clients, {:.0} s; the ledger grows too",
+            "{} MiB before the charges; {c} clients, {:.0} s; the ledger grows too",
             idle.map_or("?".to_owned(), |bytes| format!("{:.1}", mib(bytes))),
-            bench.settings.storm.as_secs_f64()
+            bench.settings.rss_load.as_secs_f64()
         ),
     });
     Ok(())

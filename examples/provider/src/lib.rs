@@ -7,7 +7,7 @@
 //! gives up waiting still made the call, as with a real provider.
 //!
 //! ```
-//! use std::time::Duration;
+//! use std::time::{Duration, Instant};
 //! use payments_provider::Provider;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -57,6 +57,8 @@ struct State {
     delay: Duration,
     status: u16,
     calls: Vec<Call>,
+    /// When each of `calls` arrived.
+    arrived: Vec<Instant>,
 }
 
 impl Provider {
@@ -68,6 +70,7 @@ impl Provider {
             delay: Duration::ZERO,
             status: 200,
             calls: Vec::new(),
+            arrived: Vec::new(),
         }));
         let server = tokio::spawn(serve(listener, Arc::clone(&state)));
         Ok(Self {
@@ -116,6 +119,17 @@ impl Provider {
         self.state().calls.clone()
     }
 
+    /// When each call so far arrived (its request read whole), with its
+    /// `Idempotency-Key` (`""` for a call without one), in arrival order.
+    pub fn arrivals(&self) -> Vec<(Instant, String)> {
+        let state = self.state();
+        let keys = state
+            .calls
+            .iter()
+            .map(|call| call.idempotency_key.clone().unwrap_or_default());
+        state.arrived.iter().copied().zip(keys).collect()
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -142,6 +156,7 @@ async fn answer(stream: TcpStream, state: Arc<Mutex<State>>) {
     let (delay, status) = {
         let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
         state.calls.push(call);
+        state.arrived.push(Instant::now());
         (state.delay, state.status)
     };
     tokio::time::sleep(delay).await;
