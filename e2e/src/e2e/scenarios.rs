@@ -12,6 +12,7 @@ use super::site::{Deployment, StoreKind};
 
 mod answers;
 mod cleanup;
+mod client;
 mod in_flight;
 mod outage;
 mod restarts;
@@ -173,6 +174,25 @@ pub(crate) const CATALOG: &[Scenario] = &[
         long: false,
         readiness: Readiness::NeedsFlags(cleanup::FLAGS),
         run: |d| cleanup::run(d).boxed(),
+    },
+    Scenario {
+        name: "client",
+        checks: client::CHECKS,
+        stores: EVERY_STORE,
+        room: Room::Shared,
+        // On SQLite and PostgreSQL a charge outlasts the route's 10 s wait.
+        long: true,
+        readiness: Readiness::Built,
+        run: |d| client::run(d).boxed(),
+    },
+    Scenario {
+        name: "client-budget",
+        checks: &[client::BUDGET],
+        stores: POSTGRES,
+        room: Room::Shared,
+        long: false,
+        readiness: Readiness::Built,
+        run: |d| client::budget(d).boxed(),
     },
 ];
 

@@ -197,9 +197,29 @@ impl Site {
         flags: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Instance, Failure> {
+        self.launch(&self.url, flags, env).await
+    }
+
+    /// This site's store, as `--store` names it (e.g. `postgres://…`).
+    pub(crate) fn store_url(&self) -> &str {
+        &self.url
+    }
+
+    /// [`start`](Self::start) with `--store store` instead of the site's own
+    /// URL: the same store reached another way (through a fault proxy).
+    pub(crate) async fn start_on(&self, store: &str, flags: &[&str]) -> Result<Instance, Failure> {
+        self.launch(store, flags, &[]).await
+    }
+
+    async fn launch(
+        &self,
+        store: &str,
+        flags: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Instance, Failure> {
         let n = self.servers.fetch_add(1, Ordering::Relaxed) + 1;
         let log = self.dir.join(format!("server-{n}.log"));
-        let mut args = vec!["--store".to_owned(), self.url.clone()];
+        let mut args = vec!["--store".to_owned(), store.to_owned()];
         args.extend(flags.iter().map(|f| (*f).to_owned()));
         let (binary, dir) = (self.binary.clone(), self.dir.clone());
         let env: Vec<(String, String)> = env
@@ -220,7 +240,7 @@ impl Site {
                 format!(
                     "{}\nflags: --store {} {}\nstderr: {}",
                     failure.details,
-                    self.url,
+                    store,
                     flags.join(" "),
                     log_tail(&log)
                 ),
@@ -292,6 +312,11 @@ impl Site {
 }
 
 impl Instance {
+    /// Where the server listens: `http://127.0.0.1:PORT`.
+    pub(crate) fn base(&self) -> &str {
+        &self.server.base
+    }
+
     /// Kills the process at once (SIGKILL), as a crash would.
     pub(crate) fn kill(self) {
         drop(self.server);
