@@ -9,10 +9,12 @@
 //! key, are released at one instant and keep their charge going until it
 //! succeeds: one idem-client exchange (up to 1,000 retries by the strategy's
 //! policy), and should that end unsuccessful (only a budget's refusal does),
-//! another with the same key after the strategy's backoff. Every attempt
-//! reaches the charge's handler once (no two attempts of one key overlap),
-//! and every handler calls the provider once, so the provider's arrivals are
-//! the server's requests, timed in one clock with the clients.
+//! another with the same key after the strategy's backoff. Each attempt is
+//! stamped as it leaves its client (a middleware inside the retries; on
+//! loopback, its arrival at the server), and counted again where the server
+//! serves it: every attempt reaches the charge's handler once (no two
+//! attempts of one key overlap), and every handler calls the provider once,
+//! so the provider's arrivals are the requests served, in the same clock.
 //!
 //! The strategies, side by side in one run: immediate retry; exponential
 //! backoff without jitter (first retry after 1 s, doubling, capped at 30 s:
@@ -30,10 +32,13 @@
 use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use idem_client::reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
+use http::Extensions;
+use idem_client::reqwest_middleware::{
+    self, ClientBuilder, ClientWithMiddleware, Middleware, Next,
+};
 use idem_client::{IdempotentRetry, attempts};
 use idem_core::retry::{Backoff, Jitter, RetryPolicy};
 use idem_testkit::shell::target_dir;
@@ -109,13 +114,16 @@ impl Strategy {
     }
 }
 
-/// What one strategy's storm measured.
+/// What one strategy's storm measured, in times since the clients' release.
 struct Storm {
     strategy: Strategy,
-    /// Every request at the server, since the clients' release.
+    /// Every attempt as it reached the server: stamped as it left its
+    /// client, over loopback.
     arrivals: Vec<Duration>,
     /// The same, the first attempt of each charge left out.
     retries: Vec<Duration>,
+    /// Every request as the server served it: its provider call's arrival.
+    served: Vec<Duration>,
     /// Each client's time until its charge succeeded, sorted.
     latencies: Vec<Duration>,
     /// Attempts as the clients counted them.
@@ -206,9 +214,15 @@ pub(super) fn storm(bench: &Bench, report: &mut Report) -> Result<(), String> {
             Storm::peak(&storm.retries) as f64,
             "",
             format!(
-                "retries only: the {clients} first attempts arrive together in every strategy (their peak {})",
+                "retries reaching the server; with the {clients} first attempts, sent together in every strategy: {}",
                 Storm::peak(&storm.arrivals)
             ),
+        ));
+        report.figures.push(figure(
+            "peak requests served per 10 ms",
+            Storm::peak(&storm.served) as f64,
+            "",
+            "charges whose provider call began: the server's pace, whatever came".to_owned(),
         ));
         report.figures.push(figure(
             "time until every charge succeeded",
@@ -217,8 +231,9 @@ pub(super) fn storm(bench: &Bench, report: &mut Report) -> Result<(), String> {
                 .last()
                 .copied()
                 .unwrap_or_default()
-                .as_secs_f64(),
-            "s",
+                .as_secs_f64()
+                * 1e3,
+            "ms",
             format!("{clients} clients; the provider failed for {outage:.1} s"),
         ));
         report.figures.push(figure(
@@ -235,9 +250,12 @@ pub(super) fn storm(bench: &Bench, report: &mut Report) -> Result<(), String> {
         ));
         report.figures.push(figure(
             "requests in all",
-            storm.arrivals.len() as f64,
+            storm.served.len() as f64,
             "",
-            format!("at the server; the clients counted {} attempts", storm.sent),
+            format!(
+                "at the server; the clients counted {} attempts",
+                super::report::thousands(storm.sent)
+            ),
         ));
         report.figures.push(figure(
             "charges applied twice",
@@ -287,8 +305,10 @@ impl Run {
             .no_proxy()
             .build()
             .map_err(|e| e.to_string())?;
+        let stamps = Stamps::default();
         let client = ClientBuilder::new(http)
             .with(self.strategy.middleware(self.first_retry))
+            .with(stamps.clone())
             .build();
         let run = &uuid::Uuid::new_v4().simple().to_string()[..8];
         provider.answer_with(503);
@@ -333,13 +353,18 @@ impl Run {
         latencies.sort();
         let mut seen = HashSet::new();
         let (mut arrivals, mut retries) = (Vec::new(), Vec::new());
-        for (at, key) in provider.arrivals() {
+        for (at, key) in stamps.taken() {
             let since = at.saturating_duration_since(started);
             arrivals.push(since);
             if !seen.insert(key) {
                 retries.push(since);
             }
         }
+        let served = provider
+            .arrivals()
+            .into_iter()
+            .map(|(at, _key)| at.saturating_duration_since(started))
+            .collect();
         let mut twice = 0;
         for i in 0..self.clients {
             let url = format!("{}/accounts/storm-{run}-{i}", self.base);
@@ -362,10 +387,44 @@ impl Run {
             strategy: self.strategy,
             arrivals,
             retries,
+            served,
             latencies,
             sent,
             twice,
         })
+    }
+}
+
+/// When each attempt left its client, with its key: a middleware inside
+/// the retries, so that it sees every attempt.
+#[derive(Clone, Default)]
+struct Stamps(Arc<Mutex<Vec<(Instant, String)>>>);
+
+impl Stamps {
+    fn taken(&self) -> Vec<(Instant, String)> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for Stamps {
+    async fn handle(
+        &self,
+        request: reqwest::Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        let key = request
+            .headers()
+            .get("idempotency-key")
+            .and_then(|key| key.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((Instant::now(), key));
+        next.run(request, extensions).await
     }
 }
 
@@ -455,7 +514,7 @@ fn chart(storms: &[Storm]) -> String {
 /// The same histograms as an SVG: a panel per strategy on one time axis,
 /// each bar one 10 ms bin, each panel on its own scale (its peak written).
 fn drawing(storms: &[Storm], clients: usize, outage: Duration) -> String {
-    let (left, width, panel, gap) = (190.0, 760.0, 110.0, 30.0);
+    let (left, width, panel, gap) = (210.0, 740.0, 110.0, 30.0);
     let longest = storms
         .iter()
         .map(|storm| bins(&storm.arrivals).len())
@@ -467,7 +526,7 @@ fn drawing(storms: &[Storm], clients: usize, outage: Duration) -> String {
     let mut svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{height}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-<text x="10" y="20" font-size="14">{clients} clients fail at once (the provider down {outage:.1} s): requests per 10 ms at payments-axum</text>
+<text x="10" y="20" font-size="14">{clients} clients fail at once (the provider down {outage:.1} s): requests per 10 ms at payments-axum (red: the provider down; each panel its own scale)</text>
 "##,
         w = left + width + 20.0,
         outage = outage.as_secs_f64(),
@@ -479,12 +538,14 @@ fn drawing(storms: &[Storm], clients: usize, outage: Duration) -> String {
         let peak = counts.iter().copied().max().unwrap_or(0).max(1);
         let _ = writeln!(
             svg,
-            r##"<text x="10" y="{y}">{name}</text><text x="10" y="{y2}" fill="#555">peak {peak}, retries' {retries}; {total} requests</text>"##,
-            y = top + panel / 2.0,
-            y2 = top + panel / 2.0 + 16.0,
+            r##"<text x="10" y="{y}" font-weight="bold">{name}</text><text x="10" y="{y2}" fill="#555" font-size="11">peak {peak} per 10 ms</text><text x="10" y="{y3}" fill="#555" font-size="11">retries' peak {retries}</text><text x="10" y="{y4}" fill="#555" font-size="11">{total} requests</text>"##,
+            y = top + panel / 2.0 - 16.0,
+            y2 = top + panel / 2.0 + 2.0,
+            y3 = top + panel / 2.0 + 17.0,
+            y4 = top + panel / 2.0 + 32.0,
             name = storm.strategy.name(),
             retries = Storm::peak(&storm.retries),
-            total = storm.arrivals.len(),
+            total = super::report::thousands(storm.arrivals.len() as u64),
         );
         let _ = writeln!(
             svg,
