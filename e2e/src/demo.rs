@@ -166,7 +166,9 @@ async fn broker_experiment(
     ])
 }
 
-/// The retry policy's reason to exist, simulated: 100 clients failing together.
+/// The retry policy's reason to exist, as a model (computed from the backoff's
+/// schedule, no server): 100 clients failing together. `cargo xtask storm`
+/// measures the same against payments-axum.
 fn retry_storm() -> Row {
     use idem_core::retry::{Backoff, Jitter, simulate_storm};
     let outage = std::time::Duration::from_secs(1);
@@ -178,7 +180,7 @@ fn retry_storm() -> Row {
     );
     let jittered = simulate_storm(Backoff::for_consumers(), 100, outage, 1);
     Row {
-        experiment: "100 clients fail together, then retry",
+        experiment: "100 clients fail together, then retry (a model; measured: cargo xtask storm)",
         expected: "a flat retry load".into(),
         observed: format!(
             "peak retries per 100 ms: {} without jitter, {} with full jitter ({:.0}x lower)",

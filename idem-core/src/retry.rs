@@ -282,7 +282,8 @@ pub struct Storm {
 /// Simulates `clients` that all fail at instant 0 against a server that is back
 /// after `outage`: each retries by `backoff` until a retry lands after the outage.
 /// Deterministic for a given `seed`. (Feature `test-util`: the demo's and the
-/// tests' simulation, not part of the library.)
+/// tests' model, not part of the library; `cargo xtask storm` measures the
+/// same storm against a real server.)
 #[cfg(any(test, feature = "test-util"))]
 pub fn simulate_storm(backoff: Backoff, clients: usize, outage: Duration, seed: u64) -> Storm {
     let mut rng = StdRng::seed_from_u64(seed);
