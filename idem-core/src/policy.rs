@@ -29,7 +29,7 @@ pub const KEYED_METHODS: &[&str] = &["POST", "PATCH"];
 ///     .retention(Duration::from_secs(3600))
 ///     .in_progress(InProgress::Wait { up_to: Duration::from_secs(5) });
 /// assert_eq!(policy.get_lease(), Duration::from_secs(10));
-/// assert_eq!(policy.get_key_requirement(), KeyRequirement::Required);
+/// assert_eq!(policy.key_requirement(), KeyRequirement::Required);
 /// assert!(policy.covers("POST"));
 /// assert!(!policy.covers("GET"));
 /// ```
@@ -53,7 +53,7 @@ pub struct Policy {
 
 /// Whether a request without a key is refused or passed through: chosen by
 /// [`Policy::required`] or [`Policy::optional`], read by
-/// [`Policy::get_key_requirement`].
+/// [`Policy::key_requirement`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeyRequirement {
     /// Missing key: `400 missing-key`.
@@ -349,7 +349,7 @@ impl Policy {
 
     /// Whether keys are required ([`Policy::required`]) or optional
     /// ([`Policy::optional`]).
-    pub fn get_key_requirement(&self) -> KeyRequirement {
+    pub fn key_requirement(&self) -> KeyRequirement {
         self.key_requirement
     }
 

@@ -85,12 +85,12 @@ impl Backoff {
     }
 
     /// The bound of the first retry's delay.
-    pub fn get_base(&self) -> Duration {
+    pub fn base(&self) -> Duration {
         self.base
     }
 
     /// The bound of every delay.
-    pub fn get_cap(&self) -> Duration {
+    pub fn cap(&self) -> Duration {
         self.cap
     }
 

@@ -22,8 +22,8 @@ pub const TRANSACTIONAL_WAIT: Duration = Duration::from_secs(10);
 ///
 /// let guards = Guards::plain(Arc::new(idem_core::MemoryStore::new()));
 /// assert!(!guards.charges.is_transactional());
-/// assert_eq!(guards.charges.policy().get_key_requirement(), KeyRequirement::Required);
-/// assert_eq!(guards.deposits.policy().get_key_requirement(), KeyRequirement::Optional);
+/// assert_eq!(guards.charges.policy().key_requirement(), KeyRequirement::Required);
+/// assert_eq!(guards.deposits.policy().key_requirement(), KeyRequirement::Optional);
 /// ```
 #[derive(Clone, Debug)]
 pub struct Guards {

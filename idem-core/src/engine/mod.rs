@@ -181,7 +181,7 @@ impl Engine {
         if !handed.is_some_and(|handed| handed.is::<T>()) {
             return Err(NotHanded { expected, handed });
         }
-        if policy.get_key_requirement() != KeyRequirement::Required {
+        if policy.key_requirement() != KeyRequirement::Required {
             return Err(OptionalKeys { expected });
         }
         if policy.get_on_store_failure() != OnStoreFailure::FailClosed {

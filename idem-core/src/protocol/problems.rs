@@ -24,7 +24,7 @@ impl Engine {
         }
         match IdempotencyKey::from_fields(key_fields) {
             Ok(Some(key)) => Ok(Some(key)),
-            Ok(None) => match policy.get_key_requirement() {
+            Ok(None) => match policy.key_requirement() {
                 KeyRequirement::Optional => Ok(None),
                 KeyRequirement::Required => {
                     tracing::debug!(target: "idem", outcome = "rejected", reason = "missing-key");
