@@ -201,7 +201,7 @@ pub(crate) fn drain(options: DrainOptions) -> Result<(), BoxError> {
         stage(&outbox, &common.queue, options.events).await?;
         let mut window = Window::new(port_of(&common.database));
         window.start();
-        let relay = outbox.relay(Shared(Arc::clone(&publisher)));
+        let relay = outbox.relay(Shared(Arc::clone(&publisher)))?;
         let drained = async {
             publisher.reached(options.events).await;
             // The last batch is marked sent after its confirms.
@@ -261,7 +261,7 @@ pub(crate) fn lag(options: LagOptions) -> Result<(), BoxError> {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let relay = tokio::spawn(
             outbox
-                .relay(Shared(Arc::clone(&publisher)))
+                .relay(Shared(Arc::clone(&publisher)))?
                 .run(async move { drop(stopped.await) }),
         );
         let committed = Arc::new(Mutex::new(Vec::<(uuid::Uuid, Instant)>::new()));

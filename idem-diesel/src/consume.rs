@@ -49,18 +49,7 @@ pub(crate) const INBOX_TABLES: [&str; 3] =
 /// tables (none: the table does not exist), in [`INBOX_SCHEMA`]'s order, are
 /// what the inbox's statements need.
 pub(crate) fn check_inbox_columns(found: &[Vec<ColumnRow>]) -> Result<(), SetupError> {
-    let mut missing = Vec::new();
-    for ((table, columns), found) in INBOX_SCHEMA.iter().zip(found) {
-        if found.is_empty() {
-            missing.push((*table).to_owned());
-            continue;
-        }
-        for column in columns.iter() {
-            if !found.iter().any(|row| row.name == *column) {
-                missing.push(format!("{table}.{column}"));
-            }
-        }
-    }
+    let missing = crate::table::missing_columns(&INBOX_SCHEMA, found);
     if missing.is_empty() {
         Ok(())
     } else {

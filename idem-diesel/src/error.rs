@@ -60,6 +60,19 @@ pub enum SetupError {
         /// table's column (`idem_consumer_failures.last_attempt_at`).
         missing: Vec<String>,
     },
+    /// The outbox's table is missing, or lacks columns this version of
+    /// idem-diesel uses: nothing migrated this database for the outbox yet,
+    /// or an older version did.
+    #[error(
+        "the outbox's table is missing or older than this library (it lacks {}): \
+         run outbox.migrate() at start-up",
+        .missing.join(", ")
+    )]
+    OutboxSchema {
+        /// What the database lacks: the table (`idem_outbox`) or one of its
+        /// columns (`idem_outbox.parked_at`).
+        missing: Vec<String>,
+    },
     /// The table's columns could not be read.
     #[error("could not read the columns of the idempotency table {table}")]
     SchemaCheck {

@@ -30,6 +30,39 @@ pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60)
 /// The outbox's table.
 pub(crate) const OUTBOX_TABLE: &str = "idem_outbox";
 
+/// The outbox's table with the columns both backends' statements use: what
+/// `check_schema` verifies.
+pub(crate) const OUTBOX_SCHEMA: [(&str, &[&str]); 1] = [(
+    OUTBOX_TABLE,
+    &[
+        "position",
+        "id",
+        "destination",
+        "key",
+        "payload",
+        "headers",
+        "staged_at",
+        "attempts",
+        "next_attempt_at",
+        "sent_at",
+        "parked_at",
+        "reason",
+    ],
+)];
+
+/// Whether the columns the database described for the outbox's table (none:
+/// it does not exist) are what the outbox's statements need.
+pub(crate) fn check_outbox_columns(
+    found: &[Vec<crate::table::ColumnRow>],
+) -> Result<(), crate::SetupError> {
+    let missing = crate::table::missing_columns(&OUTBOX_SCHEMA, found);
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(crate::SetupError::OutboxSchema { missing })
+    }
+}
+
 /// Events staged in the caller's database transaction, published by a
 /// [`Relay`] once committed: on PostgreSQL ([`PgOutbox`](crate::PgOutbox))
 /// or SQLite ([`SqliteOutbox`](crate::SqliteOutbox)).
@@ -53,6 +86,9 @@ pub(crate) struct Inner<B: Backend> {
     /// Wakes this process's relay (SQLite: at each stage).
     pub(crate) wake: Arc<Notify>,
     pub(crate) staged: AtomicU64,
+    /// Passed by `migrate`, `check_schema` or the builder's
+    /// `skip_schema_check`: what `relay` asks first.
+    pub(crate) schema_gate: crate::table::SchemaGate,
 }
 
 /// The database an [`Outbox`] is on: [`Postgres`] or [`Sqlite`]. Sealed.
@@ -86,6 +122,7 @@ pub struct OutboxBuilder<B: Backend> {
     pub(crate) connection_timeout: Duration,
     pub(crate) busy_timeout: Duration,
     pub(crate) notify: bool,
+    pub(crate) skip_schema_check: bool,
     backend: PhantomData<fn() -> B>,
 }
 
@@ -225,6 +262,7 @@ impl<B: Backend> Outbox<B> {
             connection_timeout: Duration::from_secs(3),
             busy_timeout: Duration::from_secs(5),
             notify: true,
+            skip_schema_check: false,
             backend: PhantomData,
         }
     }
@@ -234,6 +272,10 @@ impl<B: Backend> Outbox<B> {
         failures: Option<ConnectFailures>,
         builder: &OutboxBuilder<B>,
     ) -> Self {
+        let schema_gate = crate::table::SchemaGate::default();
+        if builder.skip_schema_check {
+            schema_gate.pass();
+        }
         Self {
             inner: Arc::new(Inner {
                 pool,
@@ -243,8 +285,17 @@ impl<B: Backend> Outbox<B> {
                 connection_timeout: builder.connection_timeout,
                 wake: Arc::new(Notify::new()),
                 staged: AtomicU64::new(0),
+                schema_gate,
             }),
         }
+    }
+
+    /// Whether `migrate` or `check_schema` passed in
+    /// this process (or the builder skipped the check): a relay starts only
+    /// then, so that a forgotten migration stops the start, naming the fix,
+    /// instead of leaving every event unsent.
+    pub(crate) fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
+        self.inner.schema_gate.outbox_readiness("OutboxBuilder")
     }
 
     /// The pool, for the application's own queries.
@@ -311,6 +362,14 @@ impl<B: Backend> OutboxBuilder<B> {
     /// Ignored by `build` and on PostgreSQL.
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
         self.busy_timeout = timeout;
+        self
+    }
+
+    /// Skips the schema check: a relay starts without `migrate` or
+    /// `check_schema` (when the table is
+    /// known to be there, and a check at start-up is not wanted).
+    pub fn skip_schema_check(mut self) -> Self {
+        self.skip_schema_check = true;
         self
     }
 

@@ -43,6 +43,27 @@ pub(crate) struct ColumnRow {
     pub(crate) name: String,
 }
 
+/// What `schema` (tables, each with the columns a backend's statements
+/// use) lacks in `found` (the columns the database described for each of
+/// its tables, in its order; none: the table does not exist): `table` for a
+/// missing table, `table.column` for a missing column.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn missing_columns(schema: &[(&str, &[&str])], found: &[Vec<ColumnRow>]) -> Vec<String> {
+    let mut missing = Vec::new();
+    for ((table, columns), found) in schema.iter().zip(found) {
+        if found.is_empty() {
+            missing.push((*table).to_owned());
+            continue;
+        }
+        for column in columns.iter() {
+            if !found.iter().any(|row| row.name == *column) {
+                missing.push(format!("{table}.{column}"));
+            }
+        }
+    }
+    missing
+}
+
 /// Whether a store's table was verified in this process (its `migrate` or
 /// `check_schema` succeeded), or its check explicitly skipped: what the store
 /// answers [`Store::readiness`](idem_core::Store::readiness) with, so a route
@@ -85,6 +106,20 @@ impl SchemaGate {
                  call `inbox.migrate().await` at start-up, or `inbox.check_schema().await` when the \
                  application's own migrations create them (`{builder}::skip_schema_check` opts out)",
                 crate::consume::INBOX_TABLES.join(", ")
+            )
+        })
+    }
+
+    /// An outbox's: ready once verified or skipped; otherwise the fix, named
+    /// for `builder`.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn outbox_readiness(&self, builder: &str) -> Result<(), idem_core::store::NotReady> {
+        self.verified_or(|| {
+            format!(
+                "the outbox's table ({}) was not verified before a relay started on it: \
+                 call `outbox.migrate().await` at start-up, or `outbox.check_schema().await` when \
+                 the application's own migrations create it (`{builder}::skip_schema_check` opts out)",
+                crate::outbox::OUTBOX_TABLE
             )
         })
     }

@@ -907,7 +907,7 @@ async fn outbox_to_consumer() -> Outcome {
     let running = inboxes.consume(&topic, &topic, Apply::default()).await;
     let publisher = idem_kafka::OutboxPublisher::connect(&broker.servers()).unwrap();
     let (stop_relay, relay_stopped) = oneshot::channel::<()>();
-    let relay = tokio::spawn(outbox.relay(publisher).run(async {
+    let relay = tokio::spawn(outbox.relay(publisher).expect("migrated").run(async {
         let _ = relay_stopped.await;
     }));
     eventually("every event applied", || async {

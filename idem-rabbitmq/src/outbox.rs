@@ -32,7 +32,7 @@ use crate::{Error, Publisher};
 /// let publisher = OutboxPublisher::connect("amqp://guest:guest@127.0.0.1:5672/%2f")
 ///     .await?
 ///     .max_message_size(1024 * 1024);
-/// // idem-diesel: `tokio::spawn(outbox.relay(publisher).run(shutdown));`
+/// // idem-diesel: `tokio::spawn(outbox.relay(publisher)?.run(shutdown));`
 /// # let _ = publisher;
 /// # Ok(())
 /// # }

@@ -1374,6 +1374,7 @@ async fn outbox_two_relays_on_postgres(case: Case) -> Outcome {
         relays.push(spawn_relay(
             outbox
                 .relay(publisher)
+                .expect("migrated")
                 .batch_size(8)
                 .poll_interval(Duration::from_millis(200)),
             &stop,
@@ -1462,6 +1463,7 @@ async fn outbox_a_relay_dropped_mid_batch(case: Case) -> Outcome {
     let crashed = tokio::spawn(
         outbox
             .relay(hanging)
+            .expect("migrated")
             .batch_size(20)
             .run(std::future::pending()),
     );
@@ -1485,7 +1487,7 @@ async fn outbox_a_relay_dropped_mid_batch(case: Case) -> Outcome {
 
     let (stop, _) = watch::channel(false);
     let publisher = OutboxPublisher::connect(&case.url).await.map_err(failed)?;
-    let relay = spawn_relay(outbox.relay(publisher), &stop);
+    let relay = spawn_relay(outbox.relay(publisher).expect("migrated"), &stop);
     operations(&ledger, 12, Duration::from_secs(60)).await?;
     until("the outbox drained", Duration::from_secs(30), || async {
         match outbox.backlog().await {
@@ -1531,7 +1533,7 @@ async fn outbox_an_event_the_broker_refuses_is_parked(case: Case) -> Outcome {
         staged.extend(after.iter().map(|(event, _)| event.clone()));
         stage_on_postgres(&outbox, &staged, true).await?;
         let publisher = OutboxPublisher::connect(&case.url).await.map_err(failed)?;
-        let relay = outbox.relay(publisher);
+        let relay = outbox.relay(publisher).expect("migrated");
         until("the outbox drained", Duration::from_secs(30), || async {
             let _ = relay.run_once().await;
             match outbox.backlog().await {
@@ -1591,7 +1593,7 @@ async fn outbox_a_full_queue_is_waited_out(case: Case) -> Outcome {
     let staged: Vec<Event> = events.iter().map(|(event, _)| event.clone()).collect();
     stage_on_postgres(&outbox, &staged, true).await?;
     let publisher = OutboxPublisher::connect(&case.url).await.map_err(failed)?;
-    let relay = outbox.relay(publisher);
+    let relay = outbox.relay(publisher).expect("migrated");
     let mut received: Vec<String> = Vec::new();
     let mut refused_while_full = false;
     let deadline = Instant::now() + Duration::from_secs(60);

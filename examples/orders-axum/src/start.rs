@@ -120,12 +120,12 @@ async fn publish(url: &str, destination: &str, pool: SqlitePool) -> Result<Publi
             .await;
         let _ = connection.close(200, "declared".into()).await;
         declared?;
-        tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
+        tokio::spawn(outbox.relay(publisher)?.run(std::future::pending()));
     } else if let Some(servers) = url.strip_prefix("kafka://") {
         let servers = servers.trim_end_matches('/');
         let publisher = idem::kafka::OutboxPublisher::connect(servers)?;
         idem::kafka::create_topic(servers, destination, 3).await?;
-        tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
+        tokio::spawn(outbox.relay(publisher)?.run(std::future::pending()));
     } else {
         return Err("--publish needs an amqp:// or a kafka:// URL".into());
     }

@@ -87,7 +87,7 @@ impl Publishing {
                     .await
                     .map_err(StartError::Publisher)?;
                 declare(url, destination).await?;
-                outbox.relay_with(publisher);
+                outbox.relay_with(publisher)?;
             }
             PublishUrl::Kafka(url) => {
                 let servers = url.trim_start_matches("kafka://").trim_end_matches('/');
@@ -96,7 +96,7 @@ impl Publishing {
                 idem_kafka::create_topic(servers, destination, TOPIC_PARTITIONS)
                     .await
                     .map_err(StartError::KafkaPublisher)?;
-                outbox.relay_with(publisher);
+                outbox.relay_with(publisher)?;
             }
         }
         tracing::info!(destination = %idem_core::log::bounded(destination), "publishing events through the outbox");
@@ -139,17 +139,20 @@ impl PublishingOutbox {
 
     /// Starts the relay, publishing with `publisher`, and the cleanup, on
     /// the current runtime.
-    fn relay_with(&self, publisher: impl idem_diesel::Publish) {
+    fn relay_with(&self, publisher: impl idem_diesel::Publish) -> Result<(), StartError> {
         match self {
             Self::Postgres(outbox) => {
-                tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
+                let relay = outbox.relay(publisher).map_err(StartError::Relay)?;
+                tokio::spawn(relay.run(std::future::pending()));
                 tokio::spawn(outbox.cleanup().run(std::future::pending()));
             }
             Self::Sqlite(outbox) => {
-                tokio::spawn(outbox.relay(publisher).run(std::future::pending()));
+                let relay = outbox.relay(publisher).map_err(StartError::Relay)?;
+                tokio::spawn(relay.run(std::future::pending()));
                 tokio::spawn(outbox.cleanup().run(std::future::pending()));
             }
         }
+        Ok(())
     }
 
     fn kind(&self) -> &'static str {

@@ -219,6 +219,9 @@ pub enum StartError {
     /// repeated: it may hold a password).
     #[error("unknown --publish URL: expected amqp://… or kafka://HOST:PORT")]
     UnknownPublishUrl,
+    /// The outbox's relay refused to start (its table unverified).
+    #[error("cannot start the outbox's relay")]
+    Relay(#[source] idem_core::store::NotReady),
     /// The outbox's table could not be created.
     #[error("cannot open the {kind} outbox")]
     Outbox {

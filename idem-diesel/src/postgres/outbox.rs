@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use idem_core::StoreError;
 use idem_core::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};
 use idem_core::outbox::{Event, Publish};
-use idem_core::store::{BoxError, StoreFuture};
+use idem_core::store::{BoxError, NotReady, StoreFuture};
 
 use super::consumer_inbox::ended;
 use super::statements::{
@@ -30,6 +30,7 @@ use crate::outbox::{
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{duration_micros, time_from_micros};
+use crate::table::ColumnRow;
 use crate::{SetupError, outbox};
 
 /// The outbox on PostgreSQL: [`Outbox`] over a [`PgPool`].
@@ -219,7 +220,33 @@ impl Outbox<Postgres> {
         tokio::task::spawn_blocking(move || run_migrations(connection, MIGRATIONS))
             .await
             .map_err(|e| failed(e.into()))?
-            .map_err(failed)
+            .map_err(failed)?;
+        self.inner.schema_gate.pass();
+        Ok(())
+    }
+
+    /// Checks that the outbox's table exists with every column this version
+    /// uses, so that a forgotten migration stops the relay's start, naming
+    /// the fix, instead of leaving every event unsent. [`migrate`](Self::migrate)
+    /// makes it pass; call it at start-up when your own migration tool
+    /// creates the table. It fails with [`SetupError::OutboxSchema`].
+    pub async fn check_schema(&self) -> Result<(), SetupError> {
+        let failed = |source: BoxError| SetupError::SchemaCheck {
+            table: OUTBOX_TABLE.to_owned(),
+            source,
+        };
+        let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
+        let columns = diesel::sql_query(
+            "SELECT attname::text AS name FROM pg_attribute \
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+        )
+        .bind::<Text, _>(OUTBOX_TABLE)
+        .load::<ColumnRow>(&mut *connection)
+        .await
+        .map_err(|e| failed(e.into()))?;
+        outbox::check_outbox_columns(&[columns])?;
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// Stages `event` in the transaction open on `connection`: one statement,
@@ -252,9 +279,12 @@ impl Outbox<Postgres> {
 
     /// A relay that publishes this outbox's events with `publisher`. Several
     /// may run at once, in one process or many: each event is taken by one
-    /// of them at a time.
-    pub fn relay<P: Publish>(&self, publisher: P) -> Relay<P> {
-        Relay::new(
+    /// of them at a time. Refused until [`migrate`](Self::migrate) or
+    /// [`check_schema`](Self::check_schema) passed in this process (or the
+    /// builder's `skip_schema_check`): the error names the fix.
+    pub fn relay<P: Publish>(&self, publisher: P) -> Result<Relay<P>, NotReady> {
+        self.readiness()?;
+        Ok(Relay::new(
             Arc::new(PgSource {
                 outbox: self.clone(),
                 take: Statement::new(true, TAKE.to_owned()),
@@ -262,7 +292,7 @@ impl Outbox<Postgres> {
                 commit: Arc::new(Statement::new(true, "COMMIT".to_owned())),
             }),
             publisher,
-        )
+        ))
     }
 
     /// What is waiting: unsent and parked events, and the age of the oldest

@@ -9,7 +9,7 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use idem_core::StoreError;
 use idem_core::cleanup::{Cleanup, ExpiredRows};
 use idem_core::outbox::{Event, Publish};
-use idem_core::store::{BoxError, StoreFuture};
+use idem_core::store::{BoxError, NotReady, StoreFuture};
 
 use super::statements::NOW;
 use super::{
@@ -23,6 +23,7 @@ use crate::outbox::{
 use crate::pool;
 use crate::prepared::PreparedExt;
 use crate::row::{duration_micros, time_from_micros};
+use crate::table::ColumnRow;
 
 /// The outbox on SQLite: [`Outbox`] over a [`SqlitePool`].
 pub type SqliteOutbox = Outbox<Sqlite>;
@@ -141,12 +142,36 @@ impl Outbox<Sqlite> {
             table: OUTBOX_TABLE.to_owned(),
             source,
         };
-        self.run(
-            |c| Ok(c.immediate_transaction(|c| c.run_pending_migrations(MIGRATIONS).map(drop))),
-        )
+        self.run(|c| {
+            Ok(c.immediate_transaction(|c| c.run_pending_migrations(MIGRATIONS).map(drop)))
+        })
         .await
         .map_err(|error| failed(error.into()))?
-        .map_err(failed)
+        .map_err(failed)?;
+        self.inner.schema_gate.pass();
+        Ok(())
+    }
+
+    /// Checks that the outbox's table exists with every column this version
+    /// uses, so that a forgotten migration stops the relay's start, naming
+    /// the fix, instead of leaving every event unsent. [`migrate`](Self::migrate)
+    /// makes it pass; call it at start-up when your own migration tool
+    /// creates the table. It fails with [`SetupError::OutboxSchema`].
+    pub async fn check_schema(&self) -> Result<(), SetupError> {
+        let columns = self
+            .run(|c| {
+                diesel::sql_query("SELECT name FROM pragma_table_info(?)")
+                    .bind::<Text, _>(OUTBOX_TABLE)
+                    .load::<ColumnRow>(c)
+            })
+            .await
+            .map_err(|e| SetupError::SchemaCheck {
+                table: OUTBOX_TABLE.to_owned(),
+                source: e.into(),
+            })?;
+        crate::outbox::check_outbox_columns(&[columns])?;
+        self.inner.schema_gate.pass();
+        Ok(())
     }
 
     /// Stages `event` in the transaction open on `connection` (an inbox
@@ -211,14 +236,18 @@ impl Outbox<Sqlite> {
     }
 
     /// The relay that publishes this outbox's events with `publisher`. Run
-    /// one per SQLite file: two would each publish every event.
-    pub fn relay<P: Publish>(&self, publisher: P) -> Relay<P> {
-        Relay::new(
+    /// one per SQLite file: two would each publish every event. Refused
+    /// until [`migrate`](Self::migrate) or
+    /// [`check_schema`](Self::check_schema) passed in this process (or the
+    /// builder's `skip_schema_check`): the error names the fix.
+    pub fn relay<P: Publish>(&self, publisher: P) -> Result<Relay<P>, NotReady> {
+        self.readiness()?;
+        Ok(Relay::new(
             Arc::new(SqliteSource {
                 outbox: self.clone(),
             }),
             publisher,
-        )
+        ))
     }
 
     /// What is waiting: unsent and parked events, and the age of the oldest

@@ -20,13 +20,22 @@ use idem_core::outbox::{Event, Publish, PublishError, PublishFuture};
 use idem_core::retry::Backoff;
 use idem_core::{Begin, Engine, Fingerprint, IdempotencyKey, Policy, Scope, StoredResponse};
 use idem_diesel::{
-    AsyncSqliteConnection, PgOutbox, PgTransaction, Relay, SqliteInbox, SqliteOutbox, SweepReport,
+    AsyncSqliteConnection, PgOutbox, PgTransaction, Relay, SetupError, SqliteInbox, SqliteOutbox,
+    SweepReport,
 };
 
 use crate::{Databases, TestFn};
 use idem_testkit::fault::{Fault, Proxy};
 
 pub(crate) const TESTS: &[(&str, TestFn)] = &[
+    (
+        "outbox::postgres_a_relay_starts_only_on_a_verified_table",
+        |d| Box::pin(a_relay_starts_only_on_a_verified_table(d, Kind::Postgres)),
+    ),
+    (
+        "outbox::sqlite_a_relay_starts_only_on_a_verified_table",
+        |d| Box::pin(a_relay_starts_only_on_a_verified_table(d, Kind::Sqlite)),
+    ),
     (
         "outbox::postgres_a_rolled_back_transaction_stages_nothing",
         |d| Box::pin(a_rolled_back_transaction_stages_nothing(d, Kind::Postgres)),
@@ -179,7 +188,9 @@ async fn postgres_a_stop_while_settling_on_a_silent_database(databases: Arc<Data
         unreachable!()
     };
     let published = Arc::new(AtomicUsize::new(0));
-    let relay = outbox.relay(Silencing(Arc::clone(&proxy), Arc::clone(&published)));
+    let relay = outbox
+        .relay(Silencing(Arc::clone(&proxy), Arc::clone(&published)))
+        .expect("migrated");
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(relay.run(async move {
         let mut stopped = stopped;
@@ -337,6 +348,7 @@ impl Db {
             Db::Sqlite(outbox) => outbox.relay(publisher),
         };
         relay
+            .expect("migrated")
             .poll_interval(Duration::from_millis(50))
             .backoff(Backoff::new(
                 Duration::from_millis(20),
@@ -727,6 +739,74 @@ async fn cleanup_deletes_sent_events_past_the_retention(databases: Arc<Databases
         (1, 1),
         "unsent and parked stay"
     );
+}
+
+/// A relay refuses to start on an outbox whose table nobody verified in
+/// this process, naming the fix; `check_schema` names a missing table, and
+/// passes once it is migrated; a second outbox on the migrated database
+/// starts after `check_schema`, a third with the builder's
+/// `skip_schema_check`.
+async fn a_relay_starts_only_on_a_verified_table(databases: Arc<Databases>, kind: Kind) {
+    async fn open(url: &str, kind: Kind, skip: bool) -> Db {
+        match kind {
+            Kind::Postgres => {
+                let builder = PgOutbox::builder();
+                let builder = if skip {
+                    builder.skip_schema_check()
+                } else {
+                    builder
+                };
+                Db::Postgres(builder.connect(url).await.expect("connect"))
+            }
+            Kind::Sqlite => {
+                let builder = SqliteOutbox::builder();
+                let builder = if skip {
+                    builder.skip_schema_check()
+                } else {
+                    builder
+                };
+                Db::Sqlite(builder.connect(url).await.expect("connect"))
+            }
+        }
+    }
+    async fn check(db: &Db) -> Result<(), SetupError> {
+        match db {
+            Db::Postgres(outbox) => outbox.check_schema().await,
+            Db::Sqlite(outbox) => outbox.check_schema().await,
+        }
+    }
+    fn relay(db: &Db) -> Result<(), String> {
+        let relay = match db {
+            Db::Postgres(outbox) => outbox.relay(Recorder::default()).map(drop),
+            Db::Sqlite(outbox) => outbox.relay(Recorder::default()).map(drop),
+        };
+        relay.map_err(|not_ready| not_ready.to_string())
+    }
+    let url = match kind {
+        Kind::Postgres => databases.fresh_postgres().await,
+        Kind::Sqlite => databases.fresh_sqlite_url(),
+    };
+    let db = open(&url, kind, false).await;
+    let refused = relay(&db).expect_err("not verified");
+    assert!(
+        refused.contains("idem_outbox") && refused.contains("outbox.migrate()"),
+        "{refused}"
+    );
+    match check(&db).await {
+        Err(SetupError::OutboxSchema { missing }) => assert_eq!(missing, ["idem_outbox"]),
+        other => panic!("a missing table: {other:?}"),
+    }
+    assert!(relay(&db).is_err(), "a failed check passes nothing");
+    match &db {
+        Db::Postgres(outbox) => outbox.migrate().await.expect("migrate"),
+        Db::Sqlite(outbox) => outbox.migrate().await.expect("migrate"),
+    }
+    assert_eq!(relay(&db), Ok(()));
+    let checked = open(&url, kind, false).await;
+    assert!(relay(&checked).is_err());
+    check(&checked).await.expect("the migrated table passes");
+    assert_eq!(relay(&checked), Ok(()));
+    assert_eq!(relay(&open(&url, kind, true).await), Ok(()));
 }
 
 /// A relay waiting with a long poll interval publishes a committed event
