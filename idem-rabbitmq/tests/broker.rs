@@ -26,6 +26,7 @@ use idem_rabbitmq::{
     Attempt, Backoff, Consumer, ConsumerPolicy, Error, Handler, HandlerError, HandlerFuture, Inbox,
     MemoryInbox, Message, Publisher, QueueType,
 };
+use idem_testkit::wait::until;
 use idem_testkit::{TestPostgres, TestRabbitMq};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
@@ -303,6 +304,7 @@ impl Case {
             }
         })
         .await
+        .map_err(Failed::from)
     }
 
     /// The queue's unacknowledged messages, as the broker counts them.
@@ -595,28 +597,6 @@ impl Running {
     }
 }
 
-/// Polls `check` until it answers `Ok`, for at most `limit`; fails with
-/// `what` and the last state it answered.
-async fn until<F, Fut>(what: impl Display, limit: Duration, mut check: F) -> Result<(), Failed>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    let started = Instant::now();
-    loop {
-        let last = match check().await {
-            Ok(()) => return Ok(()),
-            Err(state) => state,
-        };
-        if started.elapsed() > limit {
-            return Err(Failed::from(format!(
-                "waited {limit:?} for: {what}; last seen: {last}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
 fn ensure(condition: bool, why: impl Display) -> Result<(), Failed> {
     if condition {
         Ok(())
@@ -649,6 +629,7 @@ async fn operations(ledger: &Ledger, count: u64, limit: Duration) -> Result<(), 
         }
     })
     .await
+    .map_err(Failed::from)
 }
 
 // --- the cases ---

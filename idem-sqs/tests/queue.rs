@@ -21,6 +21,7 @@ use idem_sqs::{
     HandlerFuture, MemoryInbox, Outgoing, Publisher,
 };
 use idem_testkit::TestSqs;
+use idem_testkit::wait::until;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
@@ -279,6 +280,7 @@ impl Case {
             }
         })
         .await
+        .map_err(Failed::from)
     }
 }
 
@@ -422,27 +424,6 @@ fn policy(max_attempts: u32) -> ConsumerPolicy {
             Duration::from_secs(2),
         ))
         .unavailable_pause(Duration::from_millis(200))
-}
-
-/// Polls `probe` every 50 ms until it answers `Ok`, for at most `limit`.
-async fn until<F, Fut>(what: String, limit: Duration, mut probe: F) -> Result<(), Failed>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    let started = Instant::now();
-    loop {
-        let last = match probe().await {
-            Ok(()) => return Ok(()),
-            Err(last) => last,
-        };
-        if started.elapsed() > limit {
-            return Err(failed(format!(
-                "waited {limit:?} for: {what}; last seen: {last}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 fn check(condition: bool, what: impl FnOnce() -> String) -> Result<(), Failed> {

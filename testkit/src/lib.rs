@@ -52,6 +52,8 @@ pub mod rabbitmq;
 pub mod redis;
 pub mod shell;
 pub mod sqs;
+#[cfg(feature = "wait")]
+pub mod wait;
 
 use std::fmt;
 use std::path::PathBuf;
