@@ -30,6 +30,7 @@ pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60)
 /// The outbox's table.
 pub(crate) const OUTBOX_TABLE: &str = "idem_outbox";
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 /// The outbox's table with the columns both backends' statements use: what
 /// `check_schema` verifies.
 pub(crate) const OUTBOX_SCHEMA: [(&str, &[&str]); 1] = [(
@@ -50,6 +51,7 @@ pub(crate) const OUTBOX_SCHEMA: [(&str, &[&str]); 1] = [(
     ],
 )];
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 /// Whether the columns the database described for the outbox's table (none:
 /// it does not exist) are what the outbox's statements need.
 pub(crate) fn check_outbox_columns(
@@ -290,6 +292,7 @@ impl<B: Backend> Outbox<B> {
         }
     }
 
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     /// Whether `migrate` or `check_schema` passed in
     /// this process (or the builder skipped the check): a relay starts only
     /// then, so that a forgotten migration stops the start, naming the fix,
