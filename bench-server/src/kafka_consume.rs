@@ -30,7 +30,7 @@ use idem_kafka::rdkafka::Message as _;
 use idem_kafka::rdkafka::consumer::{Consumer as _, StreamConsumer};
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem_kafka::{ConsumerPolicy, Offsets};
+use idem_kafka::{ConsumerPolicy, Positions};
 use tokio::task::JoinSet;
 
 use crate::BoxError;
@@ -186,7 +186,7 @@ async fn idem<I>(
     window: &mut Window,
 ) -> Result<usize, BoxError>
 where
-    I: Offsets,
+    I: Positions,
     I::Tx: Ledger + Sized,
 {
     let progress = Progress::new(count);

@@ -12,6 +12,8 @@ mod error;
 mod metrics;
 mod outbox;
 mod pool;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod positions;
 mod prepared;
 mod row;
 mod table;

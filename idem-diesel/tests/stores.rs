@@ -118,6 +118,18 @@ fn main() -> ExitCode {
             ));
         }
     }
+    for case in idem_core::consume::conformance::positions::CASES {
+        for (inbox, run) in consumer_inbox::POSITIONS {
+            let run = *run;
+            trials.push(trial(
+                &runtime,
+                &databases,
+                format!("{inbox}::positions::{case}"),
+                false,
+                move |databases| run(databases, case),
+            ));
+        }
+    }
     for (name, test) in postgres::TESTS
         .iter()
         .chain(sqlite::TESTS)

@@ -1,5 +1,5 @@
 //! The consumer: a member of a consumer group whose positions live in the
-//! inbox's database.
+//! inbox ([`Positions`]: on a database inbox, in its database).
 //!
 //! # How it runs
 //!
@@ -47,7 +47,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak, mpsc as std_mpsc};
 use std::time::Duration;
 
-use idem_core::consume::{Acked, ConsumerPolicy, Decision, Handler, Letter, Protocol, held_wait};
+use idem_core::consume::{
+    Acked, Advance, ConsumerPolicy, Decision, Handler, Letter, Positions, Protocol, held_wait,
+};
 use idem_core::log::{bounded, error_chain};
 use idem_core::retry::Backoff;
 use rdkafka::ClientConfig;
@@ -64,7 +66,6 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::Error;
 use crate::fence::{Fenced, WithOffset};
-use crate::offsets::{Advance, Offsets};
 use crate::record::{dead_letter_headers, message_of};
 use crate::topics;
 
@@ -159,7 +160,7 @@ impl<I, H> ConsumerBuilder<I, H> {
         self
     }
 
-    /// The consumer's name in the inbox and in the offsets table (each
+    /// The consumer's name in the inbox and in its positions (each
     /// consumer of a record applies it once); the group by default.
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
@@ -209,9 +210,10 @@ impl<I, H> ConsumerBuilder<I, H> {
         self
     }
 
-    /// The inbox, whose database also keeps the positions: idem-diesel's
-    /// `PgInbox` or `SqliteInbox`.
-    pub fn inbox<J: Offsets>(self, inbox: J) -> ConsumerBuilder<J, H> {
+    /// The inbox, which also keeps the positions ([`Positions`]):
+    /// idem-diesel's `PgInbox` or `SqliteInbox` (the positions in its
+    /// database, in the handler's transaction), or idem-core's `MemoryInbox`.
+    pub fn inbox<J: Positions>(self, inbox: J) -> ConsumerBuilder<J, H> {
         ConsumerBuilder {
             servers: self.servers,
             topic: self.topic,
@@ -243,7 +245,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     }
 }
 
-impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I, H> {
+impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I, H> {
     /// The consumer.
     pub fn build(self) -> Consumer<I, H> {
         let group = self.group.unwrap_or_else(|| self.topic.clone());
@@ -263,17 +265,18 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I, H
     }
 }
 
-impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
+impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
     /// The dead-letter topic: `<topic>.dlq`.
     pub fn dead_letter_topic(&self) -> String {
         topics::dead_letter_topic(&self.topic)
     }
 
     /// Consumes until `stop` resolves; calls `subscribed` once, when the
-    /// group first assigned this member its partitions. Creates the offsets
-    /// table and the dead-letter topic if they are missing. On `stop`, the
-    /// records being applied finish (they commit or roll back), the broker's
-    /// offsets are committed, and the member leaves its group.
+    /// group first assigned this member its partitions. Creates where the
+    /// inbox keeps the positions ([`Positions::migrate_positions`]) and the
+    /// dead-letter topic if they are missing. On `stop`, the records being
+    /// applied finish (they commit or roll back), the broker's offsets are
+    /// committed, and the member leaves its group.
     ///
     /// **Start:** an inbox that is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness):
     /// idem-diesel's, neither migrated nor checked in this process) is
@@ -292,7 +295,10 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
         subscribed: impl FnOnce(&Subscription),
     ) -> Result<(), Error> {
         self.inbox.readiness()?;
-        self.inbox.migrate_offsets().await.map_err(Error::Offsets)?;
+        self.inbox
+            .migrate_positions()
+            .await
+            .map_err(Error::Offsets)?;
         let dlq = self.dead_letter_topic();
         topics::ensure(&self.servers, &dlq).await?;
         let producer = topics::producer(&self.servers)?;
@@ -392,7 +398,7 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
 }
 
 /// What the polling thread and the workers share.
-struct Shared<I: Offsets, H> {
+struct Shared<I: Positions, H> {
     protocol: Protocol<Fenced<I>>,
     handler: H,
     topic: String,
@@ -430,7 +436,7 @@ fn waker(commands: &std_mpsc::Sender<Command>) -> impl Fn() + Send + Sync + 'sta
 }
 
 /// librdkafka's callbacks: the rebalances.
-struct Context<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> {
+struct Context<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> {
     shared: Arc<Shared<I, H>>,
     /// The consumer, once created: an assigned partition's queue is split off
     /// it, which takes an `Arc`. (Weak: the consumer owns this context.)
@@ -457,9 +463,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> ClientContext for Context<I, H> {}
+impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ClientContext for Context<I, H> {}
 
-impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerContext for Context<I, H> {
+impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerContext for Context<I, H> {
     fn rebalance(
         &self,
         consumer: &BaseConsumer<Self>,
@@ -490,7 +496,7 @@ fn partitions(tpl: &TopicPartitionList) -> Vec<i32> {
     tpl.elements().iter().map(|e| e.partition()).collect()
 }
 
-impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
+impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
     /// Positions each partition from the database, assigns them, and starts
     /// their workers.
     fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) {
@@ -618,7 +624,7 @@ impl<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
 }
 
 /// The polling thread's loop, until the consumer stops.
-fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+fn poll<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static>(
     consumer: &BaseConsumer<Context<I, H>>,
     shared: &Shared<I, H>,
     commands: &std_mpsc::Receiver<Command>,
@@ -648,7 +654,7 @@ fn poll<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 /// the workers' applied offsets for the broker's auto-commit (for lag tools
 /// only: positions come from the database). Answers a partition whose worker
 /// stopped and asked the member to rejoin its group, if one did.
-fn store_applied<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+fn store_applied<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static>(
     consumer: &BaseConsumer<Context<I, H>>,
     shared: &Shared<I, H>,
     commands: &std_mpsc::Receiver<Command>,
@@ -686,7 +692,7 @@ fn store_applied<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 /// and the next assignment starts each partition this member is given at its
 /// stored position. A partition is never left assigned to a member that does
 /// not apply it.
-fn rejoin<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+fn rejoin<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static>(
     consumer: &BaseConsumer<Context<I, H>>,
     shared: &Shared<I, H>,
     partition: i32,
@@ -705,7 +711,7 @@ fn rejoin<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 /// Serves the consumer's own queue: the rebalances (librdkafka's callback
 /// runs in its poll), the errors, the commits' results. Records do not come
 /// this way: each assigned partition's go to its own queue (see `feed`).
-fn serve<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+fn serve<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static>(
     consumer: &BaseConsumer<Context<I, H>>,
 ) {
     while let Some(polled) = consumer.poll(Duration::ZERO) {
@@ -724,7 +730,7 @@ fn serve<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 /// Should a partition with a worker ever send one, its worker stops, lest
 /// it apply the partition's next records past this one, and the member
 /// rejoins its group (see `rejoin`).
-fn stray<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
+fn stray<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static>(
     context: &Context<I, H>,
     partition: i32,
 ) {
@@ -754,7 +760,7 @@ fn stray<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(
 ///   behind its worker is fetched over and over: with a queue of 4 records
 ///   and 4 held beside it, a seek every 8 records, each refetch taking a
 ///   quarter of a second on tansu.
-fn feed<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(context: &Context<I, H>) {
+fn feed<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static>(context: &Context<I, H>) {
     let topic = &context.shared.topic;
     let mut workers = lock(&context.workers);
     for (&partition, worker) in workers.iter_mut() {
@@ -777,7 +783,7 @@ fn feed<I: Offsets, H: Handler<I::Tx> + Send + Sync + 'static>(context: &Context
 
 /// A partition's worker: applies its records in order until stopped or its
 /// queue closes.
-async fn work<I: Offsets, H: Handler<I::Tx>>(
+async fn work<I: Positions, H: Handler<I::Tx>>(
     shared: Arc<Shared<I, H>>,
     partition: i32,
     mut next: Option<i64>,
@@ -815,7 +821,7 @@ async fn work<I: Offsets, H: Handler<I::Tx>>(
 /// Applies one record as the protocol decides, retrying in place; answers the
 /// partition's next offset, or `None` when the worker must stop (stopped, or
 /// the partition has another owner).
-async fn apply<I: Offsets, H: Handler<I::Tx>>(
+async fn apply<I: Positions, H: Handler<I::Tx>>(
     shared: &Shared<I, H>,
     partition: i32,
     from: Option<i64>,
@@ -839,6 +845,7 @@ async fn apply<I: Offsets, H: Handler<I::Tx>>(
         }
         let lost = AtomicBool::new(false);
         let handler = WithOffset {
+            inbox: protocol.inbox().inner(),
             handler: &shared.handler,
             advance: advance.clone(),
             lost: &lost,
@@ -887,7 +894,7 @@ async fn apply<I: Offsets, H: Handler<I::Tx>>(
 
 /// The partition's stored position moved under this member: its worker stops
 /// and asks the polling thread to rejoin the group.
-fn fenced<I: Offsets, H>(shared: &Shared<I, H>, partition: i32) {
+fn fenced<I: Positions, H>(shared: &Shared<I, H>, partition: i32) {
     tracing::warn!(target: "idem_kafka", topic = %bounded(&shared.topic), partition, "the partition's stored position was moved by another member: this member stops applying it and rejoins its group");
     let _ = shared.commands.send(Command::Rejoin { partition });
 }
@@ -901,7 +908,7 @@ enum Step {
 }
 
 /// Moves the partition's row past a record that ran no handler.
-async fn advance_alone<I: Offsets, H>(
+async fn advance_alone<I: Positions, H>(
     shared: &Shared<I, H>,
     advance: &Advance<'_>,
     stop: &mut watch::Receiver<bool>,
@@ -933,7 +940,7 @@ async fn advance_alone<I: Offsets, H>(
 /// the partition behind it; a letter refused even with no value at all is
 /// given up, logged at ERROR: the record stays in its topic, and the inbox
 /// keeps it as a dead letter.
-async fn publish_dead_letter<I: Offsets, H>(
+async fn publish_dead_letter<I: Positions, H>(
     shared: &Shared<I, H>,
     record: &OwnedMessage,
     letter: &Letter,

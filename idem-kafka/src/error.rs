@@ -23,7 +23,9 @@ pub enum Error {
     /// start; the message names the fix.
     #[error("the consumer did not start: {0}")]
     NotReady(#[from] idem_core::store::NotReady),
-    /// The offsets table could not be created.
+    /// Where the inbox keeps the positions could not be created
+    /// ([`Positions::migrate_positions`](idem_core::consume::Positions::migrate_positions):
+    /// idem-diesel's `idem_kafka_offsets` table).
     #[error("the offsets table could not be created")]
     Offsets(#[source] InboxError),
     /// The inbox failed during a redrive.

@@ -1,11 +1,12 @@
 //! The offset in the effect's transaction, and the fence.
 //!
 //! [`WithOffset`] wraps the application's handler: on the inbox's
-//! transaction it first moves the partition's row ([`OffsetsTx::advance`]),
-//! then runs the handler, so the effect, the inbox row and the next offset
-//! commit together. Moving the row first also takes its lock, so a member
-//! that lost the partition waits for the new owner's commit and then finds
-//! the row moved: fenced, its handler never runs.
+//! transaction it first moves the partition's position
+//! ([`Positions::advance_in`]), then runs the handler, so the effect, the
+//! inbox row and the next offset commit together, on whatever inbox keeps
+//! the positions. On a database, moving the row first also takes its lock,
+//! so a member that lost the partition waits for the new owner's commit and
+//! then finds the row moved: fenced, its handler never runs.
 //!
 //! [`Fenced`] wraps the inbox: a handler refused by the fence is not a
 //! failed attempt of the message (nothing is counted; the new owner runs it),
@@ -16,11 +17,9 @@ use std::error::Error as StdError;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use idem_core::consume::{
-    Attempt, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError, HandlerFuture,
-    Inbox, InboxError, InboxFuture, Message,
+    Advance, Attempt, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError,
+    HandlerFuture, Inbox, InboxError, InboxFuture, Message, Positions,
 };
-
-use crate::offsets::{Advance, Offsets, OffsetsTx};
 
 /// The partition has another owner: this member's write was refused.
 #[derive(Debug, thiserror::Error)]
@@ -29,26 +28,31 @@ pub struct PartitionLost;
 
 /// The application's handler, after the partition's offset on the same
 /// transaction.
-pub(crate) struct WithOffset<'a, H: ?Sized> {
+pub(crate) struct WithOffset<'a, I, H: ?Sized> {
+    /// The inbox that keeps the positions.
+    pub(crate) inbox: &'a I,
     pub(crate) handler: &'a H,
     pub(crate) advance: Advance<'a>,
     /// Set when the fence refused the write.
     pub(crate) lost: &'a AtomicBool,
 }
 
-impl<Tx, H> Handler<Tx> for WithOffset<'_, H>
+impl<I, H> Handler<I::Tx> for WithOffset<'_, I, H>
 where
-    Tx: OffsetsTx + ?Sized,
-    H: Handler<Tx> + ?Sized,
+    I: Positions,
+    H: Handler<I::Tx> + ?Sized,
 {
-    fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut Tx) -> HandlerFuture<'a> {
+    fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut I::Tx) -> HandlerFuture<'a> {
         Box::pin(async move {
-            match tx.advance(&self.advance).await {
+            match self.inbox.advance_in(tx, &self.advance).await {
                 Ok(true) => self.handler.handle(attempt, tx).await,
                 Ok(false) => {
                     self.lost.store(true, Ordering::SeqCst);
                     Err(HandlerError::transient(PartitionLost))
                 }
+                // The database's own error, as the handler's (a failed
+                // attempt, retried in place).
+                Err(InboxError::Unavailable(source)) => Err(HandlerError::transient(source)),
                 Err(error) => Err(HandlerError::transient(error)),
             }
         })
@@ -71,7 +75,7 @@ impl<I> Fenced<I> {
     }
 }
 
-impl<I: Offsets> Inbox for Fenced<I> {
+impl<I: Positions> Inbox for Fenced<I> {
     type Tx = I::Tx;
     const TRANSACTIONAL: bool = I::TRANSACTIONAL;
 

@@ -4,9 +4,11 @@
 //!
 //! - [`Consumer`]: built with [`Consumer::builder`], run with
 //!   [`Consumer::run`]. A member of a consumer group whose partitions'
-//!   positions live in the inbox's database ([`Offsets`]: idem-diesel's
-//!   `PgInbox` and `SqliteInbox`); it translates each record for the
-//!   protocol ([`Protocol::decide`]) and carries the decision out.
+//!   positions live in the inbox ([`Positions`], from
+//!   [`idem_core::consume`]: idem-diesel's `PgInbox` and `SqliteInbox` keep
+//!   them in their database, in the handler's transaction; idem-core's
+//!   [`MemoryInbox`] in memory); it translates each record for the protocol
+//!   ([`Protocol::decide`]) and carries the decision out.
 //! - [`dead_letters`], [`redrive`]: the dead-letter topic `<topic>.dlq`, read
 //!   without consuming it, and re-driven by hand.
 //! - [`OutboxPublisher`]: the transactional outbox's publisher
@@ -39,7 +41,6 @@ mod consumer;
 mod dead_letters;
 mod error;
 mod fence;
-mod offsets;
 mod publisher;
 mod record;
 mod topics;
@@ -50,7 +51,6 @@ pub use consumer::{
 pub use dead_letters::{DeadLetterRecord, REDRIVEN_THROUGH_HEADER, Redrive, dead_letters, redrive};
 pub use error::Error;
 pub use fence::{Fenced, PartitionLost};
-pub use offsets::{Advance, Offsets, OffsetsFuture, OffsetsTx};
 pub use publisher::OutboxPublisher;
 pub use record::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, OFFSET_HEADER, PARTITION_HEADER, REASON_HEADER,
@@ -60,9 +60,9 @@ pub use topics::{create_topic, dead_letter_topic};
 
 pub use idem_core;
 pub use idem_core::consume::{
-    AMBIGUOUS_MESSAGE_ID, Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler,
-    HandlerError, HandlerFuture, Inbox, Message, MissingId, Protocol, UNREADABLE_MESSAGE_ID,
-    handler, rfc3339,
+    AMBIGUOUS_MESSAGE_ID, Advance, Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler,
+    HandlerError, HandlerFuture, Inbox, MemoryInbox, Message, MissingId, Positions, Protocol,
+    UNREADABLE_MESSAGE_ID, handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;
 pub use rdkafka;

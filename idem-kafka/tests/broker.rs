@@ -26,7 +26,7 @@ use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::{
     Advance, Attempt, Backoff, Consumer, ConsumerPolicy, DEFAULT_QUEUE, Handler, HandlerError,
-    HandlerFuture, Offsets, OffsetsTx, Subscription,
+    HandlerFuture, MemoryInbox, Positions, Subscription,
 };
 use idem_testkit::fault::{Fault, Proxy};
 use idem_testkit::{TestKafka, TestPostgres};
@@ -46,6 +46,10 @@ fn main() -> ExitCode {
         trial(
             "records_are_applied_once_and_positions_come_from_the_database_postgres",
             || applied_once(Db::Postgres),
+        ),
+        trial(
+            "records_are_applied_once_and_positions_come_from_a_memory_inbox",
+            applied_once_in_memory,
         ),
         trial(
             "a_failing_record_is_dead_lettered_after_exactly_three_attempts_in_order",
@@ -249,7 +253,7 @@ struct Value {
 }
 
 /// The effect's statement on either connection.
-trait Effect: OffsetsTx {
+trait Effect: Send {
     fn insert<'a>(&'a mut self, value: &'a str) -> HandlerFuture<'a>;
 }
 
@@ -392,7 +396,7 @@ async fn run<I>(
     handler: Apply,
 ) -> Running
 where
-    I: Offsets + Clone,
+    I: Positions + Clone,
     I::Tx: Effect,
 {
     let consumer = Consumer::builder(TestKafka::shared().servers(), topic)
@@ -499,6 +503,115 @@ async fn positions(inboxes: &Inboxes, group: &str, topic: &str) -> Vec<(i32, i64
     let mut positions: Vec<(i32, i64)> = map.into_iter().collect();
     positions.sort_unstable();
     positions
+}
+
+/// The values a handler on [`MemoryInbox`] (no transaction) applied.
+#[derive(Clone, Default)]
+struct Remember(Arc<Mutex<Vec<String>>>);
+
+impl Handler<()> for Remember {
+    fn handle<'a>(&'a self, attempt: Attempt<'a>, _tx: &'a mut ()) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            let value = String::from_utf8_lossy(attempt.body()).into_owned();
+            self.0.lock().unwrap().push(value);
+            Ok(())
+        })
+    }
+}
+
+/// A consumer of `topic` on `inbox`, until the answer is stopped.
+async fn run_in_memory(inbox: MemoryInbox, topic: &str, handler: Remember) -> Running {
+    let consumer = Consumer::builder(TestKafka::shared().servers(), topic)
+        .inbox(inbox)
+        .config("session.timeout.ms", "6000")
+        .config("heartbeat.interval.ms", "500")
+        .handler(handler)
+        .build();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let (joined, on_join) = oneshot::channel();
+    let done = tokio::spawn(consumer.run(
+        async {
+            let _ = stopped.await;
+        },
+        move |subscription| {
+            let _ = joined.send(subscription.clone());
+        },
+    ));
+    let subscription = tokio::time::timeout(Duration::from_secs(60), on_join)
+        .await
+        .expect("the consumer joins its group within 60 s")
+        .expect("the consumer joined");
+    Running {
+        stop,
+        done,
+        subscription,
+    }
+}
+
+/// The consumer on idem-core's `MemoryInbox`, which keeps the positions in
+/// memory: 10 records and 3 producer duplicates over 2 partitions, 10
+/// applied, the positions at the ends; restarted on the same inbox, only the
+/// new record runs.
+async fn applied_once_in_memory() -> Outcome {
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("memory");
+    create_topic(&topic, 2).await;
+    let producer = producer();
+    for i in 0..10 {
+        let (id, value) = (format!("m{i:02}"), format!("v{i:02}"));
+        produce(&producer, &topic, i % 2, &id, &value).await;
+    }
+    for i in 0..3 {
+        let (id, value) = (format!("m{i:02}"), format!("v{i:02}"));
+        produce(&producer, &topic, i % 2, &id, &value).await;
+    }
+    let inbox = MemoryInbox::new();
+    let applied = Remember::default();
+    let stored = |inbox: MemoryInbox, topic: String| async move {
+        let mut positions: Vec<(i32, i64)> = inbox
+            .positions(&topic, &topic)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+        positions.sort_unstable();
+        positions
+    };
+    let running = run_in_memory(inbox.clone(), &topic, applied.clone()).await;
+    eventually("every record consumed, positions at the ends", || async {
+        match stored(inbox.clone(), topic.clone()).await {
+            positions if positions == [(0, 7), (1, 6)] => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    running.stop().await;
+    let values = applied.0.lock().unwrap().len();
+    if values != 10 {
+        return Err(format!("applied {values} records, expected 10").into());
+    }
+
+    produce(&producer, &topic, 1, "m10", "v10").await;
+    let running = run_in_memory(inbox.clone(), &topic, applied.clone()).await;
+    eventually("the new record applied", || async {
+        match applied.0.lock().unwrap().len() {
+            11 => Ok(()),
+            other => Err(format!("{other} applied")),
+        }
+    })
+    .await?;
+    running.stop().await;
+    let positions = stored(inbox.clone(), topic.clone()).await;
+    if positions != [(0, 7), (1, 7)] {
+        return Err(format!("positions {positions:?}, expected [(0, 7), (1, 7)]").into());
+    }
+    let mut values = applied.0.lock().unwrap().clone();
+    values.sort_unstable();
+    values.dedup();
+    if values.len() != 11 {
+        return Err(format!("{} distinct values applied, expected 11", values.len()).into());
+    }
+    Ok(())
 }
 
 /// 20 records and 5 producer duplicates over 2 partitions: 20 applied, the
@@ -849,7 +962,7 @@ async fn fenced() -> Outcome {
     let Inboxes::Sqlite { inbox, .. } = &inboxes else {
         unreachable!()
     };
-    inbox.migrate_offsets().await.unwrap();
+    inbox.migrate_positions().await.unwrap();
     let step = |from, to| Advance {
         consumer: "c",
         topic: "t",

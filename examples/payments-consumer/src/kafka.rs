@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
-use idem_kafka::{Consumer, Offsets};
+use idem_kafka::{Consumer, Positions};
 
 use crate::ConsumerError;
 use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal};
@@ -52,7 +52,7 @@ async fn consume<I>(
     subscribed: impl FnOnce(&str),
 ) -> Result<(), ConsumerError>
 where
-    I: Offsets + ExpiredRows,
+    I: Positions + ExpiredRows,
     I::Tx: Ledger,
 {
     let stop = stop_signal()?;

@@ -39,6 +39,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+pub mod positions;
+
 use super::{Attempt, Buried, Entered, Entry, Failure, Handler, HandlerError, Inbox, Message};
 use crate::store::BoxError;
 

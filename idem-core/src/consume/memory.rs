@@ -7,8 +7,8 @@ use std::time::SystemTime;
 use tokio::sync::Notify;
 
 use super::{
-    Attempt, Buried, Counted, DeadLetter, Entered, Entry, Failure, Handler, Inbox, InboxFuture,
-    Message,
+    Advance, Attempt, Buried, Counted, DeadLetter, Entered, Entry, Failure, Handler, Inbox,
+    InboxError, InboxFuture, Message, Positions,
 };
 use crate::Fingerprint;
 
@@ -19,6 +19,12 @@ use crate::Fingerprint;
 /// It has no transaction (`Tx = ()`): the handler's effect is its own, so a
 /// handler that fails after a partial effect leaves it. One execution runs at
 /// a time per message: a concurrent delivery waits for the first to end.
+///
+/// It keeps a partitioned broker's positions too ([`Positions`]), in memory:
+/// a move made while a handler runs ([`Positions::advance_in`]) is held
+/// with the message's entry and made when the entry settles as processed,
+/// with the same fence; a handler that fails (or is dropped unfinished)
+/// moves nothing.
 #[derive(Clone, Default)]
 pub struct MemoryInbox {
     inner: Arc<Inner>,
@@ -28,7 +34,56 @@ pub struct MemoryInbox {
 struct Inner {
     entries: Mutex<HashMap<(String, String), State>>,
     settled: Notify,
+    /// The positions: consumer, topic, partition → next offset.
+    positions: Mutex<HashMap<PositionKey, i64>>,
 }
+
+type PositionKey = (String, String, i32);
+
+/// The moves made by the handler running in this task, held until its entry
+/// settles.
+#[derive(Default)]
+struct Held {
+    /// The inbox whose `process` runs the handler (its `Inner`'s address).
+    inbox: usize,
+    moves: Vec<(PositionKey, Option<i64>, i64)>,
+}
+
+tokio::task_local! {
+    /// The transaction of the handler `MemoryInbox::process` runs: `Tx` is
+    /// `()`, so its moves are found through the task.
+    static HELD: Arc<Mutex<Held>>;
+}
+
+fn key_of(advance: &Advance<'_>) -> PositionKey {
+    (
+        advance.consumer.to_owned(),
+        advance.topic.to_owned(),
+        advance.partition,
+    )
+}
+
+/// The move, if the fence lets it through; `true` when written (or already
+/// there).
+fn fenced_write(
+    positions: &mut HashMap<PositionKey, i64>,
+    key: PositionKey,
+    advance: &Advance<'_>,
+) -> bool {
+    if advance.applies_to(positions.get(&key).copied()) {
+        positions.insert(key, advance.to);
+        true
+    } else {
+        false
+    }
+}
+
+/// A move made outside a handler that [`MemoryInbox::process`] runs.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "a MemoryInbox position moved outside a handler the same inbox runs: no transaction to join"
+)]
+struct NoTransaction;
 
 #[derive(Clone)]
 enum State {
@@ -50,6 +105,17 @@ impl MemoryInbox {
             .entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn stored_positions(&self) -> MutexGuard<'_, HashMap<PositionKey, i64>> {
+        self.inner
+            .positions
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn address(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
     }
 
     /// Takes the entry for running (answering the failures before), waits
@@ -108,12 +174,25 @@ impl Inbox for MemoryInbox {
                 name: Some(name),
                 previous,
             };
-            let ran = handler
-                .handle(Attempt::new(message, entry.message_id, attempt), &mut ())
+            let held = Arc::new(Mutex::new(Held {
+                inbox: self.address(),
+                moves: Vec::new(),
+            }));
+            let ran = HELD
+                .scope(
+                    Arc::clone(&held),
+                    handler.handle(Attempt::new(message, entry.message_id, attempt), &mut ()),
+                )
                 .await;
             let entered = match ran {
                 Ok(()) => {
-                    running.settle(State::Processed(entry.fingerprint));
+                    let moves = std::mem::take(
+                        &mut held
+                            .lock()
+                            .unwrap_or_else(|poisoned| poisoned.into_inner())
+                            .moves,
+                    );
+                    running.settle_with(State::Processed(entry.fingerprint), moves);
                     Entered::Processed { attempt }
                 }
                 Err(error) => {
@@ -255,8 +334,25 @@ struct Running<'a> {
 }
 
 impl Running<'_> {
-    fn settle(&mut self, state: State) {
+    /// Settles the entry and makes the handler's moves (each fenced again:
+    /// of two handlers moving one position at once, the later one finds it
+    /// moved unless it moves it to the same place).
+    fn settle_with(&mut self, state: State, moves: Vec<(PositionKey, Option<i64>, i64)>) {
         if let Some(name) = self.name.take() {
+            {
+                let mut positions = self.inbox.stored_positions();
+                for ((consumer, topic, partition), from, to) in moves {
+                    let advance = Advance {
+                        consumer: &consumer,
+                        topic: &topic,
+                        partition,
+                        from,
+                        to,
+                    };
+                    let key = key_of(&advance);
+                    fenced_write(&mut positions, key, &advance);
+                }
+            }
             self.inbox.entries().insert(name, state);
             self.inbox.inner.settled.notify_waiters();
         }
@@ -281,6 +377,65 @@ impl Running<'_> {
 impl Drop for Running<'_> {
     fn drop(&mut self) {
         self.undo();
+    }
+}
+
+impl Positions for MemoryInbox {
+    fn migrate_positions(&self) -> InboxFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn positions<'a>(
+        &'a self,
+        consumer: &'a str,
+        topic: &'a str,
+    ) -> InboxFuture<'a, HashMap<i32, i64>> {
+        Box::pin(async move {
+            Ok(self
+                .stored_positions()
+                .iter()
+                .filter(|((c, t, _), _)| c == consumer && t == topic)
+                .map(|((_, _, partition), next)| (*partition, *next))
+                .collect())
+        })
+    }
+
+    fn advance_in<'a>(
+        &'a self,
+        _tx: &'a mut (),
+        advance: &'a Advance<'a>,
+    ) -> InboxFuture<'a, bool> {
+        Box::pin(async move {
+            let held = HELD
+                .try_with(Arc::clone)
+                .map_err(|_| InboxError::unavailable(NoTransaction))?;
+            let mut held = held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if held.inbox != self.address() {
+                return Err(InboxError::unavailable(NoTransaction));
+            }
+            let key = key_of(advance);
+            // What this transaction sees: the committed position, under its
+            // own moves so far.
+            let seen = held
+                .moves
+                .iter()
+                .rev()
+                .find(|(k, _, _)| *k == key)
+                .map(|(_, _, to)| *to)
+                .or_else(|| self.stored_positions().get(&key).copied());
+            if !advance.applies_to(seen) {
+                return Ok(false);
+            }
+            held.moves.push((key, advance.from, advance.to));
+            Ok(true)
+        })
+    }
+
+    fn advance_alone<'a>(&'a self, advance: &'a Advance<'a>) -> InboxFuture<'a, bool> {
+        Box::pin(async move {
+            let key = key_of(advance);
+            Ok(fenced_write(&mut self.stored_positions(), key, advance))
+        })
     }
 }
 

@@ -49,6 +49,14 @@
 //! there, and re-driving goes through the library, which forgets the inbox's
 //! record ([`Protocol::redrive`]) before it moves the body back.
 //!
+//! # Positions
+//!
+//! A partitioned broker (Kafka) reads from a position per partition. An inbox
+//! that keeps those positions too ([`Positions`]) moves them in the
+//! handler's transaction, fenced against a member that lost the partition
+//! ([`Advance`]), so the effect, the inbox row and the position commit
+//! together on any inbox that implements it.
+//!
 //! # Observability
 //!
 //! One `idem.message` span per delivery, with the consumer and the message id
@@ -68,6 +76,7 @@ mod message;
 mod metrics;
 mod outage;
 mod policy;
+mod positions;
 mod store_inbox;
 
 #[cfg(feature = "test-util")]
@@ -81,6 +90,7 @@ pub use memory::MemoryInbox;
 pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message, id_text, parse_rfc3339, rfc3339};
 pub use outage::{Outage, StopSignal, held_wait};
 pub use policy::{ConsumerPolicy, DeadLetterAlert, MissingId};
+pub use positions::{Advance, Positions};
 pub use store_inbox::StoreInbox;
 
 use std::fmt;
@@ -482,6 +492,15 @@ mod tests {
     mod memory_inbox_conformance {
         use super::fresh;
         crate::inbox_conformance_tests!(fresh);
+    }
+
+    async fn fresh_memory() -> MemoryInbox {
+        MemoryInbox::new()
+    }
+
+    mod memory_inbox_positions_conformance {
+        use super::fresh_memory;
+        crate::positions_conformance_tests!(fresh_memory);
     }
 
     /// A [`StoreInbox`] over a [`MemoryStore`](crate::MemoryStore).

@@ -1,5 +1,6 @@
 //! The consumer inboxes of `idem_core::consume` (`PgInbox`, `SqliteInbox`):
 //! the inbox conformance suite on each (a fresh database or file per case),
+//! the positions' conformance suite (`idem_kafka_offsets`),
 //! the classification of permanent errors against real database errors,
 //! cleanup, and the tables living beside the older inbox's.
 
@@ -161,6 +162,23 @@ pub(crate) const INBOXES: &[(&str, RunCase)] = &[
         Box::pin(async move {
             let subject = fresh_sqlite(&databases).await;
             idem_core::consume::conformance::run_case(case, subject).await;
+        })
+    }),
+];
+
+/// Every inbox the positions' conformance suite runs against (a fresh,
+/// migrated inbox per case; the case creates the positions' table).
+pub(crate) const POSITIONS: &[(&str, RunCase)] = &[
+    ("postgres_inbox", |databases, case| {
+        Box::pin(async move {
+            let inbox = fresh_pg_inbox(&databases, Duration::from_secs(3600)).await;
+            idem_core::consume::conformance::positions::run_case(case, inbox).await;
+        })
+    }),
+    ("sqlite_inbox", |databases, case| {
+        Box::pin(async move {
+            let inbox = fresh_sqlite_inbox(&databases, Duration::from_secs(3600)).await;
+            idem_core::consume::conformance::positions::run_case(case, inbox).await;
         })
     }),
 ];
