@@ -12,7 +12,7 @@
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idem_diesel::diesel::sql_types::{BigInt, Text};
 use idem_diesel::diesel::{self, QueryableByName};
@@ -29,11 +29,15 @@ use idem_kafka::{
     HandlerFuture, MemoryInbox, Positions, Subscription,
 };
 use idem_testkit::fault::{Fault, Proxy};
+use idem_testkit::wait::until;
 use idem_testkit::{TestKafka, TestPostgres};
 use libtest_mimic::{Arguments, Failed, Trial};
 use tokio::sync::oneshot;
 
 type Outcome = Result<(), Failed>;
+
+/// The longest a test waits for what it expects to become true.
+const WAIT: Duration = Duration::from_secs(60);
 
 fn main() -> ExitCode {
     let args = Arguments::from_args();
@@ -477,24 +481,6 @@ async fn produce(producer: &FutureProducer, topic: &str, partition: i32, id: &st
         .unwrap();
 }
 
-/// Waits (bounded) until `check` holds.
-async fn eventually<F, Fut>(what: &str, mut check: F) -> Outcome
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), String>>,
-{
-    let started = Instant::now();
-    loop {
-        match check().await {
-            Ok(()) => return Ok(()),
-            Err(last) if started.elapsed() > Duration::from_secs(60) => {
-                return Err(format!("{what}: not so after 60 s; last seen: {last}").into());
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-}
-
 async fn positions(inboxes: &Inboxes, group: &str, topic: &str) -> Vec<(i32, i64)> {
     let map = match inboxes {
         Inboxes::Sqlite { inbox, .. } => inbox.positions(group, topic).await.unwrap(),
@@ -578,12 +564,16 @@ async fn applied_once_in_memory() -> Outcome {
         positions
     };
     let running = run_in_memory(inbox.clone(), &topic, applied.clone()).await;
-    eventually("every record consumed, positions at the ends", || async {
-        match stored(inbox.clone(), topic.clone()).await {
-            positions if positions == [(0, 7), (1, 6)] => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    until(
+        "every record consumed, positions at the ends",
+        WAIT,
+        || async {
+            match stored(inbox.clone(), topic.clone()).await {
+                positions if positions == [(0, 7), (1, 6)] => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
     .await?;
     running.stop().await;
     let values = applied.0.lock().unwrap().len();
@@ -593,7 +583,7 @@ async fn applied_once_in_memory() -> Outcome {
 
     produce(&producer, &topic, 1, "m10", "v10").await;
     let running = run_in_memory(inbox.clone(), &topic, applied.clone()).await;
-    eventually("the new record applied", || async {
+    until("the new record applied", WAIT, || async {
         match applied.0.lock().unwrap().len() {
             11 => Ok(()),
             other => Err(format!("{other} applied")),
@@ -647,14 +637,18 @@ async fn applied_once(db: Db) -> Outcome {
     if running.subscription.partitions.len() != 2 {
         return Err(format!("assigned {:?}, expected 2 partitions", running.subscription).into());
     }
-    eventually("every record consumed, positions at the ends", || async {
-        let positions = positions(&inboxes, &topic, &topic).await;
-        if positions == [(0, 13), (1, 12)] {
-            Ok(())
-        } else {
-            Err(format!("{positions:?}"))
-        }
-    })
+    until(
+        "every record consumed, positions at the ends",
+        WAIT,
+        || async {
+            let positions = positions(&inboxes, &topic, &topic).await;
+            if positions == [(0, 13), (1, 12)] {
+                Ok(())
+            } else {
+                Err(format!("{positions:?}"))
+            }
+        },
+    )
     .await?;
     let applied = inboxes.applied().await;
     if applied != (20, 20) {
@@ -665,7 +659,7 @@ async fn applied_once(db: Db) -> Outcome {
     // Restarted: the positions come from the database; only the new record runs.
     produce(&producer, &topic, 1, "m20", "v20").await;
     let running = inboxes.consume(&topic, &topic, Apply::default()).await;
-    eventually("the new record applied", || async {
+    until("the new record applied", WAIT, || async {
         match inboxes.applied().await {
             (21, 21) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -693,7 +687,7 @@ async fn dead_lettered_in_order() -> Outcome {
     }
     let apply = Apply::default();
     let running = inboxes.consume(&topic, &topic, apply.clone()).await;
-    eventually("b applied", || async {
+    until("b applied", WAIT, || async {
         match inboxes.applied().await {
             (2, 2) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -739,7 +733,7 @@ async fn dead_lettered_in_order() -> Outcome {
     if moved != 1 {
         return Err(format!("redrive moved {moved}, expected 1").into());
     }
-    eventually("the re-driven record applied", || async {
+    until("the re-driven record applied", WAIT, || async {
         match inboxes.applied().await {
             (3, 3) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -789,7 +783,7 @@ async fn oversized_dead_letter() -> Outcome {
     produce(&large, &topic, 0, "b", "b").await;
     let apply = Apply::default();
     let running = inboxes.consume(&topic, &topic, apply.clone()).await;
-    eventually("the record behind the large one applied", || async {
+    until("the record behind the large one applied", WAIT, || async {
         match inboxes.applied().await {
             (1, 1) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -880,7 +874,7 @@ async fn lost_commit_answers() -> Outcome {
     }
     proxy.set(Fault::LoseCommitAnswers { every: 5 });
     let running = inboxes.consume(&topic, &topic, Apply::default()).await;
-    eventually("every partition at its end", || async {
+    until("every partition at its end", WAIT, || async {
         let positions = positions(&inboxes, &topic, &topic).await;
         if positions == [(0, 20), (1, 20), (2, 20)] {
             Ok(())
@@ -925,7 +919,7 @@ async fn handover() -> Outcome {
         .await;
     }
     let a = inboxes.consume(&topic, &topic, Apply::default()).await;
-    eventually("the first half applied", || async {
+    until("the first half applied", WAIT, || async {
         match inboxes.applied().await {
             (10, 10) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -944,12 +938,16 @@ async fn handover() -> Outcome {
         )
         .await;
     }
-    eventually("every record applied once, by the member left", || async {
-        match inboxes.applied().await {
-            (20, 20) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    until(
+        "every record applied once, by the member left",
+        WAIT,
+        || async {
+            match inboxes.applied().await {
+                (20, 20) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
     .await?;
     b.stop().await;
     Ok(())
@@ -1023,7 +1021,7 @@ async fn outbox_to_consumer() -> Outcome {
     let relay = tokio::spawn(outbox.relay(publisher).expect("migrated").run(async {
         let _ = relay_stopped.await;
     }));
-    eventually("every event applied", || async {
+    until("every event applied", WAIT, || async {
         match inboxes.applied().await {
             (30, 30) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -1033,7 +1031,7 @@ async fn outbox_to_consumer() -> Outcome {
     // Published again under the same id: a duplicate, at a new offset.
     let again = idem_kafka::OutboxPublisher::connect(&broker.servers()).unwrap();
     again.publish(&events[0]).await.unwrap();
-    eventually("the republished event consumed", || async {
+    until("the republished event consumed", WAIT, || async {
         let passed: i64 = positions(&inboxes, &topic, &topic)
             .await
             .iter()
@@ -1083,7 +1081,7 @@ async fn two_owners() -> Outcome {
     // The stored positions, polled: they only ever move forward.
     let highest = Arc::new(Mutex::new(std::collections::HashMap::<i32, i64>::new()));
     let backwards = Arc::new(Mutex::new(Vec::new()));
-    eventually("every record consumed once", || {
+    until("every record consumed once", WAIT, || {
         let (inboxes, topic) = (&inboxes, &topic);
         let (highest, backwards) = (Arc::clone(&highest), Arc::clone(&backwards));
         async move {
@@ -1149,13 +1147,17 @@ async fn slow_handler_bounded() -> Outcome {
     let running = inboxes
         .consume_queued(&topic, &topic, &topic, QUEUE, apply.clone())
         .await;
-    eventually("every record applied, positions at the ends", || async {
-        let positions = positions(&inboxes, &topic, &topic).await;
-        match inboxes.applied().await {
-            (200, 200) if positions == [(0, END), (1, END)] => Ok(()),
-            other => Err(format!("applied {other:?}, positions {positions:?}")),
-        }
-    })
+    until(
+        "every record applied, positions at the ends",
+        WAIT,
+        || async {
+            let positions = positions(&inboxes, &topic, &topic).await;
+            match inboxes.applied().await {
+                (200, 200) if positions == [(0, END), (1, END)] => Ok(()),
+                other => Err(format!("applied {other:?}, positions {positions:?}")),
+            }
+        },
+    )
     .await?;
     running.stop().await;
 
