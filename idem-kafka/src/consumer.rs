@@ -115,6 +115,9 @@ pub struct ConsumerBuilder<I = Unset, H = Unset> {
     config: Vec<(String, String)>,
     queue: usize,
     shutdown_timeout: Duration,
+    /// Partitions of the topic to create if it is missing; `None`: a
+    /// missing topic stops the start.
+    create_topic: Option<i32>,
 }
 
 /// A Kafka consumer that applies each record once: see the crate's docs.
@@ -129,6 +132,9 @@ pub struct Consumer<I, H> {
     config: Vec<(String, String)>,
     queue: usize,
     shutdown_timeout: Duration,
+    /// Partitions of the topic to create if it is missing; `None`: a
+    /// missing topic stops the start.
+    create_topic: Option<i32>,
 }
 
 impl Consumer<Unset, Unset> {
@@ -149,6 +155,7 @@ impl Consumer<Unset, Unset> {
             config: Vec::new(),
             queue: DEFAULT_QUEUE,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            create_topic: None,
         }
     }
 }
@@ -210,6 +217,16 @@ impl<I, H> ConsumerBuilder<I, H> {
         self
     }
 
+    /// Creates the topic with `partitions` partitions (and the cluster's
+    /// default replication) when it does not exist at start. Without it, a
+    /// missing topic stops the start with [`Error::MissingTopic`], naming
+    /// it: a consumer of a misspelt topic would otherwise wait for records
+    /// that never come.
+    pub fn create_topic(mut self, partitions: i32) -> Self {
+        self.create_topic = Some(partitions);
+        self
+    }
+
     /// The inbox, which also keeps the positions ([`Positions`]):
     /// idem-diesel's `PgInbox` or `SqliteInbox` (the positions in its
     /// database, in the handler's transaction), or idem-core's `MemoryInbox`.
@@ -225,6 +242,7 @@ impl<I, H> ConsumerBuilder<I, H> {
             config: self.config,
             queue: self.queue,
             shutdown_timeout: self.shutdown_timeout,
+            create_topic: self.create_topic,
         }
     }
 
@@ -241,6 +259,7 @@ impl<I, H> ConsumerBuilder<I, H> {
             config: self.config,
             queue: self.queue,
             shutdown_timeout: self.shutdown_timeout,
+            create_topic: self.create_topic,
         }
     }
 }
@@ -261,6 +280,7 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I,
             config: self.config,
             queue: self.queue,
             shutdown_timeout: self.shutdown_timeout,
+            create_topic: self.create_topic,
         }
     }
 }
@@ -280,7 +300,9 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
     ///
     /// **Start:** an inbox that is not ready ([`Inbox::readiness`](idem_core::consume::Inbox::readiness):
     /// idem-diesel's, neither migrated nor checked in this process) is
-    /// [`Error::NotReady`] at once, before anything is contacted.
+    /// [`Error::NotReady`] at once, before anything is contacted; a topic
+    /// that does not exist is [`Error::MissingTopic`], unless the builder
+    /// said to create it ([`ConsumerBuilder::create_topic`]).
     ///
     /// **Ends by itself** only when a member that had to leave its group
     /// (a partition fenced: its stored position moved under it) could not
@@ -299,6 +321,7 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
             .migrate_positions()
             .await
             .map_err(Error::Offsets)?;
+        topics::require(&self.servers, &self.topic, self.create_topic).await?;
         let dlq = self.dead_letter_topic();
         topics::ensure(&self.servers, &dlq).await?;
         let producer = topics::producer(&self.servers)?;

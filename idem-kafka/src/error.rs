@@ -31,6 +31,18 @@ pub enum Error {
     /// The inbox failed during a redrive.
     #[error("the inbox is unavailable")]
     Inbox(#[source] InboxError),
+    /// The topic does not exist: the consumer's (and its builder did not say
+    /// to create it: [`ConsumerBuilder::create_topic`](crate::ConsumerBuilder::create_topic)),
+    /// or an outbox event's destination ([`OutboxPublisher`](crate::OutboxPublisher):
+    /// the relay tries again later, and logs this each time).
+    #[error(
+        "the topic {topic} does not exist: create it (idem_kafka::create_topic), \
+         or let the consumer create it (ConsumerBuilder::create_topic)"
+    )]
+    MissingTopic {
+        /// The topic's name.
+        topic: String,
+    },
     /// The polling thread could not be started.
     #[error("the polling thread could not be started")]
     Thread(#[source] std::io::Error),

@@ -1,5 +1,7 @@
 //! Producing records that a consumer applies once: the outbox's publisher.
 
+use std::collections::HashSet;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use idem_core::outbox::{Event, Publish, PublishError, PublishFuture};
@@ -25,8 +27,16 @@ const DELIVERY_LIMIT: Duration = Duration::from_secs(30);
 /// removes the duplicates a producer's retries would write, not those of a
 /// relay that crashed before marking an event sent, nor a consumer's
 /// redeliveries. The consumer's inbox, keyed by `message_id`, does that.
+///
+/// The first event to each destination looks the topic up: a topic that does
+/// not exist is [`Error::MissingTopic`], which the relay logs (naming it)
+/// and tries again later, rather than an event waiting out the delivery
+/// limit unexplained. Once seen, a topic is not looked up again.
 pub struct OutboxPublisher {
     producer: FutureProducer,
+    servers: String,
+    /// The destinations seen to exist.
+    known: Mutex<HashSet<String>>,
 }
 
 impl std::fmt::Debug for OutboxPublisher {
@@ -40,13 +50,43 @@ impl OutboxPublisher {
     pub fn connect(servers: &str) -> Result<Self, Error> {
         Ok(Self {
             producer: topics::producer(servers)?,
+            servers: servers.to_owned(),
+            known: Mutex::default(),
         })
+    }
+
+    /// Whether the destination's topic is known to exist, looking it up the
+    /// first time.
+    async fn check_topic(&self, topic: &str) -> Result<(), PublishError> {
+        let known = |known: &Mutex<HashSet<String>>| {
+            known
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(topic)
+        };
+        if known(&self.known) {
+            return Ok(());
+        }
+        match topics::exists(&self.servers, topic).await {
+            Ok(true) => {
+                self.known
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(topic.to_owned());
+                Ok(())
+            }
+            Ok(false) => Err(PublishError::unavailable(Error::MissingTopic {
+                topic: topic.to_owned(),
+            })),
+            Err(error) => Err(PublishError::unavailable(error)),
+        }
     }
 }
 
 impl Publish for OutboxPublisher {
     fn publish<'a>(&'a self, event: &'a Event) -> PublishFuture<'a> {
         Box::pin(async move {
+            self.check_topic(event.destination()).await?;
             let id = event.id().to_string();
             let mut headers = OwnedHeaders::new().insert(Header {
                 key: MESSAGE_ID_HEADER,

@@ -5,6 +5,7 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::FutureProducer;
 use rdkafka::types::RDKafkaErrorCode;
 
@@ -33,6 +34,44 @@ pub(crate) fn producer(servers: &str) -> Result<FutureProducer, Error> {
 /// it.
 pub(crate) async fn ensure(servers: &str, topic: &str) -> Result<(), Error> {
     create_topic(servers, topic, 1).await
+}
+
+/// How long a look at the cluster's metadata may take.
+const METADATA_LIMIT: Duration = Duration::from_secs(10);
+
+/// Whether `topic` exists on the cluster of `servers`: its metadata, asked
+/// without letting the broker create it on the way.
+pub(crate) async fn exists(servers: &str, topic: &str) -> Result<bool, Error> {
+    let client: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", servers)
+        .set("allow.auto.create.topics", "false")
+        .create()
+        .map_err(Error::kafka("create a metadata client"))?;
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let metadata = client
+            .fetch_metadata(Some(&topic), METADATA_LIMIT)
+            .map_err(Error::kafka("read the topic's metadata"))?;
+        Ok(metadata.topics().iter().any(|found| {
+            found.name() == topic && found.error().is_none() && !found.partitions().is_empty()
+        }))
+    })
+    .await
+    .map_err(|_| Error::TimedOut("the topic's metadata"))?
+}
+
+/// Fails with [`Error::MissingTopic`] when `topic` does not exist, unless
+/// `create` says with how many partitions to create it.
+pub(crate) async fn require(servers: &str, topic: &str, create: Option<i32>) -> Result<(), Error> {
+    if exists(servers, topic).await? {
+        return Ok(());
+    }
+    match create {
+        Some(partitions) => create_topic(servers, topic, partitions).await,
+        None => Err(Error::MissingTopic {
+            topic: topic.to_owned(),
+        }),
+    }
 }
 
 /// Creates `topic` with `partitions` partitions (and the cluster's default

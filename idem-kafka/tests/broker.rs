@@ -56,6 +56,10 @@ fn main() -> ExitCode {
             applied_once_in_memory,
         ),
         trial(
+            "a_missing_topic_stops_the_start_unless_the_consumer_creates_it",
+            missing_topic,
+        ),
+        trial(
             "a_failing_record_is_dead_lettered_after_exactly_three_attempts_in_order",
             dead_lettered_in_order,
         ),
@@ -532,6 +536,90 @@ async fn run_in_memory(inbox: MemoryInbox, topic: &str, handler: Remember) -> Ru
         done,
         subscription,
     }
+}
+
+/// A topic that does not exist stops the start, named, before the consumer
+/// joins anything; told to create it, the consumer creates it with the
+/// partitions it was given, and joins with them. The outbox's publisher
+/// names a missing destination (the relay retries it) and publishes once it
+/// exists.
+async fn missing_topic() -> Outcome {
+    let broker = TestKafka::shared();
+    let topic = broker.fresh_topic("missing");
+    let consumer = |create: bool| {
+        let builder = Consumer::builder(broker.servers(), &topic)
+            .inbox(MemoryInbox::new())
+            .config("session.timeout.ms", "6000")
+            .handler(Remember::default());
+        match create {
+            true => builder.create_topic(2).build(),
+            false => builder.build(),
+        }
+    };
+    let refused = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer(false).run(std::future::pending(), |_| {}),
+    )
+    .await
+    .map_err(|_| "the start with a missing topic still runs after 30 s")?;
+    match refused {
+        Err(idem_kafka::Error::MissingTopic { topic: named }) if named == topic => {}
+        other => return Err(format!("expected MissingTopic {{ {topic} }}, got {other:?}").into()),
+    }
+    let message = idem_kafka::Error::MissingTopic {
+        topic: topic.clone(),
+    }
+    .to_string();
+    assert!(
+        message.contains(&topic) && message.contains("create_topic"),
+        "{message}"
+    );
+    // The outbox's publisher names a missing destination, for the relay's
+    // log, and publishes once it exists.
+    let events = broker.fresh_topic("missing-events");
+    let publisher = idem_kafka::OutboxPublisher::connect(&broker.servers()).unwrap();
+    let event = Event::new(events.clone(), "acc_1", "{}");
+    match publisher.publish(&event).await {
+        Err(idem_core::outbox::PublishError::Unavailable(error))
+            if error
+                .to_string()
+                .contains(&format!("the topic {events} does not exist")) => {}
+        other => return Err(format!("publishing to a missing topic: {other:?}").into()),
+    }
+    create_topic(&events, 1).await;
+    publisher
+        .publish(&event)
+        .await
+        .map_err(|e| format!("publishing once the topic exists: {e}"))?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let (joined, on_join) = oneshot::channel();
+    let running = tokio::spawn(consumer(true).run(
+        async {
+            let _ = stopped.await;
+        },
+        move |subscription| {
+            let _ = joined.send(subscription.partitions.clone());
+        },
+    ));
+    let mut partitions = tokio::time::timeout(WAIT, on_join)
+        .await
+        .map_err(|_| "the consumer did not join within 60 s")?
+        .map_err(|_| {
+            format!(
+                "the consumer ended before it joined: {:?}",
+                running.is_finished()
+            )
+        })?;
+    partitions.sort_unstable();
+    let _ = stop.send(());
+    running
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    if partitions != [0, 1] {
+        return Err(format!("the created topic's partitions assigned: {partitions:?}").into());
+    }
+    Ok(())
 }
 
 /// The consumer on idem-core's `MemoryInbox`, which keeps the positions in

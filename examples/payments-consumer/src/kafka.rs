@@ -13,6 +13,11 @@ use crate::database::with_inbox;
 use crate::dead_letters::{DeadLetterLine, Source};
 use crate::ledger::Ledger;
 
+/// The partitions of the topic when the consumer finds none and creates it
+/// (a consumer started before anything was published): as many as the
+/// payments examples create for their events (`--publish kafka://…`).
+const TOPIC_PARTITIONS: i32 = 3;
+
 /// How long the group waits for a member that stopped answering (killed, cut
 /// off) before its partitions go to the others: librdkafka's default is 45 s.
 pub const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
@@ -58,6 +63,7 @@ where
     let stop = stop_signal()?;
     let settings = &options.settings;
     let consumer = Consumer::builder(&options.servers, &options.topic)
+        .create_topic(TOPIC_PARTITIONS)
         .group(&options.group)
         .name(inbox_name(&options.topic))
         .inbox(inbox)
