@@ -198,7 +198,7 @@ where
         .handler(Apply {
             progress: Arc::clone(&progress),
         })
-        .build();
+        .build()?;
     // The window opens when the first record reaches the handler, as the
     // bare consumer's opens at its first record: the group's join and the
     // first fetch after the assignment (about 360 ms on tansu, the same for

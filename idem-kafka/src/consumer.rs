@@ -265,11 +265,20 @@ impl<I, H> ConsumerBuilder<I, H> {
 }
 
 impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I, H> {
-    /// The consumer.
-    pub fn build(self) -> Consumer<I, H> {
+    /// The consumer. Fails on a topic name Kafka cannot carry (or whose
+    /// dead-letter topic, `<topic>.dlq`, it cannot); the broker is not
+    /// contacted until [`run`](Consumer::run), as RabbitMQ's and SQS's
+    /// builders do.
+    pub fn build(self) -> Result<Consumer<I, H>, Error> {
+        topics::check_name(&topics::dead_letter_topic(&self.topic))
+            .and_then(|()| topics::check_name(&self.topic))
+            .map_err(|why| Error::InvalidTopic {
+                topic: self.topic.clone(),
+                why,
+            })?;
         let group = self.group.unwrap_or_else(|| self.topic.clone());
         let name = self.name.unwrap_or_else(|| group.clone());
-        Consumer {
+        Ok(Consumer {
             servers: self.servers,
             topic: self.topic,
             group,
@@ -281,7 +290,7 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I,
             queue: self.queue,
             shutdown_timeout: self.shutdown_timeout,
             create_topic: self.create_topic,
-        }
+        })
     }
 }
 

@@ -43,6 +43,15 @@ pub enum Error {
         /// The topic's name.
         topic: String,
     },
+    /// The topic's name is one Kafka cannot carry, or its dead-letter
+    /// topic's (`<topic>.dlq`) is: [`ConsumerBuilder::build`](crate::ConsumerBuilder::build).
+    #[error("the topic name {topic:?} cannot be used: {why}")]
+    InvalidTopic {
+        /// The name given.
+        topic: String,
+        /// What Kafka would refuse in it.
+        why: &'static str,
+    },
     /// The polling thread could not be started.
     #[error("the polling thread could not be started")]
     Thread(#[source] std::io::Error),

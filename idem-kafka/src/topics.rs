@@ -16,6 +16,29 @@ pub fn dead_letter_topic(topic: &str) -> String {
     format!("{topic}.dlq")
 }
 
+/// The longest topic name Kafka takes.
+const MAX_TOPIC_NAME_LEN: usize = 249;
+
+/// Why Kafka would refuse `topic` as a topic's name, if it would: empty,
+/// `.` or `..`, longer than 249 bytes, or a character outside ASCII
+/// letters, digits, `.`, `_` and `-`.
+pub(crate) fn check_name(topic: &str) -> Result<(), &'static str> {
+    if topic.is_empty() {
+        Err("it is empty")
+    } else if topic == "." || topic == ".." {
+        Err("`.` and `..` are not topic names")
+    } else if topic.len() > MAX_TOPIC_NAME_LEN {
+        Err("it is longer than 249 bytes (the dead-letter topic adds `.dlq`)")
+    } else if !topic
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        Err("only ASCII letters, digits, `.`, `_` and `-` are allowed")
+    } else {
+        Ok(())
+    }
+}
+
 /// An idempotent producer that waits for every in-sync replica
 /// (`enable.idempotence`: the producer's own retries write no duplicate).
 pub(crate) fn producer(servers: &str) -> Result<FutureProducer, Error> {
@@ -105,4 +128,30 @@ pub async fn create_topic(servers: &str, topic: &str, partitions: i32) -> Result
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_names_kafka_takes_pass() {
+        for good in ["payments", "a.b_c-D9", &"x".repeat(245)] {
+            assert_eq!(check_name(good), Ok(()), "{good}");
+        }
+        let long = "x".repeat(250);
+        for bad in [
+            "",
+            ".",
+            "..",
+            "pay ments",
+            "payments/1",
+            "paiement-é",
+            &long,
+        ] {
+            assert!(check_name(bad).is_err(), "{bad}");
+        }
+        // A topic of 246 bytes passes; its dead-letter topic (250) does not.
+        assert!(check_name(&dead_letter_topic(&"x".repeat(246))).is_err());
+    }
 }

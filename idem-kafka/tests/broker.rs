@@ -419,7 +419,8 @@ where
         .config("heartbeat.interval.ms", "500")
         .queue(queue)
         .handler(handler)
-        .build();
+        .build()
+        .expect("a valid topic");
     let (stop, stopped) = oneshot::channel::<()>();
     let (joined, on_join) = oneshot::channel();
     let done = tokio::spawn(consumer.run(
@@ -516,7 +517,8 @@ async fn run_in_memory(inbox: MemoryInbox, topic: &str, handler: Remember) -> Ru
         .config("session.timeout.ms", "6000")
         .config("heartbeat.interval.ms", "500")
         .handler(handler)
-        .build();
+        .build()
+        .expect("a valid topic");
     let (stop, stopped) = oneshot::channel::<()>();
     let (joined, on_join) = oneshot::channel();
     let done = tokio::spawn(consumer.run(
@@ -538,7 +540,8 @@ async fn run_in_memory(inbox: MemoryInbox, topic: &str, handler: Remember) -> Ru
     }
 }
 
-/// A topic that does not exist stops the start, named, before the consumer
+/// A topic name Kafka cannot carry is refused by `build`. A topic that does
+/// not exist stops the start, named, before the consumer
 /// joins anything; told to create it, the consumer creates it with the
 /// partitions it was given, and joins with them. The outbox's publisher
 /// names a missing destination (the relay retries it) and publishes once it
@@ -555,7 +558,18 @@ async fn missing_topic() -> Outcome {
             true => builder.create_topic(2).build(),
             false => builder.build(),
         }
+        .expect("a valid topic")
     };
+    // A name Kafka cannot carry is refused by `build`, before any broker.
+    let invalid = Consumer::builder(broker.servers(), "pay ments")
+        .inbox(MemoryInbox::new())
+        .handler(Remember::default())
+        .build();
+    match invalid {
+        Err(idem_kafka::Error::InvalidTopic { topic, .. }) if topic == "pay ments" => {}
+        Err(other) => return Err(format!("expected InvalidTopic, got {other:?}").into()),
+        Ok(_) => return Err("a topic name with a space was accepted".into()),
+    }
     let refused = tokio::time::timeout(
         Duration::from_secs(30),
         consumer(false).run(std::future::pending(), |_| {}),

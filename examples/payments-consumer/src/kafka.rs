@@ -73,7 +73,7 @@ where
             SESSION_TIMEOUT.as_millis().to_string(),
         )
         .handler(settings.handler())
-        .build();
+        .build()?;
     let consumed = beside_cleanup(
         cleanup,
         consumer.run(stop, |subscription| subscribed(&subscription.topic)),
