@@ -217,9 +217,11 @@ impl Settings {
             storm_outage: Duration::from_millis(200),
             storm_base: Duration::from_millis(100),
             cleanup_rows: 2_000,
-            consumer_concurrencies: vec![1, 4],
-            kafka_concurrencies: vec![1, 2],
-            sqs_concurrencies: vec![1, 2],
+            // One concurrency each: every step of the section runs (a
+            // Kafka group's join alone takes seconds on tansu).
+            consumer_concurrencies: vec![4],
+            kafka_concurrencies: vec![2],
+            sqs_concurrencies: vec![2],
             sqs_messages: 20,
             sqs_warmup: 4,
             consumer_messages: 40,
@@ -330,10 +332,15 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             continue;
         }
         eprintln!("==> bench: {name}");
+        let section_started = Instant::now();
         if let Err(error) = section(&bench, &mut report) {
             eprintln!("bench: {name} failed: {error}");
             report.failures.push(format!("{name}: {error}"));
         }
+        eprintln!(
+            "==> bench: {name}: {:.1} s",
+            section_started.elapsed().as_secs_f64()
+        );
     }
     let load_after = process::load_average();
     report.notes.push(format!(
