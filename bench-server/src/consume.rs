@@ -76,40 +76,53 @@ pub(crate) struct Options {
     /// The run's work queue (a fresh name: declared, filled and drained here).
     #[arg(long)]
     queue: String,
-    /// The database: `postgres://…` or `sqlite://PATH`.
-    #[arg(long)]
-    database: String,
-    /// `idem` (idem-rabbitmq and the database's inbox) or `bare` (lapin and
-    /// the same transaction, no inbox).
-    #[arg(long)]
-    consumer: Kind,
-    /// Messages processed at once.
-    #[arg(long)]
-    concurrency: usize,
     /// Unacknowledged deliveries the broker sends ahead (`basic.qos`).
     #[arg(long, default_value_t = idem_rabbitmq::DEFAULT_PREFETCH)]
     prefetch: u16,
-    /// Messages in the measured drain.
-    #[arg(long)]
-    messages: usize,
-    /// Messages drained first, unmeasured.
-    #[arg(long, default_value_t = 0)]
-    warmup: usize,
-    /// Accounts the payments are spread over.
-    #[arg(long, default_value_t = 1_000)]
-    accounts: usize,
     /// Database connections (default: the concurrency on PostgreSQL, the
     /// inbox's default of 4 on SQLite, whose writers take turns anyway).
     #[arg(long)]
     pool: Option<u32>,
-    /// Tokio worker threads.
-    #[arg(long, default_value_t = 2)]
-    workers: usize,
+    /// What every consume command takes beside its broker.
+    #[command(flatten)]
+    drain: crate::consume::Drain,
 }
 
+/// What every consume command (`consume`, `kafka-consume`, `sqs-consume`)
+/// takes beside its broker, flattened into each: the same flags, the same
+/// defaults.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Drain {
+    /// The database: `postgres://…` or `sqlite://PATH`.
+    #[arg(long)]
+    pub(crate) database: String,
+    /// `idem` (the broker's idem crate and the database's inbox) or `bare`
+    /// (the broker's client and the same transaction, no inbox).
+    #[arg(long)]
+    pub(crate) consumer: Kind,
+    /// Messages processed at once (on Kafka: the topic's partitions).
+    #[arg(long)]
+    pub(crate) concurrency: usize,
+    /// Messages in the measured drain.
+    #[arg(long)]
+    pub(crate) messages: usize,
+    /// Messages drained first, unmeasured.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) warmup: usize,
+    /// Accounts the payments are spread over.
+    #[arg(long, default_value_t = 1_000)]
+    pub(crate) accounts: usize,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) workers: usize,
+}
+
+/// Which consumer a run drains with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum Kind {
+pub(crate) enum Kind {
+    /// The broker's idem crate on the database's inbox.
     Idem,
+    /// The broker's client, the same transaction, no inbox.
     Bare,
 }
 
@@ -385,50 +398,55 @@ pub(crate) enum Database {
 
 pub(crate) fn run(options: Options) -> Result<(), BoxError> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(options.workers.max(1))
+        .worker_threads(options.drain.workers.max(1))
         .enable_all()
         .build()?
         .block_on(drain_once(options))
 }
 
 async fn drain_once(options: Options) -> Result<(), BoxError> {
-    if options.messages == 0 {
+    if options.drain.messages == 0 {
         return Err("--messages must be at least 1".into());
     }
     let database = Database::open(
-        &options.database,
-        options.accounts,
+        &options.drain.database,
+        options.drain.accounts,
         options.pool,
-        options.concurrency,
+        options.drain.concurrency,
     )
     .await?;
     let warmup_queue = format!("{}.warmup", options.queue);
     let published = Instant::now();
-    publish(&options, &options.queue, options.messages).await?;
-    if options.warmup > 0 {
-        publish(&options, &warmup_queue, options.warmup).await?;
+    publish(&options, &options.queue, options.drain.messages).await?;
+    if options.drain.warmup > 0 {
+        publish(&options, &warmup_queue, options.drain.warmup).await?;
     }
     let publish_seconds = published.elapsed().as_secs_f64();
-    if options.warmup > 0 {
+    if options.drain.warmup > 0 {
         let mut ignored = Window::new(None);
         database
-            .drain(&options, &warmup_queue, options.warmup, &mut ignored)
+            .drain(&options, &warmup_queue, options.drain.warmup, &mut ignored)
             .await?;
     }
     let before = database.applied().await?;
     let mut window = Window::new(database.postgres_port());
     let drained = database
-        .drain(&options, &options.queue, options.messages, &mut window)
+        .drain(
+            &options,
+            &options.queue,
+            options.drain.messages,
+            &mut window,
+        )
         .await?;
     let measured = window.end()?;
-    if drained != options.messages {
-        return Err(format!("{drained} messages drained, not {}", options.messages).into());
+    if drained != options.drain.messages {
+        return Err(format!("{drained} messages drained, not {}", options.drain.messages).into());
     }
     let applied = database.applied().await? - before;
-    if applied != options.messages as i64 {
+    if applied != options.drain.messages as i64 {
         return Err(format!(
             "the accounts counted {applied} payments in the drain, not {}",
-            options.messages
+            options.drain.messages
         )
         .into());
     }
@@ -436,7 +454,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     println!(
         "{}",
         serde_json::json!({
-            "messages": options.messages,
+            "messages": options.drain.messages,
             "seconds": measured.seconds,
             "cpu_seconds": measured.cpu_seconds,
             "database_cpu_seconds": measured.database_cpu_seconds,
@@ -505,7 +523,7 @@ impl Database {
         count: usize,
         window: &mut Window,
     ) -> Result<usize, BoxError> {
-        match (self, options.consumer) {
+        match (self, options.drain.consumer) {
             (Self::Postgres { inbox, .. }, Kind::Idem) => {
                 idem(inbox.clone(), options, queue, count, window).await
             }
@@ -568,7 +586,7 @@ where
         .inbox(inbox)
         .policy(ConsumerPolicy::new())
         .prefetch(options.prefetch)
-        .concurrency(options.concurrency)
+        .concurrency(options.drain.concurrency)
         .handler(Apply {
             progress: Arc::clone(&progress),
         })
@@ -612,7 +630,7 @@ async fn bare<T: BareTransaction>(
         )
         .await?;
     window.start();
-    let concurrency = options.concurrency.max(1);
+    let concurrency = options.drain.concurrency.max(1);
     let mut running: JoinSet<Result<(), BoxError>> = JoinSet::new();
     let mut acked = 0;
     while acked < count {
@@ -651,7 +669,7 @@ async fn publish(options: &Options, queue: &str, count: usize) -> Result<(), Box
     futures_util::stream::iter(0..count)
         .map(|n| {
             let id = uuid::Uuid::now_v7().to_string();
-            let message = Message::new(payment_body(&id, n, options.accounts.max(1))).id(id);
+            let message = Message::new(payment_body(&id, n, options.drain.accounts.max(1))).id(id);
             let publisher = &publisher;
             async move { publisher.publish(queue, &message).await.map(drop) }
         })

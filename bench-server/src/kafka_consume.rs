@@ -35,7 +35,7 @@ use tokio::task::JoinSet;
 
 use crate::BoxError;
 use crate::consume::{
-    Apply, BareTransaction, Database, Ledger, Payment, Progress, Window, payment_body,
+    Apply, BareTransaction, Database, Kind, Ledger, Payment, Progress, Window, payment_body,
 };
 
 /// What `kafka-consume` runs.
@@ -47,34 +47,9 @@ pub(crate) struct Options {
     /// The run's topic (a fresh name: created, filled and drained here).
     #[arg(long)]
     topic: String,
-    /// The database: `postgres://…` or `sqlite://PATH`.
-    #[arg(long)]
-    database: String,
-    /// `idem` (idem-kafka and the database's inbox) or `bare` (rdkafka with
-    /// auto-commit and the same transaction, no inbox).
-    #[arg(long)]
-    consumer: Kind,
-    /// The topic's partitions, and the bare consumer's records at once.
-    #[arg(long)]
-    concurrency: usize,
-    /// Messages in the measured drain.
-    #[arg(long)]
-    messages: usize,
-    /// Messages drained first, unmeasured.
-    #[arg(long, default_value_t = 0)]
-    warmup: usize,
-    /// Accounts the payments are spread over.
-    #[arg(long, default_value_t = 1_000)]
-    accounts: usize,
-    /// Tokio worker threads.
-    #[arg(long, default_value_t = 2)]
-    workers: usize,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum Kind {
-    Idem,
-    Bare,
+    /// What every consume command takes beside its broker.
+    #[command(flatten)]
+    drain: crate::consume::Drain,
 }
 
 /// The consumer's name in the inbox and the offsets table.
@@ -82,23 +57,23 @@ const CONSUMER: &str = "payments";
 
 pub(crate) fn run(options: Options) -> Result<(), BoxError> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(options.workers.max(1))
+        .worker_threads(options.drain.workers.max(1))
         .enable_all()
         .build()?
         .block_on(drain_once(options))
 }
 
 async fn drain_once(options: Options) -> Result<(), BoxError> {
-    if options.messages == 0 {
+    if options.drain.messages == 0 {
         return Err("--messages must be at least 1".into());
     }
-    let partitions = options.concurrency.max(1);
+    let partitions = options.drain.concurrency.max(1);
     // A connection per partition's worker (or bare task), as `consume` gives.
     let database = Database::open(
-        &options.database,
-        options.accounts,
+        &options.drain.database,
+        options.drain.accounts,
         None,
-        options.concurrency,
+        options.drain.concurrency,
     )
     .await?;
     let warmup_topic = format!("{}.warmup", options.topic);
@@ -106,15 +81,15 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     for topic in [&options.topic, &warmup_topic] {
         idem_kafka::create_topic(&options.kafka, topic, partitions).await?;
     }
-    publish(&options, &options.topic, options.messages).await?;
-    if options.warmup > 0 {
-        publish(&options, &warmup_topic, options.warmup).await?;
+    publish(&options, &options.topic, options.drain.messages).await?;
+    if options.drain.warmup > 0 {
+        publish(&options, &warmup_topic, options.drain.warmup).await?;
         let mut ignored = Window::new(None);
         drain(
             &database,
             &options,
             &warmup_topic,
-            options.warmup,
+            options.drain.warmup,
             &mut ignored,
         )
         .await?;
@@ -125,26 +100,26 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         &database,
         &options,
         &options.topic,
-        options.messages,
+        options.drain.messages,
         &mut window,
     )
     .await?;
     let measured = window.end()?;
-    if drained != options.messages {
-        return Err(format!("{drained} messages drained, not {}", options.messages).into());
+    if drained != options.drain.messages {
+        return Err(format!("{drained} messages drained, not {}", options.drain.messages).into());
     }
     let applied = database.applied().await? - before;
-    if applied != options.messages as i64 {
+    if applied != options.drain.messages as i64 {
         return Err(format!(
             "the accounts counted {applied} payments in the drain, not {}",
-            options.messages
+            options.drain.messages
         )
         .into());
     }
     println!(
         "{}",
         serde_json::json!({
-            "messages": options.messages,
+            "messages": options.drain.messages,
             "seconds": measured.seconds,
             "cpu_seconds": measured.cpu_seconds,
             "database_cpu_seconds": measured.database_cpu_seconds,
@@ -160,7 +135,7 @@ async fn drain(
     count: usize,
     window: &mut Window,
 ) -> Result<usize, BoxError> {
-    match (database, options.consumer) {
+    match (database, options.drain.consumer) {
         (Database::Postgres { inbox, .. }, Kind::Idem) => {
             idem(inbox.clone(), options, topic, count, window).await
         }
@@ -229,7 +204,7 @@ async fn bare<T: BareTransaction>(
         .set("enable.auto.commit", "true")
         .create()?;
     consumer.subscribe(&[topic])?;
-    let concurrency = options.concurrency.max(1);
+    let concurrency = options.drain.concurrency.max(1);
     let mut running: JoinSet<Result<(), BoxError>> = JoinSet::new();
     let mut records = consumer.stream();
     let mut applied = 0;
@@ -269,7 +244,7 @@ async fn publish(options: &Options, topic: &str, count: usize) -> Result<(), Box
         .set("enable.idempotence", "true")
         .set("linger.ms", "5")
         .create()?;
-    let accounts = options.accounts.max(1);
+    let accounts = options.drain.accounts.max(1);
     futures_util::stream::iter(0..count)
         .map(|n| {
             let producer = &producer;

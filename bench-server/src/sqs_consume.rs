@@ -49,7 +49,7 @@ use tokio::task::JoinSet;
 
 use crate::BoxError;
 use crate::consume::{
-    Apply, BareTransaction, Database, Ledger, Payment, Progress, Window, payment_body,
+    Apply, BareTransaction, Database, Kind, Ledger, Payment, Progress, Window, payment_body,
 };
 
 /// What `sqs-consume` runs.
@@ -62,34 +62,9 @@ pub(crate) struct Options {
     /// here).
     #[arg(long)]
     queue: String,
-    /// The database: `postgres://…` or `sqlite://PATH`.
-    #[arg(long)]
-    database: String,
-    /// `idem` (idem-sqs and the database's inbox) or `bare` (aws-sdk-sqs and
-    /// the same transaction, no inbox).
-    #[arg(long)]
-    consumer: Kind,
-    /// Messages processed at once.
-    #[arg(long)]
-    concurrency: usize,
-    /// Messages in the measured drain.
-    #[arg(long)]
-    messages: usize,
-    /// Messages drained first, unmeasured.
-    #[arg(long, default_value_t = 0)]
-    warmup: usize,
-    /// Accounts the payments are spread over.
-    #[arg(long, default_value_t = 1_000)]
-    accounts: usize,
-    /// Tokio worker threads.
-    #[arg(long, default_value_t = 2)]
-    workers: usize,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum Kind {
-    Idem,
-    Bare,
+    /// What every consume command takes beside its broker.
+    #[command(flatten)]
+    drain: crate::consume::Drain,
 }
 
 /// The consumer's name in the inbox.
@@ -104,14 +79,14 @@ const SENDING: usize = 16;
 
 pub(crate) fn run(options: Options) -> Result<(), BoxError> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(options.workers.max(1))
+        .worker_threads(options.drain.workers.max(1))
         .enable_all()
         .build()?
         .block_on(drain_once(options))
 }
 
 async fn drain_once(options: Options) -> Result<(), BoxError> {
-    if options.messages == 0 {
+    if options.drain.messages == 0 {
         return Err("--messages must be at least 1".into());
     }
     let client = ClientConfig::from_env()
@@ -121,25 +96,25 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         .build()?;
     // A connection per running handler, as `consume` gives.
     let database = Database::open(
-        &options.database,
-        options.accounts,
+        &options.drain.database,
+        options.drain.accounts,
         None,
-        options.concurrency,
+        options.drain.concurrency,
     )
     .await?;
     let queue = create_queue(&client, &options.queue).await?;
     let warmup = create_queue(&client, &format!("{}-warmup", options.queue)).await?;
-    publish(&client, &options, &queue, options.messages).await?;
+    publish(&client, &options, &queue, options.drain.messages).await?;
     let sqs_call_ms = call_ms(&client, &queue).await?;
-    if options.warmup > 0 {
-        publish(&client, &options, &warmup, options.warmup).await?;
+    if options.drain.warmup > 0 {
+        publish(&client, &options, &warmup, options.drain.warmup).await?;
         let mut ignored = Window::new(None);
         drain(
             &client,
             &database,
             &options,
             &warmup,
-            options.warmup,
+            options.drain.warmup,
             &mut ignored,
         )
         .await?;
@@ -151,19 +126,19 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         &database,
         &options,
         &queue,
-        options.messages,
+        options.drain.messages,
         &mut window,
     )
     .await?;
     let measured = window.end()?;
-    if drained != options.messages {
-        return Err(format!("{drained} messages drained, not {}", options.messages).into());
+    if drained != options.drain.messages {
+        return Err(format!("{drained} messages drained, not {}", options.drain.messages).into());
     }
     let applied = database.applied().await? - before;
-    if applied != options.messages as i64 {
+    if applied != options.drain.messages as i64 {
         return Err(format!(
             "the accounts counted {applied} payments in the drain, not {}",
-            options.messages
+            options.drain.messages
         )
         .into());
     }
@@ -188,7 +163,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     println!(
         "{}",
         serde_json::json!({
-            "messages": options.messages,
+            "messages": options.drain.messages,
             "seconds": measured.seconds,
             "cpu_seconds": measured.cpu_seconds,
             "database_cpu_seconds": measured.database_cpu_seconds,
@@ -206,7 +181,7 @@ async fn drain(
     count: usize,
     window: &mut Window,
 ) -> Result<usize, BoxError> {
-    match (database, options.consumer) {
+    match (database, options.drain.consumer) {
         (Database::Postgres { inbox, .. }, Kind::Idem) => {
             idem(client, inbox.clone(), options, queue, count, window).await
         }
@@ -241,7 +216,7 @@ where
         .name(CONSUMER)
         .inbox(inbox)
         .policy(ConsumerPolicy::new())
-        .concurrency(options.concurrency)
+        .concurrency(options.drain.concurrency)
         .wait_time(WAIT)
         .handler(Apply {
             progress: Arc::clone(&progress),
@@ -266,7 +241,7 @@ async fn bare<T: BareTransaction>(
     count: usize,
     window: &mut Window,
 ) -> Result<usize, BoxError> {
-    let concurrency = options.concurrency.max(1);
+    let concurrency = options.drain.concurrency.max(1);
     let wait = i32::try_from(WAIT.as_secs())?;
     let mut running: JoinSet<Result<(), BoxError>> = JoinSet::new();
     let mut polling: Option<Receive> = None;
@@ -392,7 +367,7 @@ async fn publish(
     url: &str,
     count: usize,
 ) -> Result<(), BoxError> {
-    let accounts = options.accounts.max(1);
+    let accounts = options.drain.accounts.max(1);
     let batches: Vec<Vec<usize>> = (0..count)
         .collect::<Vec<_>>()
         .chunks(10)
