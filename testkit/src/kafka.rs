@@ -164,17 +164,15 @@ impl TestKafka {
 
     fn start_on(storage: &str) -> Result<Self, Error> {
         let tansu = binary()?;
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let [port] = process::free_ports(|_| true)?;
-            let dir = crate::fresh_dir("kafka")?;
-            match Self::launch(&tansu, port, dir, storage) {
-                Ok(broker) => return Ok(broker),
-                Err(error) if attempt >= START_ATTEMPTS => return Err(error),
-                Err(_) => continue,
-            }
-        }
+        process::attempts(
+            START_ATTEMPTS,
+            |_| true,
+            || {
+                let [port] = process::free_ports(|_| true)?;
+                let dir = crate::fresh_dir("kafka")?;
+                Self::launch(&tansu, port, dir, storage)
+            },
+        )
     }
 
     fn launch(tansu: &PathBuf, port: u16, dir: PathBuf, storage: &str) -> Result<Self, Error> {

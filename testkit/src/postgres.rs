@@ -94,17 +94,16 @@ impl TestPostgres {
         cluster.watchdog = Some(Watchdog::spawn(WATCHDOG, &args, |sh| {
             sh.env("IDEM_DIR", &root);
         })?);
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let [port] = process::free_ports(|_| true)?;
-            cluster.port = port;
-            match cluster.resume() {
-                Ok(()) => return Ok(cluster),
-                Err(error) if attempt >= START_ATTEMPTS => return Err(error),
-                Err(_) => continue,
-            }
-        }
+        process::attempts(
+            START_ATTEMPTS,
+            |_| true,
+            || {
+                let [port] = process::free_ports(|_| true)?;
+                cluster.port = port;
+                cluster.resume()
+            },
+        )?;
+        Ok(cluster)
     }
 
     /// The test process's shared cluster: started on first use, the same one

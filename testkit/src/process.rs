@@ -91,6 +91,25 @@ pub(crate) fn free_ports<const N: usize>(
 }
 
 /// Whether nothing listens on `port` of 127.0.0.1.
+/// Runs `start` up to `times` times while it fails with an error `retry`
+/// takes (another process took the free port it chose, between the choice and
+/// the server's bind): its first success, or its last error. Every server's
+/// start goes through it.
+pub(crate) fn attempts<T>(
+    times: usize,
+    retry: impl Fn(&Error) -> bool,
+    mut start: impl FnMut() -> Result<T, Error>,
+) -> Result<T, Error> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match start() {
+            Err(error) if attempt < times && retry(&error) => continue,
+            started => return started,
+        }
+    }
+}
+
 pub(crate) fn port_is_free(port: u16) -> bool {
     TcpListener::bind(("127.0.0.1", port)).is_ok()
 }

@@ -83,14 +83,11 @@ impl TestRabbitMq {
                 fix: "install RabbitMQ (`apt-get install rabbitmq-server`)",
             });
         }
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match Self::start_once() {
-                Err(Error::NotReady { .. }) if attempt < START_ATTEMPTS => continue,
-                started => return started,
-            }
-        }
+        process::attempts(
+            START_ATTEMPTS,
+            |error| matches!(error, Error::NotReady { .. }),
+            Self::start_once,
+        )
     }
 
     fn start_once() -> Result<Self, Error> {

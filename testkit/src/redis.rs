@@ -337,24 +337,22 @@ impl TestRedis {
 impl Node {
     /// A node in a fresh directory on a free port.
     fn start(cluster: bool) -> Result<Self, Error> {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            // A cluster node's bus port is its port + 10000.
-            let [port] = process::free_ports(|port| {
-                !cluster || (port < 55_000 && process::port_is_free(port + 10_000))
-            })?;
-            let node = Self {
-                port,
-                dir: crate::fresh_dir("redis")?,
-                watchdogs: Mutex::new(Vec::new()),
-            };
-            match node.launch(cluster) {
-                Ok(()) => return Ok(node),
-                Err(error) if attempt >= START_ATTEMPTS => return Err(error),
-                Err(_) => continue,
-            }
-        }
+        process::attempts(
+            START_ATTEMPTS,
+            |_| true,
+            || {
+                // A cluster node's bus port is its port + 10000.
+                let [port] = process::free_ports(|port| {
+                    !cluster || (port < 55_000 && process::port_is_free(port + 10_000))
+                })?;
+                let node = Self {
+                    port,
+                    dir: crate::fresh_dir("redis")?,
+                    watchdogs: Mutex::new(Vec::new()),
+                };
+                node.launch(cluster).map(|()| node)
+            },
+        )
     }
 
     /// Starts `redis-server` under a watchdog and waits for its `PONG`.

@@ -98,15 +98,7 @@ impl TestSqs {
     /// Starts moto's server on a free port and waits until it answers.
     pub fn start() -> Result<Self, Error> {
         let server = server()?;
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match Self::start_once(&server) {
-                Ok(sqs) => return Ok(sqs),
-                Err(error) if attempt >= START_ATTEMPTS => return Err(error),
-                Err(_) => continue,
-            }
-        }
+        process::attempts(START_ATTEMPTS, |_| true, || Self::start_once(&server))
     }
 
     fn start_once(server: &[String]) -> Result<Self, Error> {
