@@ -30,7 +30,7 @@ use idem_kafka::{
 };
 use idem_testkit::fault::{Fault, Proxy};
 use idem_testkit::wait::until;
-use idem_testkit::{TestKafka, TestPostgres};
+use idem_testkit::{TempDir, TestKafka, TestPostgres};
 use libtest_mimic::{Arguments, Failed, Trial};
 use tokio::sync::oneshot;
 
@@ -161,55 +161,15 @@ enum Inboxes {
     /// The file's directory lives as long as the inbox.
     Sqlite {
         inbox: SqliteInbox,
-        _dir: tempdir::Dir,
+        _dir: TempDir,
     },
     Postgres(PgInbox),
-}
-
-mod tempdir {
-    use std::path::PathBuf;
-    use std::sync::Arc;
-
-    /// A fresh directory, removed when the last clone is dropped.
-    #[derive(Clone)]
-    pub(super) struct Dir(Arc<PathBuf>);
-
-    impl Dir {
-        pub(super) fn new() -> Self {
-            let dir = std::env::temp_dir().join(format!(
-                "idem-kafka-test-{}-{}",
-                std::process::id(),
-                uuid()
-            ));
-            std::fs::create_dir_all(&dir).unwrap();
-            Self(Arc::new(dir))
-        }
-
-        pub(super) fn path(&self) -> &std::path::Path {
-            &self.0
-        }
-    }
-
-    fn uuid() -> u128 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    }
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            if Arc::strong_count(&self.0) == 1 {
-                let _ = std::fs::remove_dir_all(&*self.0);
-            }
-        }
-    }
 }
 
 async fn database(db: Db) -> Inboxes {
     match db {
         Db::Sqlite => {
-            let dir = tempdir::Dir::new();
+            let dir = TempDir::new("kafka-test").unwrap();
             let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
             let inbox = SqliteInbox::builder()
                 .max_connections(4)

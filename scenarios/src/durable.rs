@@ -245,7 +245,7 @@ pub async fn instances_over_one_postgres_database(starts: &[Start]) {
 ///
 /// When the file cannot be made or the instances misbehave.
 pub async fn instances_over_one_sqlite_file(starts: &[Start]) {
-    let dir = TempDir::new();
+    let dir = TempDir::new("scenarios").unwrap_or_else(|error| panic!("a directory: {error}"));
     let path = dir.file("idem.db");
     let mut instances = Vec::new();
     for start in starts {

@@ -3,7 +3,6 @@
 //! shared PostgreSQL cluster ([`TestPostgres::shared`]), and a key prefix of
 //! its own on a test Redis ([`redis_store`]).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use idem_core::Store;
@@ -18,7 +17,7 @@ use idem_testkit::{Error as ClusterError, TestPostgres, TestRedis};
 ///
 /// When the file cannot be made or migrated.
 pub async fn sqlite_store() -> Arc<dyn Store> {
-    let dir = TempDir::new();
+    let dir = TempDir::new("scenarios").unwrap_or_else(|error| panic!("a directory: {error}"));
     let store = migrated_sqlite(&dir.file("idem.db")).await;
     Arc::new(Owning { store, _owned: dir })
 }
@@ -97,40 +96,8 @@ pub async fn migrated_sqlite(path: &str) -> SqliteStore {
     store
 }
 
-/// A temporary directory, deleted when dropped.
-#[derive(Debug)]
-pub struct TempDir(PathBuf);
-
-impl TempDir {
-    /// A fresh directory under the system's temporary directory.
-    ///
-    /// # Panics
-    ///
-    /// When it cannot be made.
-    pub fn new() -> Self {
-        let path = std::env::temp_dir().join(format!("idem-test-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&path)
-            .unwrap_or_else(|error| panic!("cannot make {}: {error}", path.display()));
-        Self(path)
-    }
-
-    /// The path of `name` in the directory, as a string.
-    pub fn file(&self, name: &str) -> String {
-        self.0.join(name).display().to_string()
-    }
-}
-
-impl Default for TempDir {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+/// A temporary directory, deleted when dropped: testkit's.
+pub use idem_testkit::TempDir;
 
 /// A store and what must live exactly as long as it (its temporary directory).
 struct Owning<S, G> {

@@ -140,6 +140,36 @@ impl std::error::Error for Error {
     }
 }
 
+/// A fresh directory under the system's temporary directory for a test's
+/// files (a SQLite database, logs), deleted when its last clone is dropped.
+#[derive(Clone, Debug)]
+pub struct TempDir(std::sync::Arc<PathBuf>);
+
+impl TempDir {
+    /// A fresh, empty directory whose name starts with `idem-KIND`.
+    pub fn new(kind: &str) -> Result<Self, Error> {
+        fresh_dir(kind).map(|dir| Self(std::sync::Arc::new(dir)))
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+
+    /// The path of `name` in the directory, as a string (for a URL).
+    pub fn file(&self, name: &str) -> String {
+        self.0.join(name).display().to_string()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::sync::Arc::strong_count(&self.0) == 1 {
+            let _ = std::fs::remove_dir_all(&*self.0);
+        }
+    }
+}
+
 /// A fresh directory under the system's temporary directory, named after the
 /// kind of server, this process and a counter.
 fn fresh_dir(kind: &str) -> Result<PathBuf, Error> {

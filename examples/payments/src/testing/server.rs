@@ -296,31 +296,25 @@ fn tail(log: &Mutex<VecDeque<String>>) -> String {
 
 /// A directory of its own under the system's temporary directory, removed
 /// when dropped (a failed trial's too).
-pub(crate) struct Scratch(std::path::PathBuf);
+pub(crate) struct Scratch(idem_testkit::TempDir);
 
 impl Scratch {
-    /// A new, empty directory whose name starts with `prefix`.
+    /// A new, empty directory whose name starts with `idem-PREFIX`.
     pub(crate) fn new(prefix: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("{prefix}-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir)
-            .unwrap_or_else(|error| panic!("create {}: {error}", dir.display()));
-        Self(dir)
+        Self(
+            idem_testkit::TempDir::new(prefix)
+                .unwrap_or_else(|error| panic!("a directory for {prefix}: {error}")),
+        )
     }
 
     /// The directory.
     pub(crate) fn path(&self) -> &Path {
-        &self.0
+        self.0.path()
     }
 
     /// `sqlite://` and a database file in the directory.
     pub(crate) fn sqlite(&self) -> String {
-        format!("sqlite://{}", self.0.join("payments.db").display())
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        format!("sqlite://{}", self.0.file("payments.db"))
     }
 }
 
