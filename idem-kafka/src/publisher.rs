@@ -31,7 +31,10 @@ const DELIVERY_LIMIT: Duration = Duration::from_secs(30);
 /// The first event to each destination looks the topic up: a topic that does
 /// not exist is [`Error::MissingTopic`], which the relay logs (naming it)
 /// and tries again later, rather than an event waiting out the delivery
-/// limit unexplained. Once seen, a topic is not looked up again.
+/// limit unexplained. Once seen, a topic is not looked up again. The lookup
+/// never creates the topic, even on a cluster that creates topics on a first
+/// produce (`auto.create.topics.enable`): create each destination
+/// ([`create_topic`](crate::create_topic)), as the examples do at start.
 pub struct OutboxPublisher {
     producer: FutureProducer,
     servers: String,

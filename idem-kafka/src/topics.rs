@@ -80,6 +80,7 @@ pub(crate) async fn exists(servers: &str, topic: &str) -> Result<bool, Error> {
         }))
     })
     .await
+    // The blocking lookup ended without an answer (cancelled at shutdown).
     .map_err(|_| Error::TimedOut("the topic's metadata"))?
 }
 
