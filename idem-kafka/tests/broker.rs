@@ -345,6 +345,37 @@ struct Running {
 }
 
 impl Running {
+    /// Runs `consumer` until stopped, once it has joined its group (60 s at
+    /// most).
+    async fn start<I, H>(consumer: Consumer<I, H>) -> Self
+    where
+        I: Positions + Send + Sync + 'static,
+        H: idem_kafka::Handler<I::Tx> + Send + Sync + 'static,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let (joined, on_join) = oneshot::channel();
+        let done = tokio::spawn(consumer.run(
+            async {
+                let _ = stopped.await;
+            },
+            move |subscription| {
+                let _ = joined.send(subscription.clone());
+            },
+        ));
+        let joined = tokio::time::timeout(Duration::from_secs(60), on_join)
+            .await
+            .expect("the consumer joins its group within 60 s");
+        let Ok(subscription) = joined else {
+            let ended = done.await;
+            panic!("the consumer ended before it joined: {ended:?}");
+        };
+        Self {
+            stop,
+            done,
+            subscription,
+        }
+    }
+
     async fn stop(self) {
         let _ = self.stop.send(());
         tokio::time::timeout(Duration::from_secs(60), self.done)
@@ -381,28 +412,7 @@ where
         .handler(handler)
         .build()
         .expect("a valid topic");
-    let (stop, stopped) = oneshot::channel::<()>();
-    let (joined, on_join) = oneshot::channel();
-    let done = tokio::spawn(consumer.run(
-        async {
-            let _ = stopped.await;
-        },
-        move |subscription| {
-            let _ = joined.send(subscription.clone());
-        },
-    ));
-    let joined = tokio::time::timeout(Duration::from_secs(60), on_join)
-        .await
-        .expect("the consumer joins its group within 60 s");
-    let Ok(subscription) = joined else {
-        let ended = done.await;
-        panic!("the consumer ended before it joined: {ended:?}");
-    };
-    Running {
-        stop,
-        done,
-        subscription,
-    }
+    Running::start(consumer).await
 }
 
 async fn create_topic(topic: &str, partitions: i32) {
@@ -479,25 +489,7 @@ async fn run_in_memory(inbox: MemoryInbox, topic: &str, handler: Remember) -> Ru
         .handler(handler)
         .build()
         .expect("a valid topic");
-    let (stop, stopped) = oneshot::channel::<()>();
-    let (joined, on_join) = oneshot::channel();
-    let done = tokio::spawn(consumer.run(
-        async {
-            let _ = stopped.await;
-        },
-        move |subscription| {
-            let _ = joined.send(subscription.clone());
-        },
-    ));
-    let subscription = tokio::time::timeout(Duration::from_secs(60), on_join)
-        .await
-        .expect("the consumer joins its group within 60 s")
-        .expect("the consumer joined");
-    Running {
-        stop,
-        done,
-        subscription,
-    }
+    Running::start(consumer).await
 }
 
 /// A topic name Kafka cannot carry is refused by `build`. A topic that does

@@ -227,19 +227,7 @@ impl Api {
         if let Some(timeout) = timeout {
             request = request.timeout(timeout);
         }
-        let response = request.send().await?;
-        let status = response.status().as_u16();
-        let headers = response
-            .headers()
-            .iter()
-            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
-            .collect();
-        let body = response.bytes().await?.to_vec();
-        Ok(Answer {
-            status,
-            headers,
-            body,
-        })
+        Answer::read(request.send().await?).await
     }
 }
 
@@ -320,6 +308,23 @@ impl fmt::Display for Call {
 }
 
 impl Answer {
+    /// `response` read whole: its status, its header fields in order, its
+    /// body.
+    pub(crate) async fn read(response: reqwest::Response) -> Result<Self, reqwest::Error> {
+        let status = response.status().as_u16();
+        let headers = response
+            .headers()
+            .iter()
+            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+            .collect();
+        let body = response.bytes().await?.to_vec();
+        Ok(Self {
+            status,
+            headers,
+            body,
+        })
+    }
+
     /// The first value of header `name` (lowercase), as text.
     pub(crate) fn header(&self, name: &str) -> Option<String> {
         self.headers

@@ -41,6 +41,23 @@ use std::time::{Duration, SystemTime};
 
 pub mod positions;
 
+/// Runs one case of the suites' test macros on a runtime of its own (two
+/// workers: the cases run steps concurrently). Not for use outside them.
+///
+/// # Panics
+///
+/// When the runtime cannot be built.
+#[doc(hidden)]
+pub fn block_on<F: std::future::Future>(case: F) -> F::Output {
+    #[allow(clippy::expect_used)]
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(case)
+}
+
 use super::{Attempt, Buried, Entered, Entry, Failure, Handler, HandlerError, Inbox, Message};
 use crate::store::BoxError;
 
@@ -495,12 +512,7 @@ macro_rules! inbox_conformance_tests {
         $(
             #[test]
             fn $case() {
-                let runtime = ::tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .expect("a runtime");
-                runtime.block_on(async {
+                $crate::consume::conformance::block_on(async {
                     let subject = $fresh().await;
                     $crate::consume::conformance::$case(subject).await;
                 });

@@ -653,13 +653,7 @@ impl<'a> Charge<'a> {
                 ),
             )
         })?;
-        let status = response.status().as_u16();
-        let headers = response
-            .headers()
-            .iter()
-            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
-            .collect();
-        let body = response.bytes().await.map_err(|error| {
+        let answer = Answer::read(response).await.map_err(|error| {
             Failure::new(
                 "body cut off",
                 format!(
@@ -670,11 +664,7 @@ impl<'a> Charge<'a> {
             )
         })?;
         Ok(Sent {
-            answer: Answer {
-                status,
-                headers,
-                body: body.to_vec(),
-            },
+            answer,
             attempts,
             took,
         })

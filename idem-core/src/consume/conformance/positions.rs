@@ -298,12 +298,7 @@ macro_rules! positions_conformance_tests {
         $(
             #[test]
             fn $case() {
-                let runtime = ::tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .expect("a runtime");
-                runtime.block_on(async {
+                $crate::consume::conformance::block_on(async {
                     let inbox = $fresh().await;
                     $crate::consume::conformance::positions::$case(inbox).await;
                 });
