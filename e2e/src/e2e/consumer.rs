@@ -133,15 +133,12 @@ pub(crate) async fn rows(
         }
     };
     let logs = root.join("consumer");
-    // The slowest first, so that they do not end the run alone: on SQS
-    // (moto serves a few hundred calls a second), its SIGKILL rows (five
-    // kills, 50–60 s) before the others, then on Kafka.
+    // The slowest first, so that they do not end the run alone: the long
+    // ones on SQS (moto serves a few hundred calls a second: its SIGKILL
+    // rows take 50–80 s), the other long ones, then the rest on SQS and on
+    // Kafka.
     chosen.sort_by_key(|(_, scenario, _)| {
-        std::cmp::Reverse((
-            on_sqs(scenario),
-            scenario.name.ends_with("_sigkill"),
-            on_kafka(scenario),
-        ))
+        std::cmp::Reverse((scenario.long, on_sqs(scenario), on_kafka(scenario)))
     });
     let (kafka_broker, sqs_server) = (&servers.kafka, &servers.sqs);
     let runs = chosen.into_iter().map(|(i, scenario, store)| {
