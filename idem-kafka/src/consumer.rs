@@ -71,10 +71,9 @@ use crate::topics;
 
 /// How many records wait in a partition's worker's queue, and in its queue
 /// in librdkafka before it stops fetching the partition: see
-/// [`ConsumerBuilder::queue`].
-pub const DEFAULT_QUEUE: usize = 256;
-/// How long a revocation or a stop waits for a worker's record to finish.
-pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// [`ConsumerBuilder::prefetch`].
+pub const DEFAULT_PREFETCH: usize = 256;
+pub use idem_core::consume::runner::DEFAULT_SHUTDOWN_TIMEOUT;
 /// How long the polling thread waits at most for a word from a worker or
 /// librdkafka (and so how soon it sees a stop, or a second event queued in
 /// librdkafka at once).
@@ -153,7 +152,7 @@ impl Consumer<Unset, Unset> {
             handler: Unset,
             policy: ConsumerPolicy::new(),
             config: Vec::new(),
-            queue: DEFAULT_QUEUE,
+            queue: DEFAULT_PREFETCH,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             create_topic: None,
         }
@@ -189,7 +188,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     }
 
     /// How many records wait in each partition's worker's queue
-    /// ([`DEFAULT_QUEUE`]); it bounds what a slow partition holds in memory.
+    /// ([`DEFAULT_PREFETCH`]); it bounds what a slow partition holds in memory.
     ///
     /// Each partition's records arrive in a queue of its own in librdkafka,
     /// and one is taken from there only when the worker's queue has room.
@@ -205,7 +204,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// No record is dropped or fetched twice for it, and the broker sees
     /// nothing of it: the partition is not paused (with tansu 0.6, a
     /// partition paused then resumed received nothing more).
-    pub fn queue(mut self, records: usize) -> Self {
+    pub fn prefetch(mut self, records: usize) -> Self {
         self.queue = records.max(1);
         self
     }
@@ -640,10 +639,12 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
             let _ = worker.stop.send(true);
         }
         let shared = &self.shared;
+        // One deadline for them all, as a graceful stop has on every broker.
+        let deadline = tokio::time::Instant::now() + shared.shutdown_timeout;
         shared.runtime.block_on(async {
             for (partition, worker) in workers {
                 let abort = worker.task.abort_handle();
-                if tokio::time::timeout(shared.shutdown_timeout, worker.task)
+                if tokio::time::timeout_at(deadline, worker.task)
                     .await
                     .is_err()
                 {

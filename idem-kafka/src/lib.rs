@@ -46,7 +46,7 @@ mod record;
 mod topics;
 
 pub use consumer::{
-    Consumer, ConsumerBuilder, DEFAULT_QUEUE, DEFAULT_SHUTDOWN_TIMEOUT, Subscription, Unset,
+    Consumer, ConsumerBuilder, DEFAULT_PREFETCH, DEFAULT_SHUTDOWN_TIMEOUT, Subscription, Unset,
 };
 pub use dead_letters::{DeadLetterRecord, REDRIVEN_THROUGH_HEADER, Redrive, dead_letters, redrive};
 pub use error::Error;

@@ -25,7 +25,7 @@ use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::{
-    Advance, Attempt, Backoff, Consumer, ConsumerPolicy, DEFAULT_QUEUE, Handler, HandlerError,
+    Advance, Attempt, Backoff, Consumer, ConsumerPolicy, DEFAULT_PREFETCH, Handler, HandlerError,
     HandlerFuture, MemoryInbox, Positions, Subscription,
 };
 use idem_testkit::fault::{Fault, Proxy};
@@ -288,7 +288,7 @@ impl Inboxes {
 
     /// [`consume`](Self::consume), under the inbox name `name`.
     async fn consume_as(&self, name: &str, topic: &str, group: &str, handler: Apply) -> Running {
-        self.consume_queued(name, topic, group, DEFAULT_QUEUE, handler)
+        self.consume_queued(name, topic, group, DEFAULT_PREFETCH, handler)
             .await
     }
 
@@ -408,7 +408,7 @@ where
         )))
         .config("session.timeout.ms", "6000")
         .config("heartbeat.interval.ms", "500")
-        .queue(queue)
+        .prefetch(queue)
         .handler(handler)
         .build()
         .expect("a valid topic");

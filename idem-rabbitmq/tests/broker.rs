@@ -492,7 +492,7 @@ impl Apply {
 impl Handler<()> for Apply {
     fn handle<'a>(&'a self, attempt: Attempt<'a>, _tx: &'a mut ()) -> HandlerFuture<'a> {
         Box::pin(async move {
-            let id = attempt.message_id();
+            let id = attempt.key();
             self.seen.lock().unwrap().push(Seen {
                 id: id.to_owned(),
                 attempt: attempt.number(),
@@ -926,7 +926,7 @@ async fn the_consumer_resumes_after_a_broker_restart(case: Case) -> Outcome {
             .handler(apply)
             .policy(quick(3))
             .concurrency(4)
-            .reconnect_backoff(Backoff::new(
+            .broker_backoff(Backoff::new(
                 Duration::from_millis(100),
                 Duration::from_secs(1),
             ))

@@ -399,7 +399,7 @@ impl Handler<()> for Apply {
             let applied = failing.as_deref() != Some(payment.account_id.as_str());
             let mut ledger = self.ledger.lock().unwrap();
             ledger.runs.push(Run_ {
-                key: attempt.message_id().to_owned(),
+                key: attempt.key().to_owned(),
                 account: payment.account_id.clone(),
                 amount: payment.amount,
                 attempt: attempt.number(),

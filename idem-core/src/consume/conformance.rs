@@ -178,7 +178,7 @@ impl<S: Subject> Handler<<S::Inbox as Inbox>::Tx> for Effect<'_, S> {
                 .unwrap_or_else(|p| p.into_inner())
                 .push(attempt.number());
             self.subject
-                .write(tx, attempt.message_id())
+                .write(tx, attempt.key())
                 .await
                 .map_err(HandlerError::transient)?;
             if !self.pause.is_zero() {

@@ -122,7 +122,7 @@ pub trait Inbox: Send + Sync + 'static {
 pub struct Entry<'a> {
     /// The consumer's name: each consumer of a message applies it once.
     pub consumer: &'a str,
-    /// The message's key (see [`Attempt::message_id`](super::Attempt::message_id)).
+    /// The message's key (see [`Attempt::key`](super::Attempt::key)).
     pub message_id: &'a str,
     /// The message's fingerprint ([`Message::fingerprint`]).
     pub fingerprint: Fingerprint,

@@ -186,7 +186,7 @@ impl fmt::Debug for Message {
 ///
 /// The attempt number is counted durably by the inbox (a crash or a
 /// redelivery does not reset it): 1 the first time, 2 after one failure, and
-/// so on. The message id is the inbox's key for it (see [`message_id`](Self::message_id)).
+/// so on. The inbox keys it by its id ([`key`](Self::key)).
 #[derive(Clone, Copy)]
 pub struct Attempt<'a> {
     message: &'a Message,
@@ -212,8 +212,9 @@ impl<'a> Attempt<'a> {
 
     /// The inbox's key of the message: its id, or (for an id too long to
     /// store, or none where the policy keys by body) `sha256:` and a hex
-    /// digest.
-    pub fn message_id(&self) -> &'a str {
+    /// digest. (The producer's id itself is the message's
+    /// [`message_id`](Message::message_id).)
+    pub fn key(&self) -> &'a str {
         self.key
     }
 

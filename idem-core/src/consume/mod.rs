@@ -49,6 +49,15 @@
 //! there, and re-driving goes through the library, which forgets the inbox's
 //! record ([`Protocol::redrive`]) before it moves the body back.
 //!
+//! # Running deliveries
+//!
+//! Every broker crate runs its deliveries in one loop, [`runner::Runner`]:
+//! up to the consumer's concurrency at once, nothing more taken while a
+//! delivery is held through an inbox outage ([`Outage`]), a graceful stop
+//! that lets the running ones finish within the shutdown timeout. The broker
+//! crate says only how it takes deliveries ([`runner::Intake`]) and how it
+//! settles one.
+//!
 //! # Positions
 //!
 //! A partitioned broker (Kafka) reads from a position per partition. An inbox
@@ -77,6 +86,7 @@ mod metrics;
 mod outage;
 mod policy;
 mod positions;
+pub mod runner;
 mod store_inbox;
 
 #[cfg(feature = "test-util")]
@@ -432,7 +442,7 @@ impl<I: Inbox> Protocol<I> {
     }
 
     /// Forgets the dead letter `message_id` (its key: the id, as
-    /// [`Attempt::message_id`] gives it) so that its next delivery runs with
+    /// [`Attempt::key`] gives it) so that its next delivery runs with
     /// attempt 1; answers what was forgotten. The broker crate moves the body
     /// back after this.
     pub async fn redrive(&self, message_id: &str) -> Result<Option<DeadLetter>, InboxError> {

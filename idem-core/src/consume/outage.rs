@@ -100,7 +100,7 @@ impl Outage {
         let _ = held.wait_for(|&held| held == 0).await;
     }
 
-    fn hold(&self) -> Held<'_> {
+    pub(crate) fn hold(&self) -> Held<'_> {
         self.held.send_modify(|held| {
             *held += 1;
             if *held == 1 {
@@ -139,6 +139,11 @@ impl StopSignal {
         self.stopping.send_replace(stopping);
     }
 
+    /// Whether it is set.
+    pub fn is_set(&self) -> bool {
+        *self.stopping.borrow()
+    }
+
     /// Resolves once it is set (at once when it is).
     pub async fn stopped(&self) {
         let mut stopping = self.stopping.subscribe();
@@ -148,7 +153,7 @@ impl StopSignal {
 }
 
 /// One delivery held; dropped (however the wait ends), it is not.
-struct Held<'a> {
+pub(crate) struct Held<'a> {
     outage: &'a Outage,
 }
 

@@ -8,7 +8,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
+use idem_core::consume::runner::{Intake, Runner, Taken, Work, default_broker_backoff};
 use idem_core::consume::{
     ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
 };
@@ -16,7 +17,6 @@ use idem_core::retry::Backoff;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use tokio::task::JoinSet;
 
 use crate::Error;
 use crate::broker::Address;
@@ -26,9 +26,7 @@ use crate::topology::{self, QueueType, Topology};
 /// otherwise ([`ConsumerBuilder::prefetch`]).
 pub const DEFAULT_PREFETCH: u16 = 32;
 
-/// How long a graceful shutdown waits for the running handlers, unless told
-/// otherwise ([`ConsumerBuilder::shutdown_timeout`]).
-pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+pub use idem_core::consume::runner::DEFAULT_SHUTDOWN_TIMEOUT;
 
 /// How long closing the channel and the connection may take at the end: the
 /// broker hands back what was not acknowledged whether or not the close
@@ -141,7 +139,7 @@ impl Consumer<MemoryInbox, Unset> {
             queue_type: QueueType::Classic,
             delivery_limit: Some(topology::DEFAULT_DELIVERY_LIMIT),
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
-            reconnect: Backoff::new(Duration::from_millis(250), Duration::from_secs(10)),
+            reconnect: default_broker_backoff(),
         }
     }
 }
@@ -238,9 +236,10 @@ impl<I, H> ConsumerBuilder<I, H> {
         self
     }
 
-    /// The delays between reconnection attempts (default full jitter from
-    /// 250 ms, capped at 10 s).
-    pub fn reconnect_backoff(mut self, backoff: Backoff) -> Self {
+    /// The delays between attempts to connect again after the broker failed
+    /// (default [`default_broker_backoff`]: full jitter from 250 ms, capped
+    /// at 10 s).
+    pub fn broker_backoff(mut self, backoff: Backoff) -> Self {
         self.reconnect = backoff;
         self
     }
@@ -305,7 +304,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
     /// **Across failures:** a dropped connection, a broker restart or a
     /// broker that is not up yet is not an error: the consumer waits for the
     /// running handlers, reconnects after a full-jitter delay
-    /// ([`reconnect_backoff`](ConsumerBuilder::reconnect_backoff)), declares
+    /// ([`broker_backoff`](ConsumerBuilder::broker_backoff)), declares
     /// again and resumes, calling `on_subscribed` again. The deliveries it
     /// had not acknowledged come back from the broker; those whose effect
     /// committed are duplicates to the inbox. It answers an error only when
@@ -381,7 +380,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             connection,
             channel,
             tag,
-            mut deliveries,
+            deliveries,
         } = opened;
         *subscriptions += 1;
         let queue = self.topology().queue();
@@ -391,48 +390,29 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             subscription: *subscriptions,
         });
 
-        let mut running: JoinSet<Result<(), Error>> = JoinSet::new();
-        self.shared.stop.set(false);
-        let outage = &self.shared.outage;
-        let lost = loop {
-            let held = outage.is_on();
-            tokio::select! {
-                biased;
-                () = shutdown.as_mut() => {
-                    self.shared.stop.set(true);
-                    self.stop(&connection, &channel, &tag, deliveries, running).await;
-                    return Ok(());
-                }
-                Some(joined) = running.join_next() => match joined {
-                    Ok(Ok(())) => {}
-                    Ok(Err(error)) => break error,
-                    Err(error) => break Error::Internal(format!("a delivery's task failed: {error}")),
-                },
-                // Held deliveries wait for the inbox: start others once none is.
-                () = outage.over(), if held => {}
-                delivery = deliveries.next(), if running.len() < self.concurrency && !held => match delivery {
-                    Some(Ok(delivery)) => {
-                        running.spawn(delivery::carry_out(Arc::clone(&self.shared), channel.clone(), delivery));
-                    }
-                    Some(Err(error)) => break Error::Broker { step: "receive deliveries".to_owned(), source: error },
-                    None => break Error::Cancelled,
-                },
-            }
+        let runner = Runner {
+            concurrency: self.concurrency,
+            shutdown_timeout: self.shutdown_timeout,
+            outage: &self.shared.outage,
+            stop: &self.shared.stop,
+            source: queue,
+            comes_back: "from the broker",
         };
-        // The deliveries not acknowledged come back from the broker; the
-        // running handlers finish first (their acknowledgements fail with the
-        // connection, which is harmless), the held ones stop waiting.
-        self.shared.stop.set(true);
-        drop(deliveries);
-        if tokio::time::timeout(self.shutdown_timeout, drain(&mut running))
-            .await
-            .is_err()
-        {
-            running.abort_all();
-        }
+        let intake = Deliveries {
+            shared: Arc::clone(&self.shared),
+            channel: channel.clone(),
+            tag,
+            deliveries,
+            failed: None,
+        };
+        // The deliveries not acknowledged come back from the broker: on a
+        // failure, the running handlers finish first (their acknowledgements
+        // fail with the connection, which is harmless), the held ones stop
+        // waiting.
+        let ended = runner.run(intake, shutdown.as_mut()).await;
         close(&connection, &channel).await;
-        Err(Lost {
-            error: lost,
+        ended.map_err(|error| Lost {
+            error,
             subscribed: true,
         })
     }
@@ -466,48 +446,6 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             tag,
             deliveries,
         })
-    }
-
-    /// The graceful stop: no more deliveries, the running ones finished
-    /// within the deadline, then the close (what was received but not
-    /// started goes back to the queue).
-    async fn stop(
-        &self,
-        connection: &Connection,
-        channel: &Channel,
-        tag: &str,
-        deliveries: lapin::Consumer,
-        mut running: JoinSet<Result<(), Error>>,
-    ) {
-        let queue = self.topology().queue();
-        tracing::info!(
-            queue,
-            running = running.len(),
-            "stopping: no more deliveries; the running ones finish"
-        );
-        if let Ok(Err(error)) = tokio::time::timeout(
-            CLOSE_LIMIT,
-            channel.basic_cancel(tag.into(), BasicCancelOptions::default()),
-        )
-        .await
-        {
-            tracing::warn!(queue, error = %error_chain(&error), "could not cancel the subscription; closing");
-        }
-        drop(deliveries);
-        if tokio::time::timeout(self.shutdown_timeout, drain(&mut running))
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                queue,
-                abandoned = running.len(),
-                timeout_ms = self.shutdown_timeout.as_millis() as u64,
-                "the shutdown deadline passed: the handlers still running are dropped, their deliveries go back to the queue"
-            );
-            running.abort_all();
-        }
-        close(connection, channel).await;
-        tracing::info!(queue, "stopped");
     }
 }
 
@@ -553,16 +491,82 @@ struct Opened {
     deliveries: lapin::Consumer,
 }
 
-/// Waits for every running delivery, logging the failures.
-async fn drain(running: &mut JoinSet<Result<(), Error>>) {
-    while let Some(joined) = running.join_next().await {
-        match joined {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => {
-                tracing::warn!(error = %error_chain(&error), "a delivery could not be settled; it comes back from the broker");
+/// A session's deliveries, as the runner takes them.
+struct Deliveries<I: Inbox, H> {
+    shared: Arc<Shared<I, H>>,
+    channel: Channel,
+    tag: String,
+    deliveries: lapin::Consumer,
+    /// A failure met while taking what was already there: the next take's
+    /// answer.
+    failed: Option<Error>,
+}
+
+impl<I: Inbox, H: Handler<I::Tx> + 'static> Deliveries<I, H> {
+    fn unit(&self, delivery: lapin::message::Delivery) -> (usize, Work<Error>) {
+        let work = delivery::carry_out(Arc::clone(&self.shared), self.channel.clone(), delivery);
+        (1, Box::pin(work))
+    }
+}
+
+fn received(
+    delivery: Option<lapin::Result<lapin::message::Delivery>>,
+) -> Result<lapin::message::Delivery, Error> {
+    match delivery {
+        Some(Ok(delivery)) => Ok(delivery),
+        Some(Err(error)) => Err(Error::Broker {
+            step: "receive deliveries".to_owned(),
+            source: error,
+        }),
+        None => Err(Error::Cancelled),
+    }
+}
+
+impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Deliveries<I, H> {
+    type Error = Error;
+
+    /// The next delivery, and those already received behind it (up to
+    /// `room`).
+    async fn take(&mut self, room: usize) -> Taken<Error> {
+        if let Some(error) = self.failed.take() {
+            return Err(error);
+        }
+        let first = received(self.deliveries.next().await)?;
+        let mut units = vec![self.unit(first)];
+        while units.len() < room {
+            let Some(next) = self.deliveries.next().now_or_never() else {
+                break;
+            };
+            match received(next) {
+                Ok(delivery) => units.push(self.unit(delivery)),
+                Err(error) => {
+                    self.failed = Some(error);
+                    break;
+                }
             }
-            Err(error) if error.is_cancelled() => {}
-            Err(error) => tracing::error!(error = %error, "a delivery's task failed"),
+        }
+        Ok(units)
+    }
+
+    /// A delivery's task that failed ends the session: its delivery comes
+    /// back only when the channel closes.
+    fn task_failed(why: &tokio::task::JoinError) -> Option<Error> {
+        Some(Error::Internal(format!("a delivery's task failed: {why}")))
+    }
+
+    /// `basic.cancel`: the broker sends nothing more.
+    fn stopper(&self) -> impl Future<Output = ()> + Send + 'static {
+        let (channel, tag) = (self.channel.clone(), self.tag.clone());
+        let queue = self.shared.topology.queue().to_owned();
+        async move {
+            if let Ok(Err(error)) = tokio::time::timeout(
+                CLOSE_LIMIT,
+                channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
+            )
+            .await
+            {
+                tracing::warn!(queue, error = %error_chain(&error), "could not cancel the subscription; closing");
+            }
         }
     }
 }

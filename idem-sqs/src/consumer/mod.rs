@@ -5,18 +5,17 @@ mod delivery;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
+use idem_core::consume::runner::{Intake, Runner, Taken, Work, default_broker_backoff};
 use idem_core::consume::{
     ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
 };
 use idem_core::log::error_chain;
 use idem_core::retry::Backoff;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::Error;
@@ -28,9 +27,7 @@ use crate::queue::{self, Queue};
 /// otherwise ([`ConsumerBuilder::wait_time`]): SQS's longest, 20 s.
 pub const DEFAULT_WAIT_TIME: Duration = Duration::from_secs(20);
 
-/// How long a graceful shutdown waits for the running handlers, unless told
-/// otherwise ([`ConsumerBuilder::shutdown_timeout`]).
-pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+pub use idem_core::consume::runner::DEFAULT_SHUTDOWN_TIMEOUT;
 
 /// The most messages one receive takes: SQS's limit.
 pub const MAX_BATCH: usize = 10;
@@ -142,7 +139,7 @@ impl Consumer<MemoryInbox, Unset> {
             wait_time: DEFAULT_WAIT_TIME,
             lease: None,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
-            backoff: Backoff::new(Duration::from_millis(250), Duration::from_secs(10)),
+            backoff: default_broker_backoff(),
         }
     }
 }
@@ -244,9 +241,9 @@ impl<I, H> ConsumerBuilder<I, H> {
         self
     }
 
-    /// The delays between polls after SQS failed (default full jitter from
-    /// 250 ms, capped at 10 s).
-    pub fn error_backoff(mut self, backoff: Backoff) -> Self {
+    /// The delays between polls after SQS failed (default
+    /// [`default_broker_backoff`]: full jitter from 250 ms, capped at 10 s).
+    pub fn broker_backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
         self
     }
@@ -304,7 +301,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
     ///
     /// **Across failures:** SQS unreachable, throttling or a server error is
     /// not an error: the consumer polls again after a full-jitter delay
-    /// ([`error_backoff`](ConsumerBuilder::error_backoff)). It answers an
+    /// ([`broker_backoff`](ConsumerBuilder::broker_backoff)). It answers an
     /// error only when retrying cannot help ([`Error::is_permanent`]: no
     /// such queue, refused credentials).
     ///
@@ -320,7 +317,6 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         on_polling: impl FnOnce(&Polling),
     ) -> Result<(), Error> {
         self.shared.protocol.readiness()?;
-        self.shared.stop.set(false);
         tokio::pin!(shutdown);
         let target = tokio::select! {
             biased;
@@ -343,83 +339,20 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             lease: target.lease.length,
         });
 
-        // Each task settles some messages; `sizes` says how many each has.
-        let mut running: JoinSet<()> = JoinSet::new();
-        let mut sizes: HashMap<tokio::task::Id, usize> = HashMap::new();
-        let mut in_hand = 0usize;
-        let mut failures = 0u32;
-        // The receive under way: never abandoned but at shutdown (what it
-        // took would stay invisible for the lease).
-        let mut polling: Option<Pin<Box<Poll<'_>>>> = None;
-        loop {
-            let free = self.concurrency.saturating_sub(in_hand);
-            let outage = self.shared.outage.is_on();
-            if polling.is_none() && free > 0 && !outage {
-                polling = Some(Box::pin(self.receive(&target, free.min(self.batch))));
-            }
-            tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                // Held messages wait for the inbox: receive again once none is.
-                () = self.shared.outage.over(), if outage && polling.is_none() => {}
-                Some(joined) = running.join_next_with_id() => {
-                    let id = match &joined {
-                        Ok((id, ())) => *id,
-                        Err(error) => {
-                            if !error.is_cancelled() {
-                                tracing::error!(error = %error, "a message's task failed; its messages come back after their lease");
-                            }
-                            error.id()
-                        }
-                    };
-                    in_hand = in_hand.saturating_sub(sizes.remove(&id).unwrap_or(0));
-                }
-                received = next_poll(&mut polling) => {
-                    polling = None;
-                    match received {
-                        Ok((messages, received_at)) => {
-                            failures = 0;
-                            for group in groups(messages, target.queue.fifo) {
-                                let size = group.len();
-                                in_hand += size;
-                                let task = running.spawn(delivery::settle(
-                                    Arc::clone(&self.shared),
-                                    Arc::clone(&target),
-                                    group,
-                                    received_at,
-                                ));
-                                sizes.insert(task.id(), size);
-                            }
-                        }
-                        Err(error) if error.is_permanent() => {
-                            tracing::error!(queue, error = %error_chain(&error), "the consumer stops: polling again cannot help");
-                            self.drain(&mut running).await;
-                            return Err(error);
-                        }
-                        Err(error) => {
-                            failures = failures.saturating_add(1);
-                            let delay = self.backoff.delay(failures);
-                            tracing::warn!(queue, error = %error_chain(&error), failures, delay_ms = delay.as_millis() as u64, "receiving from SQS failed; polling again");
-                            tokio::select! {
-                                biased;
-                                () = &mut shutdown => break,
-                                () = tokio::time::sleep(delay) => {}
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        drop(polling);
-        self.shared.stop.set(true);
-        tracing::info!(
-            queue,
-            running = running.len(),
-            "stopping: no more receives; the running ones finish"
-        );
-        self.drain(&mut running).await;
-        tracing::info!(queue, "stopped");
-        Ok(())
+        let runner = Runner {
+            concurrency: self.concurrency,
+            shutdown_timeout: self.shutdown_timeout,
+            outage: &self.shared.outage,
+            stop: &self.shared.stop,
+            source: queue,
+            comes_back: "after their lease",
+        };
+        let intake = Polls {
+            consumer: self,
+            target: Arc::clone(&target),
+            failures: 0,
+        };
+        runner.run(intake, shutdown.as_mut()).await
     }
 
     /// Reads the queue and its dead-letter queue, polling again after
@@ -506,41 +439,63 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
             .collect();
         Ok((messages, received_at))
     }
-
-    /// Waits for the running tasks within the shutdown deadline, then drops
-    /// the rest.
-    async fn drain(&self, running: &mut JoinSet<()>) {
-        let waited = tokio::time::timeout(self.shutdown_timeout, async {
-            while let Some(joined) = running.join_next().await {
-                if let Err(error) = joined
-                    && !error.is_cancelled()
-                {
-                    tracing::error!(error = %error, "a message's task failed; its messages come back after their lease");
-                }
-            }
-        })
-        .await;
-        if waited.is_err() {
-            tracing::warn!(
-                abandoned = running.len(),
-                timeout_ms = self.shutdown_timeout.as_millis() as u64,
-                "the shutdown deadline passed: the handlers still running are dropped, their messages come back after their lease"
-            );
-            running.abort_all();
-        }
-    }
 }
 
-/// A receive under way.
-type Poll<'a> = dyn Future<Output = Result<(Vec<Received>, Instant), Error>> + Send + 'a;
+/// The consumer's long polls, as the runner takes them.
+struct Polls<'c, I: Inbox, H> {
+    consumer: &'c Consumer<I, H>,
+    target: Arc<Target>,
+    /// The receives that failed in a row.
+    failures: u32,
+}
 
-/// The receive under way's answer; pending while there is none.
-async fn next_poll(
-    polling: &mut Option<Pin<Box<Poll<'_>>>>,
-) -> Result<(Vec<Received>, Instant), Error> {
-    match polling {
-        Some(poll) => poll.as_mut().await,
-        None => std::future::pending().await,
+impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Polls<'_, I, H> {
+    type Error = Error;
+
+    /// Long polls until SQS gives messages, polling again after a
+    /// full-jitter delay when it fails and retrying can help; answers each
+    /// message alone (on a FIFO queue, each group's messages together).
+    async fn take(&mut self, room: usize) -> Taken<Error> {
+        let consumer = self.consumer;
+        let queue = self.target.queue.name.as_str();
+        loop {
+            match consumer
+                .receive(&self.target, room.min(consumer.batch))
+                .await
+            {
+                Ok((messages, _)) if messages.is_empty() => self.failures = 0,
+                Ok((messages, received_at)) => {
+                    self.failures = 0;
+                    return Ok(groups(messages, self.target.queue.fifo)
+                        .into_iter()
+                        .map(|group| {
+                            let size = group.len();
+                            let work = delivery::settle(
+                                Arc::clone(&consumer.shared),
+                                Arc::clone(&self.target),
+                                group,
+                                received_at,
+                            );
+                            let work: Work<Error> = Box::pin(async move {
+                                work.await;
+                                Ok(())
+                            });
+                            (size, work)
+                        })
+                        .collect());
+                }
+                Err(error) if error.is_permanent() => {
+                    tracing::error!(queue, error = %error_chain(&error), "the consumer stops: polling again cannot help");
+                    return Err(error);
+                }
+                Err(error) => {
+                    self.failures = self.failures.saturating_add(1);
+                    let delay = consumer.backoff.delay(self.failures);
+                    tracing::warn!(queue, error = %error_chain(&error), failures = self.failures, delay_ms = delay.as_millis() as u64, "receiving from SQS failed; polling again");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
     }
 }
 
