@@ -20,6 +20,8 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idem_core::consume::{Advance, InboxError, InboxFuture, Positions};
 
+use crate::prepared::PreparedExt;
+
 /// The table, created if missing (the same text on both databases).
 macro_rules! schema {
     () => {
@@ -68,6 +70,8 @@ struct PositionRow {
 }
 
 /// The fenced move on a connection: `true` when the row counts as written.
+/// Kept prepared: on PostgreSQL, one round trip a message instead of a
+/// parse, a bind and a close.
 macro_rules! advance_on {
     ($connection:expr, $advance:expr) => {
         async {
@@ -78,6 +82,7 @@ macro_rules! advance_on {
                 .bind::<Integer, _>(advance.partition)
                 .bind::<BigInt, _>(advance.to)
                 .bind::<BigInt, _>(advance.from.unwrap_or(-1))
+                .prepared()
                 .execute($connection)
                 .await;
             written.map(|written| written == 1)
@@ -111,6 +116,7 @@ macro_rules! positions_on {
                     let rows = diesel::sql_query(POSITIONS)
                         .bind::<Text, _>(consumer)
                         .bind::<Text, _>(topic)
+                        .prepared()
                         .get_results::<PositionRow>(&mut *connection)
                         .await
                         .map_err(InboxError::unavailable)?;
