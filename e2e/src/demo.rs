@@ -18,10 +18,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use idem_testkit::{TestPostgres, TestRabbitMq, TestSqs};
-use payments_consumer::testing::{Case, Exercise, demo::delivered_three_times, fifo_exercise};
 use serde_json::{Value, json};
 
+use crate::consumer_harness::{Case, Exercise, fifo_exercise};
 use crate::example::{Example, Server};
+
+use self::broker::delivered_three_times;
+
+mod broker;
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let example = match args.first().map(String::as_str) {

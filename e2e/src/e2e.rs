@@ -12,7 +12,7 @@
 //!
 //! Beside them, payments-consumer against a throwaway RabbitMQ node (and
 //! Kafka, SQS), on the same cluster and on SQLite: its scenarios
-//! (`payments_consumer::testing`, which its tests run too) as rows of the same
+//! ([`consumer_harness`](crate::consumer_harness)) as rows of the same
 //! table; and the outbox's chain ([`chain`], `--scenario chain`):
 //! payments-axum publishing through its relay to payments-consumer on that
 //! node, under SIGKILLs, on PostgreSQL (two API instances) and on SQLite

@@ -1,9 +1,11 @@
 //! The end-to-end runner (`idem-e2e e2e …`, behind `cargo xtask e2e`) and the
 //! demo (`idem-e2e demo …`, behind `cargo xtask demo`): the examples as real
-//! processes, on throwaway servers from `idem_testkit`.
+//! processes, on throwaway servers from `idem_testkit`; payments-consumer
+//! through [`consumer_harness`].
 
 use std::process::ExitCode;
 
+mod consumer_harness;
 mod demo;
 mod e2e;
 mod example;

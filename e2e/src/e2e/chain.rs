@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use idem_testkit::{TestKafka, TestRabbitMq};
-use payments_consumer::testing::{Case, Client, ConsumerProcess};
 
+use crate::consumer_harness::{self, Case, Client, ConsumerProcess};
 use crate::example::Example;
 
 use super::api::{Account, Api, Call, Failure};
@@ -189,8 +189,8 @@ pub(crate) async fn rows(
                 // After the HTTP catalogue and the consumer's scenarios.
                 order: (
                     CATALOG.len()
-                        + payments_consumer::testing::SCENARIOS.len()
-                        + payments_consumer::testing::KAFKA_SCENARIOS.len(),
+                        + consumer_harness::SCENARIOS.len()
+                        + consumer_harness::KAFKA_SCENARIOS.len(),
                     on_kafka,
                 ),
                 check: match (on_kafka == 1, store == StoreKind::Postgres) {
@@ -728,7 +728,7 @@ impl Queue {
                     .database()
                     .await
                     .map_err(|why| Failure::new("consumer database", why))?;
-                let passed = payments_consumer::testing::kafka_positions(&database, &case.queue)
+                let passed = consumer_harness::kafka_positions(&database, &case.queue)
                     .await
                     .map_err(|why| Failure::new("consumer positions", why))?;
                 // tansu 0.6 has reported a topic's ends below the offsets

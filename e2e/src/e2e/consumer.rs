@@ -1,15 +1,15 @@
 //! The consumer's rows: `payments-consumer` as a process against a throwaway
-//! RabbitMQ node, on the run's PostgreSQL cluster and on SQLite, every
-//! scenario of `payments_consumer::testing::SCENARIOS` (the ones its tests
-//! run), on a queue and a database of its own.
+//! RabbitMQ node (and Kafka, SQS), on the run's PostgreSQL cluster and on
+//! SQLite, every scenario of [`consumer_harness`](crate::consumer_harness),
+//! on a queue and a database of its own.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_testkit::{TestKafka, TestRabbitMq, TestSqs};
-use payments_consumer::testing::{Case, KAFKA_SCENARIOS, SCENARIOS, SQS_SCENARIOS, Scenario};
 
+use crate::consumer_harness::{Case, KAFKA_SCENARIOS, SCENARIOS, SQS_SCENARIOS, Scenario};
 use crate::example::Example;
 
 use super::postgres::Cluster;

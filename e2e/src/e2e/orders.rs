@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 
+use crate::consumer_harness;
 use crate::example::Example;
 
 use super::report::{Row, Verdict};
@@ -67,8 +68,8 @@ pub(crate) async fn rows(apps: Vec<(Example, Result<PathBuf, String>)>, slots: S
                 // After the HTTP catalogue, the consumer's scenarios and the chain.
                 order: (
                     CATALOG.len()
-                        + payments_consumer::testing::SCENARIOS.len()
-                        + payments_consumer::testing::KAFKA_SCENARIOS.len()
+                        + consumer_harness::SCENARIOS.len()
+                        + consumer_harness::KAFKA_SCENARIOS.len()
                         + 1,
                     index,
                 ),

@@ -10,17 +10,18 @@ use crate::ledger::{Account, Ledger};
 /// `run --amqp URL` needs no database server.
 pub const DEFAULT_DATABASE: &str = "sqlite://payments-consumer.db";
 
-/// Runs `$body` with `$connection`, a pooled connection of the database's
-/// pool (either type: the body is compiled for each), in a function that
-/// answers `Result<_, ConsumerError>`.
+/// Runs `$body` with `$connection`, a pooled connection of the
+/// [`Database`]'s pool (either type: the body is compiled for each), in a
+/// function that answers `Result<_, ConsumerError>`.
+#[macro_export]
 macro_rules! with_connection {
     ($database:expr, $connection:ident => $body:expr) => {
         match $database {
             $crate::database::Database::Postgres(inbox) => {
-                $crate::database::with_connection!(@pooled inbox, $connection => $body)
+                $crate::with_connection!(@pooled inbox, $connection => $body)
             }
             $crate::database::Database::Sqlite(inbox) => {
-                $crate::database::with_connection!(@pooled inbox, $connection => $body)
+                $crate::with_connection!(@pooled inbox, $connection => $body)
             }
         }
     };
@@ -34,7 +35,6 @@ macro_rules! with_connection {
         $body
     }};
 }
-pub(crate) use with_connection;
 
 /// Runs `$body` with `$inbox`, the database's inbox (either type: the body
 /// is compiled for each).

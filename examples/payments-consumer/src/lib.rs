@@ -41,13 +41,6 @@
 //! parameters and whole frames). idem logs message ids redacted and never a
 //! body, and this crate's errors name no account: no line carries a whole
 //! message id or any part of a body, at any level.
-//!
-//! # Testing
-//!
-//! With the feature `test-util`, [`testing`] holds the scenarios that the
-//! crate's tests and `cargo xtask e2e` run against the binary, on a throwaway
-//! RabbitMQ node (Debian's `rabbitmq-server`) and on PostgreSQL and SQLite
-//! both.
 
 pub mod consume;
 pub mod database;
@@ -56,8 +49,6 @@ pub mod kafka;
 pub mod ledger;
 pub mod payment;
 pub mod sqs;
-#[cfg(feature = "test-util")]
-pub mod testing;
 
 pub use consume::{RunOptions, Settings, run};
 
@@ -97,7 +88,8 @@ pub enum ConsumerError {
 }
 
 impl ConsumerError {
-    pub(crate) fn pool(error: impl Into<BoxError>) -> Self {
+    /// A pool's error ([`with_connection!`]).
+    pub fn pool(error: impl Into<BoxError>) -> Self {
         Self::Pool(error.into())
     }
 }

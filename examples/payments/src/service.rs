@@ -447,43 +447,34 @@ fn bearer_token(value: &[u8]) -> Option<&[u8]> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-    use std::path::PathBuf;
-
     use idem_core::IdempotencyKey;
     use idem_diesel::SqliteStore;
+    use idem_testkit::TempDir;
 
     use super::*;
 
-    /// A SQLite file in a fresh directory, removed when dropped.
-    struct SqliteFile(PathBuf);
-
-    impl SqliteFile {
-        fn new() -> Self {
-            let dir = std::env::temp_dir().join(format!("payments-ledger-{}", Uuid::new_v4()));
-            std::fs::create_dir_all(&dir).unwrap();
-            Self(dir)
-        }
-
-        /// The ledger in the file, as `--store sqlite://…` opens it.
-        async fn ledger(&self) -> Ledger {
-            self.store_and_ledger().await.1
-        }
-
-        /// The store and the ledger in the file.
-        async fn store_and_ledger(&self) -> (SqliteStore, Ledger) {
-            let url = format!("sqlite://{}", self.0.join("payments.db").display());
-            let store = SqliteStore::connect(&url).await.unwrap();
-            store.migrate().await.unwrap();
-            let ledger = Ledger::sqlite(store.pool().clone());
-            ledger.migrate().await.unwrap();
-            (store, ledger)
-        }
+    /// A fresh directory for a SQLite file, removed when dropped.
+    fn sqlite_dir() -> TempDir {
+        TempDir::new("payments-ledger").unwrap()
     }
 
-    impl Drop for SqliteFile {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    /// `sqlite://` and the database file in `dir`.
+    fn sqlite_url(dir: &TempDir) -> String {
+        format!("sqlite://{}", dir.file("payments.db"))
+    }
+
+    /// The ledger in `dir`'s file, as `--store sqlite://…` opens it.
+    async fn sqlite_ledger(dir: &TempDir) -> Ledger {
+        sqlite_store_and_ledger(dir).await.1
+    }
+
+    /// The store and the ledger in `dir`'s file.
+    async fn sqlite_store_and_ledger(dir: &TempDir) -> (SqliteStore, Ledger) {
+        let store = SqliteStore::connect(&sqlite_url(dir)).await.unwrap();
+        store.migrate().await.unwrap();
+        let ledger = Ledger::sqlite(store.pool().clone());
+        ledger.migrate().await.unwrap();
+        (store, ledger)
     }
 
     async fn every_charge_applies_its_amount(ledger: Ledger) {
@@ -515,8 +506,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_charge_applies_its_amount_on_sqlite() {
-        let file = SqliteFile::new();
-        every_charge_applies_its_amount(file.ledger().await).await;
+        let dir = sqlite_dir();
+        every_charge_applies_its_amount(sqlite_ledger(&dir).await).await;
     }
 
     /// In transactional mode on SQLite, a keyed charge is written in the
@@ -527,8 +518,8 @@ mod tests {
     async fn a_keyed_charge_commits_with_its_record_on_sqlite() {
         use idem_core::{Begin, Engine, Fingerprint, Settlement, StoredResponse};
 
-        let file = SqliteFile::new();
-        let (store, ledger) = file.store_and_ledger().await;
+        let dir = sqlite_dir();
+        let (store, ledger) = sqlite_store_and_ledger(&dir).await;
         let payments = Payments::new(ledger, Duration::ZERO);
         let engine = Engine::new(store.transactional(), idem_core::Policy::required());
         let body = br#"{"amount": 100, "currency": "EUR"}"#;
@@ -658,21 +649,21 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_overflowing_balance_is_refused_on_sqlite() {
-        let file = SqliteFile::new();
-        an_overflowing_balance_is_refused(file.ledger().await).await;
+        let dir = sqlite_dir();
+        an_overflowing_balance_is_refused(sqlite_ledger(&dir).await).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_sqlite_ledger_survives_a_reopen_and_records_each_key() {
-        let file = SqliteFile::new();
+        let dir = sqlite_dir();
         let body = br#"{"amount": 70, "currency": "EUR"}"#;
         let keyed = Attempt::keyed(Scope::new("alice"), IdempotencyKey::new("k-9").unwrap());
         let receipt = {
-            let payments = Payments::new(file.ledger().await, Duration::ZERO);
+            let payments = Payments::new(sqlite_ledger(&dir).await, Duration::ZERO);
             payments.charge("a1", body, &keyed).await.unwrap()
         };
         // A second start-up migrates again: nothing is lost.
-        let ledger = file.ledger().await;
+        let ledger = sqlite_ledger(&dir).await;
         let payments = Payments::new(ledger, Duration::ZERO);
         payments
             .deposit("a1", body, &Attempt::unkeyed())
@@ -686,8 +677,7 @@ mod tests {
                 operations: 2
             }
         );
-        let url = format!("sqlite://{}", file.0.join("payments.db").display());
-        let store = SqliteStore::connect(&url).await.unwrap();
+        let store = SqliteStore::connect(&sqlite_url(&dir)).await.unwrap();
         let mut connection = store.pool().get().await.unwrap();
         let rows: Vec<OperationRow> = connection
             .spawn_blocking(|c| {

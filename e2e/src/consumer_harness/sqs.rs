@@ -23,10 +23,10 @@ use super::process::{Case, ConsumerProcess, PATIENCE, processed, read_log};
 use super::scenarios::{
     Scenario, Stream, payment, seeded, stopped_without, stream, wait_operations, wait_processed,
 };
-use crate::database::Database;
+use payments_consumer::database::Database;
 
 /// Every scenario on SQS.
-pub const SQS_SCENARIOS: &[Scenario] = &[
+pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_lost_commit_answers",
         check: "consumer on SQS: every 5th COMMIT answer lost, 240 messages, balances exact",
@@ -928,13 +928,13 @@ async fn the_fifo_content_deduplication_exercise(case: Case) -> Result<String, S
 
 /// The exercise's counts, each `(deliveries, effects)` so far.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Exercise {
+pub(crate) struct Exercise {
     /// After 10 identical sends, inside the deduplication window.
-    pub inside: (usize, i64),
+    pub(crate) inside: (usize, i64),
     /// After one more with a field changed.
-    pub after_change: (usize, i64),
+    pub(crate) after_change: (usize, i64),
     /// After the first content sent again once the queue forgot its id.
-    pub after_window: (usize, i64),
+    pub(crate) after_window: (usize, i64),
 }
 
 /// The exercise on a FIFO queue (`<queue>.fifo`), each message's
@@ -944,7 +944,7 @@ pub struct Exercise {
 /// the message is deleted; SQS 5 minutes after the send). Fails unless the
 /// counts are (1, 1), (2, 2), (3, 2) and the balance is exact. The e2e row
 /// and `cargo xtask demo` run it.
-pub async fn fifo_exercise(case: Case) -> Result<Exercise, String> {
+pub(crate) async fn fifo_exercise(case: Case) -> Result<Exercise, String> {
     let mut case = case;
     case.queue.push_str(".fifo");
     let client = client(&case)?;

@@ -3,27 +3,27 @@
 //! `payments-consumer`.
 
 use idem_rabbitmq::lapin::options::{BasicAckOptions, BasicGetOptions};
+use payments_consumer::database::Database;
+use payments_consumer::ledger::{Account, Ledger};
+use payments_consumer::payment::Payment;
+use payments_consumer::{ConsumerError, with_connection};
 
-use super::process::{Case, Client};
-use crate::ConsumerError;
-use crate::database::{Database, with_connection};
-use crate::ledger::{Account, Ledger};
-use crate::payment::Payment;
+use crate::consumer_harness::{Case, Client, wait_operations};
 
 /// The balances the two consumers ended with.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Delivered3x {
+pub(crate) struct Delivered3x {
     /// A consumer that applies every delivery (no inbox).
-    pub without_inbox: Account,
+    pub(crate) without_inbox: Account,
     /// `payments-consumer run`.
-    pub with_inbox: Account,
+    pub(crate) with_inbox: Account,
 }
 
 /// Publishes a deposit of 100 three times with one `message_id` (a producer
 /// that retried) to each of two queues of the case (`<queue>_naive` and
 /// `<queue>`): a consumer without the inbox applies the first queue's
 /// deliveries, `payments-consumer run` the second's.
-pub async fn delivered_three_times(case: &Case) -> Result<Delivered3x, String> {
+pub(crate) async fn delivered_three_times(case: &Case) -> Result<Delivered3x, String> {
     let body = |account: &str| {
         serde_json::json!({"account_id": account, "amount": 100})
             .to_string()
@@ -75,7 +75,7 @@ pub async fn delivered_three_times(case: &Case) -> Result<Delivered3x, String> {
     // One consumer takes the queue in order: once this one is applied, the
     // three before it were handled.
     client.publish(Some("deposit-2"), &body("demo-end")).await?;
-    super::scenarios::wait_operations(case, "demo-end", 1).await?;
+    wait_operations(case, "demo-end", 1).await?;
     consumer.terminate().await?;
     let with_inbox = case.balance("demo-inbox").await?;
     Ok(Delivered3x {

@@ -20,10 +20,11 @@ use rand::seq::SliceRandom;
 use super::faults;
 use super::process::{Case, PATIENCE, processed};
 use super::scenarios::{Scenario, Stream, payment, seeded, stream, wait_processed};
-use crate::database::{Database, with_connection};
+use payments_consumer::database::Database;
+use payments_consumer::with_connection;
 
 /// Every scenario on Kafka.
-pub const KAFKA_SCENARIOS: &[Scenario] = &[
+pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_lost_commit_answers",
         check: "consumer on Kafka: every 5th COMMIT answer lost, 240 records over 3 partitions, none halted, balances exact",
@@ -187,13 +188,13 @@ struct Position {
 
 /// How many of the topic's records the database's positions have passed
 /// (the sum of its partitions' stored next offsets).
-pub async fn positions(database: &Database, topic: &str) -> Result<i64, String> {
+pub(crate) async fn positions(database: &Database, topic: &str) -> Result<i64, String> {
     // The topic is the case's own name (letters, digits, `_`).
     let query = format!(
         "SELECT CAST(COALESCE(SUM(next_offset), 0) AS BIGINT) AS records \
          FROM idem_kafka_offsets WHERE topic = '{topic}'"
     );
-    let found: Result<i64, crate::ConsumerError> = async {
+    let found: Result<i64, payments_consumer::ConsumerError> = async {
         Ok(with_connection!(database, connection => {
             diesel::sql_query(&query).get_result::<Position>(connection).await?.records
         }))

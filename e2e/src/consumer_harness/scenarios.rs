@@ -12,35 +12,35 @@ use serde_json::{Value, json};
 
 use super::faults;
 use super::process::{Case, Client, PATIENCE, accounts, processed};
-use crate::database::Database;
-use crate::ledger::Account;
-use crate::payment::MAX_ACCOUNT_ID_LEN;
+use payments_consumer::database::Database;
+use payments_consumer::ledger::Account;
+use payments_consumer::payment::MAX_ACCOUNT_ID_LEN;
 
 /// A scenario: its name (a queue and a database are named after it), the
 /// check it proves (its row in `cargo xtask e2e`), whether it must run alone,
 /// and how to run it: the figure behind a pass, or what failed.
-pub struct Scenario {
+pub(crate) struct Scenario {
     /// A plain name (ASCII letters, digits, `_`).
-    pub name: &'static str,
+    pub(crate) name: &'static str,
     /// What it proves, for the e2e table.
-    pub check: &'static str,
+    pub(crate) check: &'static str,
     /// It stops the broker: no other scenario may use the node meanwhile,
     /// and its [`Case`] needs the node ([`Case::with_broker`]).
-    pub alone: bool,
+    pub(crate) alone: bool,
     /// It takes tens of seconds (five kills, an outage waited out, a broker
     /// restart): a runner starts it before the others, so that it does not
     /// end the run alone.
-    pub long: bool,
+    pub(crate) long: bool,
     /// It runs on PostgreSQL only: it puts a fault proxy between the
     /// consumers and their PostgreSQL database ([`Case::proxy_database`]),
     /// or it faults the broker, which one database shows as well as two.
-    pub postgres_only: bool,
+    pub(crate) postgres_only: bool,
     /// Runs it on a fresh case.
-    pub run: fn(Case) -> BoxFuture<'static, Result<String, String>>,
+    pub(crate) run: fn(Case) -> BoxFuture<'static, Result<String, String>>,
 }
 
 /// Every scenario.
-pub const SCENARIOS: &[Scenario] = &[
+pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_lost_commit_answers",
         check: "consumer: every 5th COMMIT answer lost (the commit landed), 240 messages, balances exact",

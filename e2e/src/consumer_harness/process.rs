@@ -19,32 +19,33 @@ use idem_testkit::{TestRabbitMq, TestSqs};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::ConsumerError;
-use crate::consume::inbox_name;
-use crate::database::{Database, with_connection};
-use crate::ledger::Account;
+use payments_consumer::ConsumerError;
+use payments_consumer::consume::inbox_name;
+use payments_consumer::database::Database;
+use payments_consumer::ledger::Account;
+use payments_consumer::with_connection;
 
 /// What a scenario runs on: one queue and one database of its own.
 #[derive(Clone, Debug)]
-pub struct Case {
+pub(crate) struct Case {
     /// The `payments-consumer` binary.
-    pub binary: PathBuf,
+    pub(crate) binary: PathBuf,
     /// The broker.
-    pub amqp: String,
+    pub(crate) amqp: String,
     /// A fresh database: `postgres://…` or `sqlite://PATH`.
-    pub database: String,
+    pub(crate) database: String,
     /// The work queue, the scenario's own.
-    pub queue: String,
+    pub(crate) queue: String,
     /// Where the consumers' logs go.
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// The broker's node, for the scenarios that stop and start it.
     broker: Option<Arc<TestRabbitMq>>,
     /// On Kafka: the bootstrap servers (the queue's name is the topic's and
     /// the group's).
-    pub kafka: Option<String>,
+    pub(crate) kafka: Option<String>,
     /// On SQS: moto's server (the queue's name is the SQS queue's, its URL
     /// [`TestSqs::queue_url`]).
-    pub sqs: Option<Arc<TestSqs>>,
+    pub(crate) sqs: Option<Arc<TestSqs>>,
     /// The database URL the consumers are given when it is not `database`:
     /// a fault proxy's ([`Case::proxy_database`]). The scenario's own reads
     /// go to `database`, past the proxy.
@@ -57,19 +58,19 @@ pub struct Case {
 
 /// A `payments-consumer run` process; killed when dropped.
 #[derive(Debug)]
-pub struct ConsumerProcess {
+pub(crate) struct ConsumerProcess {
     child: Child,
     /// Its stderr.
-    pub log: PathBuf,
+    pub(crate) log: PathBuf,
 }
 
 /// A broker client on the case's queue: publishes with confirmations and
 /// counts queues.
-pub struct Client {
+pub(crate) struct Client {
     connection: Connection,
     channel: Channel,
     /// The case's queues.
-    pub topology: Topology,
+    pub(crate) topology: Topology,
 }
 
 /// How long a scenario waits for what it expects before it fails.
@@ -80,7 +81,7 @@ const PERSISTENT: u8 = 2;
 
 impl Case {
     /// A case; `dir` is created if missing.
-    pub fn new(
+    pub(crate) fn new(
         binary: impl Into<PathBuf>,
         amqp: impl Into<String>,
         database: impl Into<String>,
@@ -106,7 +107,7 @@ impl Case {
     /// started from now on and the case's PostgreSQL database, and answers
     /// it; the scenario's own reads (`balance`, the inbox's rows) go to the
     /// database directly. Fails on a case on SQLite.
-    pub fn proxy_database(&mut self) -> Result<Proxy, String> {
+    pub(crate) fn proxy_database(&mut self) -> Result<Proxy, String> {
         let (user, rest) = self
             .database
             .strip_prefix("postgres://")
@@ -126,7 +127,7 @@ impl Case {
     /// Puts a fault proxy ([`Proxy::tcp`]) between the consumers started
     /// from now on and the case's SQS server (their `--sqs-endpoint`), and
     /// answers it; the scenario's own calls go to the server directly.
-    pub fn proxy_sqs(&mut self) -> Result<Proxy, String> {
+    pub(crate) fn proxy_sqs(&mut self) -> Result<Proxy, String> {
         let sqs = self
             .sqs
             .as_ref()
@@ -142,7 +143,7 @@ impl Case {
     /// ([`Scenario::alone`](super::Scenario::alone)): every client of the
     /// node loses its connection.
     #[must_use]
-    pub fn with_broker(mut self, broker: Arc<TestRabbitMq>) -> Self {
+    pub(crate) fn with_broker(mut self, broker: Arc<TestRabbitMq>) -> Self {
         self.broker = Some(broker);
         self
     }
@@ -150,7 +151,7 @@ impl Case {
     /// The case on Kafka (`run --kafka SERVERS --topic QUEUE --group
     /// QUEUE`) instead of RabbitMQ.
     #[must_use]
-    pub fn with_kafka(mut self, servers: impl Into<String>) -> Self {
+    pub(crate) fn with_kafka(mut self, servers: impl Into<String>) -> Self {
         self.kafka = Some(servers.into());
         self
     }
@@ -158,20 +159,20 @@ impl Case {
     /// The case on SQS (`run --sqs URL --sqs-endpoint ENDPOINT`, the queue
     /// created by the scenario) instead of RabbitMQ.
     #[must_use]
-    pub fn with_sqs(mut self, sqs: Arc<TestSqs>) -> Self {
+    pub(crate) fn with_sqs(mut self, sqs: Arc<TestSqs>) -> Self {
         self.sqs = Some(sqs);
         self
     }
 
     /// Starts `payments-consumer run` on the case (with `--retry-base-ms 20`
     /// unless `extra` says otherwise) and waits for its `consuming from` line.
-    pub async fn consumer(&self, extra: &[&str]) -> Result<ConsumerProcess, String> {
+    pub(crate) async fn consumer(&self, extra: &[&str]) -> Result<ConsumerProcess, String> {
         self.consumer_with_env(&[], extra).await
     }
 
     /// [`consumer`](Self::consumer), with environment variables set (as
     /// `RUST_LOG`).
-    pub async fn consumer_with_env(
+    pub(crate) async fn consumer_with_env(
         &self,
         env: &[(&str, &str)],
         extra: &[&str],
@@ -238,7 +239,7 @@ impl Case {
 
     /// Runs another command of the binary (`balance`, `dead-letters`,
     /// `redrive`) and answers its stdout.
-    pub async fn command(&self, args: &[&str]) -> Result<String, String> {
+    pub(crate) async fn command(&self, args: &[&str]) -> Result<String, String> {
         let mut command = Command::new(&self.binary);
         if self.sqs.is_some() {
             command.envs(super::sqs::AWS_ENV);
@@ -261,7 +262,7 @@ impl Case {
     }
 
     /// `payments-consumer balance ACCOUNT`, parsed.
-    pub async fn balance(&self, account: &str) -> Result<Account, String> {
+    pub(crate) async fn balance(&self, account: &str) -> Result<Account, String> {
         let out = self
             .command(&["balance", account, "--database", &self.database])
             .await?;
@@ -280,7 +281,7 @@ impl Case {
     }
 
     /// `payments-consumer dead-letters`, one JSON value per line.
-    pub async fn dead_letters(&self) -> Result<Vec<serde_json::Value>, String> {
+    pub(crate) async fn dead_letters(&self) -> Result<Vec<serde_json::Value>, String> {
         let out = self
             .command(&["dead-letters", "--amqp", &self.amqp, "--queue", &self.queue])
             .await?;
@@ -290,19 +291,19 @@ impl Case {
     }
 
     /// The dead letters as idem-rabbitmq reads them (with their `x-death`).
-    pub async fn dead_letter_messages(&self) -> Result<Vec<DeadLetterMessage>, String> {
+    pub(crate) async fn dead_letter_messages(&self) -> Result<Vec<DeadLetterMessage>, String> {
         idem_rabbitmq::dead_letters(&self.amqp, &self.queue)
             .await
             .map_err(|e| e.to_string())
     }
 
     /// The inbox's consumer name for the case's queue.
-    pub fn inbox_consumer(&self) -> String {
+    pub(crate) fn inbox_consumer(&self) -> String {
         inbox_name(&self.queue)
     }
 
     /// The case's database (migrated).
-    pub async fn database(&self) -> Result<Database, String> {
+    pub(crate) async fn database(&self) -> Result<Database, String> {
         Database::open(&self.database, 2)
             .await
             .map_err(|e| format!("the database: {e}"))
@@ -311,7 +312,7 @@ impl Case {
     /// Stops the broker (`rabbitmqctl stop_app`: every connection closed,
     /// the port refusing new ones, durable queues and persistent messages
     /// kept), waits `down`, and starts it again.
-    pub async fn restart_broker(&self, down: Duration) -> Result<(), String> {
+    pub(crate) async fn restart_broker(&self, down: Duration) -> Result<(), String> {
         let broker = self
             .broker
             .clone()
@@ -358,13 +359,13 @@ pub(crate) async fn accounts(database: &Database) -> Result<Vec<Account>, String
 
 impl ConsumerProcess {
     /// Kills it with `SIGKILL`: no acknowledgement, no cleanup.
-    pub async fn kill(mut self) {
+    pub(crate) async fn kill(mut self) {
         let _ = self.child.kill().await;
     }
 
     /// Stops it with `SIGTERM`, as a supervisor would; fails unless it exits
     /// 0 within 10 s.
-    pub async fn terminate(mut self) -> Result<(), String> {
+    pub(crate) async fn terminate(mut self) -> Result<(), String> {
         if let Some(pid) = self.child.id() {
             let _ = Command::new("kill")
                 .args(["-TERM", &pid.to_string()])
@@ -382,13 +383,13 @@ impl ConsumerProcess {
     }
 
     /// Whether it is still running.
-    pub fn running(&mut self) -> bool {
+    pub(crate) fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
 
     /// The most memory it has held so far (`VmHWM`, its peak resident set),
     /// in KiB; `None` once it has exited.
-    pub fn peak_rss_kib(&self) -> Option<u64> {
+    pub(crate) fn peak_rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()?)).ok()?;
         status
             .lines()
@@ -397,12 +398,12 @@ impl ConsumerProcess {
     }
 
     /// Its log.
-    pub fn log_text(&self) -> String {
+    pub(crate) fn log_text(&self) -> String {
         read_log(&self.log)
     }
 
     /// Its log lines that contain `text`.
-    pub fn log_lines(&self, text: &str) -> Vec<String> {
+    pub(crate) fn log_lines(&self, text: &str) -> Vec<String> {
         read_log(&self.log)
             .lines()
             .filter(|line| line.contains(text))
@@ -413,7 +414,7 @@ impl ConsumerProcess {
 
 impl Client {
     /// Connects, declares the case's queues, and turns confirmations on.
-    pub async fn connect(case: &Case) -> Result<Self, String> {
+    pub(crate) async fn connect(case: &Case) -> Result<Self, String> {
         let connection = Connection::connect(&case.amqp, ConnectionProperties::default())
             .await
             .map_err(|e| format!("the broker: {e}"))?;
@@ -439,24 +440,28 @@ impl Client {
 
     /// Publishes `body` to the work queue with `message_id` (if any),
     /// persistent, and waits for the broker's confirmation.
-    pub async fn publish(&self, message_id: Option<&str>, body: &[u8]) -> Result<(), String> {
+    pub(crate) async fn publish(
+        &self,
+        message_id: Option<&str>,
+        body: &[u8],
+    ) -> Result<(), String> {
         publish(&self.channel, self.topology.queue(), message_id, body).await
     }
 
     /// The client's channel (in confirm mode).
-    pub fn channel(&self) -> &Channel {
+    pub(crate) fn channel(&self) -> &Channel {
         &self.channel
     }
 
     /// How many messages are ready in `queue`.
-    pub async fn ready(&self, queue: &str) -> Result<u32, String> {
+    pub(crate) async fn ready(&self, queue: &str) -> Result<u32, String> {
         idem_rabbitmq::ready(&self.channel, queue)
             .await
             .map_err(|e| e.to_string())
     }
 
     /// Waits until `queue` holds `count` ready messages.
-    pub async fn wait_ready(&self, queue: &str, count: u32) -> Result<(), String> {
+    pub(crate) async fn wait_ready(&self, queue: &str, count: u32) -> Result<(), String> {
         let started = Instant::now();
         loop {
             let ready = self.ready(queue).await?;
@@ -473,7 +478,7 @@ impl Client {
     }
 
     /// Closes the connection.
-    pub async fn close(self) {
+    pub(crate) async fn close(self) {
         let _ = self.connection.close(200, "bye".into()).await;
     }
 }
