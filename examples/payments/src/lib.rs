@@ -98,10 +98,11 @@
 //!
 //! ## Testing
 //!
-//! The `test-util` feature adds `payments::testing`: the checks both example binaries
-//! pass as processes on a throwaway PostgreSQL cluster, among them the crash
-//! test (servers killed with `SIGKILL` while charges are in flight; every
-//! charge takes effect exactly once).
+//! Both example binaries pass the same checks as processes, on a throwaway
+//! PostgreSQL cluster among other stores: their `tests/binary.rs`, on the
+//! workspace's test harness `e2e/payments-harness` (not part of the example),
+//! among them the crash test (servers killed with `SIGKILL` while charges are
+//! in flight; every charge takes effect exactly once).
 
 mod guards;
 mod ledger;
@@ -109,8 +110,6 @@ mod provider;
 mod publish;
 mod service;
 mod start;
-#[cfg(feature = "test-util")]
-pub mod testing;
 
 pub use guards::{Guard, Guards, TRANSACTIONAL_WAIT, charge_policy, deposit_policy};
 pub use ledger::{AccountView, Applied, Attempt, Ledger, LedgerError, Operation, OperationKind};

@@ -256,7 +256,7 @@ impl Endpoint {
             match self.post(post).await {
                 Ok(reply) if !matches!(reply.status, 409 | 503) => return reply,
                 Ok(reply) => last = Some(format!("{reply:?}")),
-                Err(error) => last = Some(super::error_chain(&error)),
+                Err(error) => last = Some(crate::error_chain(&error)),
             }
             tokio::time::sleep(RETRY_PAUSE).await;
         }

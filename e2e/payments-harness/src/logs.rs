@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
-use super::Suite;
-use super::server::{Launch, Post, Scratch, Server};
-use crate::Principal;
+use payments::Principal;
+
+use crate::Suite;
+use crate::server::{Launch, Post, Scratch, Server};
 
 /// Every store, `RUST_LOG=trace`, each kind of keyed and unkeyed request: the
 /// whole log holds the scope (the token's hash) but never the token, a key or

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::Suite;
-use super::server::{Launch, Post, Reply, Scratch, Server, help};
+use crate::Suite;
+use crate::server::{Launch, Post, Reply, Scratch, Server, help};
 
 const BODY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 const CHARGES: &str = "/accounts/acct-1/charges";

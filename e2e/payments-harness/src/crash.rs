@@ -5,13 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use payments::Principal;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::Suite;
-use super::database::{Database, OperationRow, RecordCounts, Sight};
-use super::server::{Endpoint, Post, Reply, Server};
-use crate::Principal;
+use crate::Suite;
+use crate::database::{Database, OperationRow, RecordCounts, Sight};
+use crate::server::{Endpoint, Post, Reply, Server};
 
 /// Rounds of start, charge, kill.
 const ROUNDS: usize = 18;

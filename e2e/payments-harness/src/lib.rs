@@ -1,17 +1,18 @@
-//! The checks both example binaries pass as processes (feature `test-util`),
-//! so that `payments-axum` and `payments-actix` are held to the same behaviour
-//! by the same code. Each example has one test binary, `tests/binary.rs`
-//! (`harness = false`), which is one line:
+//! The checks both payments example binaries pass as processes, so that
+//! `payments-axum` and `payments-actix` are held to the same behaviour by the
+//! same code. Test machinery, not part of the examples: a workspace-internal,
+//! unpublished crate that each example takes as a dev-dependency. Each example
+//! has one test binary, `tests/binary.rs` (`harness = false`), which is one line:
 //!
 //! ```no_run
 //! fn main() -> std::process::ExitCode {
-//!     payments::testing::run("/path/to/payments-axum") // env!("CARGO_BIN_EXE_payments-axum")
+//!     payments_harness::run("/path/to/payments-axum") // env!("CARGO_BIN_EXE_payments-axum")
 //! }
 //! ```
 //!
 //! [`run`] is the test binary's harness (libtest-mimic, so the usual filters
 //! and `--list` work): it runs the trials, starting a throwaway PostgreSQL
-//! cluster (idem-diesel's `TestPostgres`) when the first trial that needs one
+//! cluster (idem-testkit's `TestPostgres`) when the first trial that needs one
 //! asks for a database, giving each such trial a fresh database, and removes
 //! the cluster at the end. The `service::` trials use the memory and SQLite
 //! stores only: run alone (`cargo test -p payments-axum -- service::`), they

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 
 use idem_core::{IdempotencyKey, Scope};
+use payments::{Principal, forwarded_key};
 use payments_provider::Provider;
 
-use super::Suite;
-use super::server::{Launch, Post, Reply, Scratch, Server, help};
-use crate::{Principal, forwarded_key};
+use crate::Suite;
+use crate::server::{Launch, Post, Reply, Scratch, Server, help};
 
 const BODY: &str = r#"{"amount": 250, "currency": "EUR"}"#;
 

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
-use super::Suite;
-use super::database::{Database, OperationRow, Sight};
-use super::server::{Post, Reply, Server};
-use crate::Principal;
+use payments::Principal;
+
+use crate::Suite;
+use crate::database::{Database, OperationRow, Sight};
+use crate::server::{Post, Reply, Server};
 
 const BODY: &str = r#"{"amount": 250, "currency": "EUR"}"#;
 

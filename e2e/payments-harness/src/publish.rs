@@ -10,8 +10,8 @@ use idem_rabbitmq::lapin::options::BasicGetOptions;
 use idem_rabbitmq::lapin::{Connection, ConnectionProperties};
 use serde_json::Value;
 
-use super::Suite;
-use super::server::{Launch, Post, Scratch, Server};
+use crate::Suite;
+use crate::server::{Launch, Post, Scratch, Server};
 
 /// `--publish` with the memory store or Redis: exit status 2 and the reason,
 /// before anything is opened.
