@@ -70,9 +70,11 @@ pub trait Intake: Send {
     /// Waits for what the broker has, up to `room` deliveries (at least 1),
     /// and answers it as units of work, each with how many deliveries it
     /// holds (one per delivery; an SQS FIFO group's messages together, in
-    /// their order). An error ends the run: the intake retries the failures
-    /// that retrying can help itself, or ends so that the broker crate
-    /// connects again.
+    /// their order). An empty answer (a long poll that found nothing, a
+    /// failure that polling again can help, after its pause) is no error:
+    /// the runner looks at its room and the outage again before the next
+    /// take, so that nothing is received while a delivery is held. An error
+    /// ends the run (the broker crate may connect again).
     fn take(&mut self, room: usize) -> impl Future<Output = Taken<Self::Error>> + Send;
 
     /// Whether a unit's task that failed (a panic outside the handler,

@@ -452,48 +452,47 @@ struct Polls<'c, I: Inbox, H> {
 impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Polls<'_, I, H> {
     type Error = Error;
 
-    /// Long polls until SQS gives messages, polling again after a
-    /// full-jitter delay when it fails and retrying can help; answers each
-    /// message alone (on a FIFO queue, each group's messages together).
+    /// One long poll: each message alone (on a FIFO queue, each group's
+    /// messages together). An empty receive, or one that failed where
+    /// polling again can help (after a full-jitter delay), answers nothing,
+    /// so that the runner looks at its room and the outage before the next.
     async fn take(&mut self, room: usize) -> Taken<Error> {
         let consumer = self.consumer;
         let queue = self.target.queue.name.as_str();
-        loop {
-            match consumer
-                .receive(&self.target, room.min(consumer.batch))
-                .await
-            {
-                Ok((messages, _)) if messages.is_empty() => self.failures = 0,
-                Ok((messages, received_at)) => {
-                    self.failures = 0;
-                    return Ok(groups(messages, self.target.queue.fifo)
-                        .into_iter()
-                        .map(|group| {
-                            let size = group.len();
-                            let work = delivery::settle(
-                                Arc::clone(&consumer.shared),
-                                Arc::clone(&self.target),
-                                group,
-                                received_at,
-                            );
-                            let work: Work<Error> = Box::pin(async move {
-                                work.await;
-                                Ok(())
-                            });
-                            (size, work)
-                        })
-                        .collect());
-                }
-                Err(error) if error.is_permanent() => {
-                    tracing::error!(queue, error = %error_chain(&error), "the consumer stops: polling again cannot help");
-                    return Err(error);
-                }
-                Err(error) => {
-                    self.failures = self.failures.saturating_add(1);
-                    let delay = consumer.backoff.delay(self.failures);
-                    tracing::warn!(queue, error = %error_chain(&error), failures = self.failures, delay_ms = delay.as_millis() as u64, "receiving from SQS failed; polling again");
-                    tokio::time::sleep(delay).await;
-                }
+        match consumer
+            .receive(&self.target, room.min(consumer.batch))
+            .await
+        {
+            Ok((messages, received_at)) => {
+                self.failures = 0;
+                Ok(groups(messages, self.target.queue.fifo)
+                    .into_iter()
+                    .map(|group| {
+                        let size = group.len();
+                        let work = delivery::settle(
+                            Arc::clone(&consumer.shared),
+                            Arc::clone(&self.target),
+                            group,
+                            received_at,
+                        );
+                        let work: Work<Error> = Box::pin(async move {
+                            work.await;
+                            Ok(())
+                        });
+                        (size, work)
+                    })
+                    .collect())
+            }
+            Err(error) if error.is_permanent() => {
+                tracing::error!(queue, error = %error_chain(&error), "the consumer stops: polling again cannot help");
+                Err(error)
+            }
+            Err(error) => {
+                self.failures = self.failures.saturating_add(1);
+                let delay = consumer.backoff.delay(self.failures);
+                tracing::warn!(queue, error = %error_chain(&error), failures = self.failures, delay_ms = delay.as_millis() as u64, "receiving from SQS failed; polling again");
+                tokio::time::sleep(delay).await;
+                Ok(Vec::new())
             }
         }
     }
