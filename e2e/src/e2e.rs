@@ -57,8 +57,9 @@ usage: cargo xtask e2e [--example axum|actix|consumer]... [--store memory|sqlite
 --all-features` compiles their libraries; what CI runs), not release builds.
 
 Without options: every example, every store, every scenario that is built
-(the consumer's run on RabbitMQ with PostgreSQL and with SQLite; the chain,
-axum → outbox → RabbitMQ → consumer, on both, with --example axum).";
+(the consumer's runs on RabbitMQ, Kafka and SQS, each with PostgreSQL and
+with SQLite; the chain, axum → outbox → broker → consumer, on both, with
+--example axum).";
 
 /// Scenarios at once, HTTP and consumer rows together: 2 cores, and
 /// most of a scenario's time is spent waiting (on a lease, a timeout, a
@@ -118,6 +119,10 @@ struct Options {
 }
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    if args.iter().any(|arg| arg == "-h" || arg == "--help") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     let options = Options::parse(args)?;
     let started = Instant::now();
     let root = std::env::temp_dir().join(format!(
@@ -580,7 +585,6 @@ impl Options {
                     args.next();
                 }
                 ("--include-not-built", _) => options.include_not_built = true,
-                ("-h" | "--help", _) => return Err(USAGE.to_owned()),
                 _ => return Err(format!("unexpected {arg:?}\n\n{USAGE}")),
             }
         }
