@@ -104,12 +104,18 @@ pub struct Subscription {
 /// Builds a [`Consumer`]: [`Consumer::builder`].
 #[must_use]
 pub struct ConsumerBuilder<I = Unset, H = Unset> {
+    inbox: I,
+    handler: H,
+    options: Options,
+}
+
+/// A builder's settings beside its inbox and handler: what `inbox` and
+/// `handler` carry over unchanged.
+struct Options {
     servers: String,
     topic: String,
     group: Option<String>,
     name: Option<String>,
-    inbox: I,
-    handler: H,
     policy: ConsumerPolicy,
     config: Vec<(String, String)>,
     queue: usize,
@@ -144,17 +150,19 @@ impl Consumer<Unset, Unset> {
     /// [`group`](ConsumerBuilder::group) says otherwise.
     pub fn builder(servers: impl Into<String>, topic: impl Into<String>) -> ConsumerBuilder {
         ConsumerBuilder {
-            servers: servers.into(),
-            topic: topic.into(),
-            group: None,
-            name: None,
             inbox: Unset,
             handler: Unset,
-            policy: ConsumerPolicy::new(),
-            config: Vec::new(),
-            queue: DEFAULT_PREFETCH,
-            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
-            create_topic: None,
+            options: Options {
+                servers: servers.into(),
+                topic: topic.into(),
+                group: None,
+                name: None,
+                policy: ConsumerPolicy::new(),
+                config: Vec::new(),
+                queue: DEFAULT_PREFETCH,
+                shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+                create_topic: None,
+            },
         }
     }
 }
@@ -162,20 +170,20 @@ impl Consumer<Unset, Unset> {
 impl<I, H> ConsumerBuilder<I, H> {
     /// The consumer group (`group.id`).
     pub fn group(mut self, group: impl Into<String>) -> Self {
-        self.group = Some(group.into());
+        self.options.group = Some(group.into());
         self
     }
 
     /// The consumer's name in the inbox and in its positions (each
     /// consumer of a record applies it once); the group by default.
     pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
+        self.options.name = Some(name.into());
         self
     }
 
     /// The policy: attempts, backoff, classification, the dead-letter alert.
     pub fn policy(mut self, policy: ConsumerPolicy) -> Self {
-        self.policy = policy;
+        self.options.policy = policy;
         self
     }
 
@@ -183,7 +191,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// The settings this crate relies on (`group.id`,
     /// `enable.auto.offset.store`) cannot be overridden.
     pub fn config(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.config.push((key.into(), value.into()));
+        self.options.config.push((key.into(), value.into()));
         self
     }
 
@@ -205,14 +213,14 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// nothing of it: the partition is not paused (with tansu 0.6, a
     /// partition paused then resumed received nothing more).
     pub fn prefetch(mut self, records: usize) -> Self {
-        self.queue = records.max(1);
+        self.options.queue = records.max(1);
         self
     }
 
     /// How long a revocation or a stop waits for the records being applied
     /// ([`DEFAULT_SHUTDOWN_TIMEOUT`]).
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
-        self.shutdown_timeout = timeout;
+        self.options.shutdown_timeout = timeout;
         self
     }
 
@@ -222,7 +230,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// it: a consumer of a misspelt topic would otherwise wait for records
     /// that never come.
     pub fn create_topic(mut self, partitions: i32) -> Self {
-        self.create_topic = Some(partitions);
+        self.options.create_topic = Some(partitions);
         self
     }
 
@@ -231,34 +239,18 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// database, in the handler's transaction), or idem-core's `MemoryInbox`.
     pub fn inbox<J: Positions>(self, inbox: J) -> ConsumerBuilder<J, H> {
         ConsumerBuilder {
-            servers: self.servers,
-            topic: self.topic,
-            group: self.group,
-            name: self.name,
             inbox,
             handler: self.handler,
-            policy: self.policy,
-            config: self.config,
-            queue: self.queue,
-            shutdown_timeout: self.shutdown_timeout,
-            create_topic: self.create_topic,
+            options: self.options,
         }
     }
 
     /// The handler: applies one record on the inbox's transaction.
     pub fn handler<G>(self, handler: G) -> ConsumerBuilder<I, G> {
         ConsumerBuilder {
-            servers: self.servers,
-            topic: self.topic,
-            group: self.group,
-            name: self.name,
             inbox: self.inbox,
             handler,
-            policy: self.policy,
-            config: self.config,
-            queue: self.queue,
-            shutdown_timeout: self.shutdown_timeout,
-            create_topic: self.create_topic,
+            options: self.options,
         }
     }
 }
@@ -269,26 +261,29 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I,
     /// contacted until [`run`](Consumer::run), as RabbitMQ's and SQS's
     /// builders do.
     pub fn build(self) -> Result<Consumer<I, H>, Error> {
-        topics::check_name(&topics::dead_letter_topic(&self.topic))
-            .and_then(|()| topics::check_name(&self.topic))
+        topics::check_name(&topics::dead_letter_topic(&self.options.topic))
+            .and_then(|()| topics::check_name(&self.options.topic))
             .map_err(|why| Error::InvalidTopic {
-                topic: self.topic.clone(),
+                topic: self.options.topic.clone(),
                 why,
             })?;
-        let group = self.group.unwrap_or_else(|| self.topic.clone());
-        let name = self.name.unwrap_or_else(|| group.clone());
+        let group = self
+            .options
+            .group
+            .unwrap_or_else(|| self.options.topic.clone());
+        let name = self.options.name.unwrap_or_else(|| group.clone());
         Ok(Consumer {
-            servers: self.servers,
-            topic: self.topic,
+            servers: self.options.servers,
+            topic: self.options.topic,
             group,
             name,
             inbox: self.inbox,
-            policy: self.policy,
+            policy: self.options.policy,
             handler: self.handler,
-            config: self.config,
-            queue: self.queue,
-            shutdown_timeout: self.shutdown_timeout,
-            create_topic: self.create_topic,
+            config: self.options.config,
+            queue: self.options.queue,
+            shutdown_timeout: self.options.shutdown_timeout,
+            create_topic: self.options.create_topic,
         })
     }
 }

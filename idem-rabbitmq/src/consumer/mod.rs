@@ -87,11 +87,17 @@ struct Shared<I: Inbox, H> {
 /// has defaults.
 #[must_use]
 pub struct ConsumerBuilder<I, H> {
+    inbox: I,
+    handler: H,
+    options: Options,
+}
+
+/// A builder's settings beside its inbox and handler: what `inbox` and
+/// `handler` carry over unchanged.
+struct Options {
     url: String,
     queue: String,
     name: Option<String>,
-    inbox: I,
-    handler: H,
     policy: ConsumerPolicy,
     prefetch: u16,
     concurrency: usize,
@@ -128,18 +134,20 @@ impl Consumer<MemoryInbox, Unset> {
         queue: impl Into<String>,
     ) -> ConsumerBuilder<Unset, Unset> {
         ConsumerBuilder {
-            url: url.into(),
-            queue: queue.into(),
-            name: None,
             inbox: Unset,
             handler: Unset,
-            policy: ConsumerPolicy::new(),
-            prefetch: DEFAULT_PREFETCH,
-            concurrency: 1,
-            queue_type: QueueType::Classic,
-            delivery_limit: Some(topology::DEFAULT_DELIVERY_LIMIT),
-            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
-            reconnect: default_broker_backoff(),
+            options: Options {
+                url: url.into(),
+                queue: queue.into(),
+                name: None,
+                policy: ConsumerPolicy::new(),
+                prefetch: DEFAULT_PREFETCH,
+                concurrency: 1,
+                queue_type: QueueType::Classic,
+                delivery_limit: Some(topology::DEFAULT_DELIVERY_LIMIT),
+                shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+                reconnect: default_broker_backoff(),
+            },
         }
     }
 }
@@ -149,18 +157,9 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// idem-diesel's PostgreSQL or SQLite inbox, or [`MemoryInbox`].
     pub fn inbox<J: Inbox>(self, inbox: J) -> ConsumerBuilder<J, H> {
         ConsumerBuilder {
-            url: self.url,
-            queue: self.queue,
-            name: self.name,
             inbox,
             handler: self.handler,
-            policy: self.policy,
-            prefetch: self.prefetch,
-            concurrency: self.concurrency,
-            queue_type: self.queue_type,
-            delivery_limit: self.delivery_limit,
-            shutdown_timeout: self.shutdown_timeout,
-            reconnect: self.reconnect,
+            options: self.options,
         }
     }
 
@@ -169,25 +168,16 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// [`handler`](idem_core::consume::handler).
     pub fn handler<G>(self, handler: G) -> ConsumerBuilder<I, G> {
         ConsumerBuilder {
-            url: self.url,
-            queue: self.queue,
-            name: self.name,
             inbox: self.inbox,
             handler,
-            policy: self.policy,
-            prefetch: self.prefetch,
-            concurrency: self.concurrency,
-            queue_type: self.queue_type,
-            delivery_limit: self.delivery_limit,
-            shutdown_timeout: self.shutdown_timeout,
-            reconnect: self.reconnect,
+            options: self.options,
         }
     }
 
     /// How failures are treated: attempts, backoff, classification, the
     /// dead-letter alert (default [`ConsumerPolicy::new`]).
     pub fn policy(mut self, policy: ConsumerPolicy) -> Self {
-        self.policy = policy;
+        self.options.policy = policy;
         self
     }
 
@@ -195,27 +185,27 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// consumer of a message applies it once, so two consumers of one
     /// queue that apply the same effect share a name.
     pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
+        self.options.name = Some(name.into());
         self
     }
 
     /// How many unacknowledged deliveries the broker sends ahead (`basic.qos`,
     /// default [`DEFAULT_PREFETCH`]); raised to the concurrency if lower.
     pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = prefetch;
+        self.options.prefetch = prefetch;
         self
     }
 
     /// How many handlers run at once (default 1; at least 1).
     pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
+        self.options.concurrency = concurrency.max(1);
         self
     }
 
     /// The type of every queue of the topology (default
     /// [`QueueType::Classic`]).
     pub fn queue_type(mut self, queue_type: QueueType) -> Self {
-        self.queue_type = queue_type;
+        self.options.queue_type = queue_type;
         self
     }
 
@@ -223,7 +213,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// [`DEFAULT_DELIVERY_LIMIT`](topology::DEFAULT_DELIVERY_LIMIT)); see
     /// [`Topology::delivery_limit`] for how it relates to the inbox's count.
     pub fn delivery_limit(mut self, limit: Option<u32>) -> Self {
-        self.delivery_limit = limit;
+        self.options.delivery_limit = limit;
         self
     }
 
@@ -232,7 +222,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// dropped (a database inbox rolls their transaction back) and their
     /// deliveries go back to the queue.
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
-        self.shutdown_timeout = timeout;
+        self.options.shutdown_timeout = timeout;
         self
     }
 
@@ -240,7 +230,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// (default [`default_broker_backoff`]: full jitter from 250 ms, capped
     /// at 10 s).
     pub fn broker_backoff(mut self, backoff: Backoff) -> Self {
-        self.reconnect = backoff;
+        self.options.reconnect = backoff;
         self
     }
 }
@@ -250,18 +240,22 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
     /// AMQP cannot carry; the broker is not contacted until
     /// [`run`](Consumer::run).
     pub fn build(self) -> Result<Consumer<I, H>, Error> {
-        let address = Address::parse(&self.url)?;
-        topology::check_queue_name(&self.queue)?;
-        let name = self.name.unwrap_or_else(|| self.queue.clone());
-        let topology = Topology::new(self.queue)
-            .queue_type(self.queue_type)
-            .delivery_limit(self.delivery_limit);
+        let address = Address::parse(&self.options.url)?;
+        topology::check_queue_name(&self.options.queue)?;
+        let name = self
+            .options
+            .name
+            .unwrap_or_else(|| self.options.queue.clone());
+        let topology = Topology::new(self.options.queue)
+            .queue_type(self.options.queue_type)
+            .delivery_limit(self.options.delivery_limit);
         let prefetch = self
+            .options
             .prefetch
-            .max(u16::try_from(self.concurrency).unwrap_or(u16::MAX));
+            .max(u16::try_from(self.options.concurrency).unwrap_or(u16::MAX));
         Ok(Consumer {
             shared: Arc::new(Shared {
-                protocol: Protocol::new(name, self.inbox, self.policy),
+                protocol: Protocol::new(name, self.inbox, self.options.policy),
                 handler: self.handler,
                 topology,
                 declared: Mutex::new(HashSet::new()),
@@ -270,9 +264,9 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
             }),
             address,
             prefetch,
-            concurrency: self.concurrency.min(usize::from(prefetch)),
-            shutdown_timeout: self.shutdown_timeout,
-            reconnect: self.reconnect,
+            concurrency: self.options.concurrency.min(usize::from(prefetch)),
+            shutdown_timeout: self.options.shutdown_timeout,
+            reconnect: self.options.reconnect,
         })
     }
 }
@@ -473,12 +467,12 @@ impl<I: Inbox, H> std::fmt::Debug for Consumer<I, H> {
 impl<I, H> std::fmt::Debug for ConsumerBuilder<I, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConsumerBuilder")
-            .field("queue", &self.queue)
-            .field("name", &self.name)
-            .field("policy", &self.policy)
-            .field("prefetch", &self.prefetch)
-            .field("concurrency", &self.concurrency)
-            .field("queue_type", &self.queue_type)
+            .field("queue", &self.options.queue)
+            .field("name", &self.options.name)
+            .field("policy", &self.options.policy)
+            .field("prefetch", &self.options.prefetch)
+            .field("concurrency", &self.options.concurrency)
+            .field("queue_type", &self.options.queue_type)
             .finish_non_exhaustive()
     }
 }

@@ -87,11 +87,17 @@ pub(crate) struct Shared<I: Inbox, H> {
 /// has defaults.
 #[must_use]
 pub struct ConsumerBuilder<I, H> {
+    inbox: I,
+    handler: H,
+    options: Options,
+}
+
+/// A builder's settings beside its inbox and handler: what `inbox` and
+/// `handler` carry over unchanged.
+struct Options {
     client: Client,
     queue_url: String,
     name: Option<String>,
-    inbox: I,
-    handler: H,
     policy: ConsumerPolicy,
     concurrency: usize,
     batch: usize,
@@ -128,18 +134,20 @@ impl Consumer<MemoryInbox, Unset> {
     /// set by [`ConsumerBuilder::inbox`] and [`ConsumerBuilder::handler`].
     pub fn builder(client: Client, queue_url: impl Into<String>) -> ConsumerBuilder<Unset, Unset> {
         ConsumerBuilder {
-            client,
-            queue_url: queue_url.into(),
-            name: None,
             inbox: Unset,
             handler: Unset,
-            policy: ConsumerPolicy::new(),
-            concurrency: 1,
-            batch: MAX_BATCH,
-            wait_time: DEFAULT_WAIT_TIME,
-            lease: None,
-            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
-            backoff: default_broker_backoff(),
+            options: Options {
+                client,
+                queue_url: queue_url.into(),
+                name: None,
+                policy: ConsumerPolicy::new(),
+                concurrency: 1,
+                batch: MAX_BATCH,
+                wait_time: DEFAULT_WAIT_TIME,
+                lease: None,
+                shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+                backoff: default_broker_backoff(),
+            },
         }
     }
 }
@@ -149,18 +157,9 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// idem-diesel's PostgreSQL or SQLite inbox, or [`MemoryInbox`].
     pub fn inbox<J: Inbox>(self, inbox: J) -> ConsumerBuilder<J, H> {
         ConsumerBuilder {
-            client: self.client,
-            queue_url: self.queue_url,
-            name: self.name,
             inbox,
             handler: self.handler,
-            policy: self.policy,
-            concurrency: self.concurrency,
-            batch: self.batch,
-            wait_time: self.wait_time,
-            lease: self.lease,
-            shutdown_timeout: self.shutdown_timeout,
-            backoff: self.backoff,
+            options: self.options,
         }
     }
 
@@ -169,25 +168,16 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// [`handler`](idem_core::consume::handler).
     pub fn handler<G>(self, handler: G) -> ConsumerBuilder<I, G> {
         ConsumerBuilder {
-            client: self.client,
-            queue_url: self.queue_url,
-            name: self.name,
             inbox: self.inbox,
             handler,
-            policy: self.policy,
-            concurrency: self.concurrency,
-            batch: self.batch,
-            wait_time: self.wait_time,
-            lease: self.lease,
-            shutdown_timeout: self.shutdown_timeout,
-            backoff: self.backoff,
+            options: self.options,
         }
     }
 
     /// How failures are treated: attempts, backoff, classification, the
     /// dead-letter alert (default [`ConsumerPolicy::new`]).
     pub fn policy(mut self, policy: ConsumerPolicy) -> Self {
-        self.policy = policy;
+        self.options.policy = policy;
         self
     }
 
@@ -195,7 +185,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// consumer of a message applies it once, so two consumers of one queue
     /// that apply the same effect share a name.
     pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
+        self.options.name = Some(name.into());
         self
     }
 
@@ -203,7 +193,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// is processed by its own task (on a FIFO queue, the messages of one
     /// group one after the other).
     pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
+        self.options.concurrency = concurrency.max(1);
         self
     }
 
@@ -211,14 +201,14 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// [`MAX_BATCH`]; at least 1); never more than the free slots of the
     /// concurrency.
     pub fn batch_size(mut self, batch: usize) -> Self {
-        self.batch = batch.clamp(1, MAX_BATCH);
+        self.options.batch = batch.clamp(1, MAX_BATCH);
         self
     }
 
     /// How long a receive waits for a message (long polling; default
     /// [`DEFAULT_WAIT_TIME`], at most 20 s).
     pub fn wait_time(mut self, wait: Duration) -> Self {
-        self.wait_time = wait.min(DEFAULT_WAIT_TIME);
+        self.options.wait_time = wait.min(DEFAULT_WAIT_TIME);
         self
     }
 
@@ -228,7 +218,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// handler runs; a consumer that dies stops extending it, and the
     /// message is received again once it runs out.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(lease.max(Duration::from_secs(1)));
+        self.options.lease = Some(lease.max(Duration::from_secs(1)));
         self
     }
 
@@ -237,14 +227,14 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// dropped (a database inbox rolls their transaction back) and their
     /// messages come back when their lease runs out.
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
-        self.shutdown_timeout = timeout;
+        self.options.shutdown_timeout = timeout;
         self
     }
 
     /// The delays between polls after SQS failed (default
     /// [`default_broker_backoff`]: full jitter from 250 ms, capped at 10 s).
     pub fn broker_backoff(mut self, backoff: Backoff) -> Self {
-        self.backoff = backoff;
+        self.options.backoff = backoff;
         self
     }
 }
@@ -253,26 +243,26 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
     /// The consumer. Fails on a queue URL without a queue name; SQS is not
     /// contacted until [`run`](Consumer::run).
     pub fn build(self) -> Result<Consumer<I, H>, Error> {
-        let name = match self.name {
+        let name = match self.options.name {
             Some(name) => name,
-            None => queue::queue_name(&self.queue_url)?.to_owned(),
+            None => queue::queue_name(&self.options.queue_url)?.to_owned(),
         };
-        queue::queue_name(&self.queue_url)?;
+        queue::queue_name(&self.options.queue_url)?;
         Ok(Consumer {
             shared: Arc::new(Shared {
-                protocol: Protocol::new(name, self.inbox, self.policy),
+                protocol: Protocol::new(name, self.inbox, self.options.policy),
                 handler: self.handler,
                 outage: Outage::new(),
                 stop: StopSignal::new(),
             }),
-            client: self.client,
-            queue_url: self.queue_url,
-            concurrency: self.concurrency,
-            batch: self.batch,
-            wait_time: self.wait_time,
-            lease: self.lease,
-            shutdown_timeout: self.shutdown_timeout,
-            backoff: self.backoff,
+            client: self.options.client,
+            queue_url: self.options.queue_url,
+            concurrency: self.options.concurrency,
+            batch: self.options.batch,
+            wait_time: self.options.wait_time,
+            lease: self.options.lease,
+            shutdown_timeout: self.options.shutdown_timeout,
+            backoff: self.options.backoff,
         })
     }
 }
@@ -535,11 +525,11 @@ impl<I: Inbox, H> std::fmt::Debug for Consumer<I, H> {
 impl<I, H> std::fmt::Debug for ConsumerBuilder<I, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConsumerBuilder")
-            .field("queue_url", &self.queue_url)
-            .field("name", &self.name)
-            .field("policy", &self.policy)
-            .field("concurrency", &self.concurrency)
-            .field("batch", &self.batch)
+            .field("queue_url", &self.options.queue_url)
+            .field("name", &self.options.name)
+            .field("policy", &self.options.policy)
+            .field("concurrency", &self.options.concurrency)
+            .field("batch", &self.options.batch)
             .finish_non_exhaustive()
     }
 }
