@@ -35,6 +35,8 @@ pub use diesel;
 /// SQLite connection wrapper and `RunQueryDsl` are its.
 pub use diesel_async;
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use consume::InboxBuilder;
 pub use error::SetupError;
 pub use idem_core::cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use idem_core::outbox::{Event, Publish, PublishError};

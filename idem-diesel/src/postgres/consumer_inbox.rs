@@ -22,13 +22,14 @@ use idem_core::{Redacted, StoreError};
 use super::statements::{self, Commit, InboxBury, InboxCount, InboxEnter, InboxFinish, Statement};
 use super::transactional::{begin, mark_begun};
 use super::{
-    BURY_LOCK_CLASS, DEFAULT_CONNECTION_TIMEOUT, PgPool, SWEEP_LOCK_CLASS, build_pool, roll_back,
-    run_migrations, transaction_depth,
+    BURY_LOCK_CLASS, PgPool, SWEEP_LOCK_CLASS, build_pool, roll_back, run_migrations,
+    transaction_depth,
 };
 use crate::SetupError;
 use crate::consume::{
-    self, DEFAULT_RETENTION, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time,
+    self, INBOX_SCHEMA, InboxBuilder, NestedOpen, check_inbox_columns, micros, time,
 };
+use crate::outbox::Postgres;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::table::{ColumnRow, SchemaGate};
@@ -219,7 +220,8 @@ struct Statements {
     commit: Statement<Commit>,
 }
 
-/// Configures a [`PgInbox`]: its retention and the pool it builds.
+/// Configures a [`PgInbox`]: its retention and the pool it builds
+/// ([`InboxBuilder`](crate::InboxBuilder), the same settings as SQLite's).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -235,14 +237,7 @@ struct Statements {
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone, Debug)]
-#[must_use]
-pub struct PgInboxBuilder {
-    retention: Duration,
-    max_connections: u32,
-    connection_timeout: Duration,
-    skip_schema_check: bool,
-}
+pub type PgInboxBuilder = InboxBuilder<Postgres>;
 
 #[derive(QueryableByName)]
 struct EnterRow {
@@ -337,12 +332,7 @@ impl PgInbox {
 
     /// Configures the retention and the pool.
     pub fn builder() -> PgInboxBuilder {
-        PgInboxBuilder {
-            retention: DEFAULT_RETENTION,
-            max_connections: 10,
-            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
-            skip_schema_check: false,
-        }
+        InboxBuilder::new(10)
     }
 
     fn with_pool(
@@ -694,29 +684,7 @@ impl PgInbox {
     }
 }
 
-impl PgInboxBuilder {
-    /// How long processed messages are remembered (default 7 days). Make it
-    /// longer than the broker redelivers: a redelivery after it runs again.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
-    }
-
-    /// The most connections the pool opens (default 10). Each message being
-    /// processed holds one until its transaction ends. Ignored by
-    /// [`build`](Self::build).
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long an inbox step waits for a connection before it fails with
-    /// `InboxError::Unavailable` (default 3 s).
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
+impl InboxBuilder<Postgres> {
     /// Builds a pool for `url` and checks that it connects.
     pub async fn connect(self, url: &str) -> Result<PgInbox, SetupError> {
         let (pool, failures) =
@@ -727,15 +695,6 @@ impl PgInboxBuilder {
                 .map_err(SetupError::connect)?,
         );
         Ok(PgInbox::with_pool(pool, Some(failures), &self))
-    }
-
-    /// Skips the schema check: the inbox is ready without
-    /// [`migrate`](PgInbox::migrate) or [`check_schema`](PgInbox::check_schema)
-    /// (when the tables are known to be there, and a check at start-up is
-    /// not wanted).
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
-        self
     }
 
     /// An inbox over a pool the application already has.

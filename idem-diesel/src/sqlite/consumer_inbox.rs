@@ -21,8 +21,9 @@ use super::statements::NOW;
 use super::{AsyncSqliteConnection, SqlitePool, build_pool};
 use crate::SetupError;
 use crate::consume::{
-    self, DEFAULT_RETENTION, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time,
+    self, INBOX_SCHEMA, InboxBuilder, NestedOpen, check_inbox_columns, micros, time,
 };
+use crate::outbox::Sqlite;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::duration_micros;
@@ -112,16 +113,9 @@ struct Inner {
     schema_gate: SchemaGate,
 }
 
-/// Configures a [`SqliteInbox`]: its retention and the pool it builds.
-#[derive(Clone, Debug)]
-#[must_use]
-pub struct SqliteInboxBuilder {
-    retention: Duration,
-    max_connections: u32,
-    connection_timeout: Duration,
-    busy_timeout: Duration,
-    skip_schema_check: bool,
-}
+/// Configures a [`SqliteInbox`]: its retention and the pool it builds
+/// ([`InboxBuilder`](crate::InboxBuilder), the same settings as PostgreSQL's).
+pub type SqliteInboxBuilder = InboxBuilder<Sqlite>;
 
 #[derive(QueryableByName)]
 struct LookRow {
@@ -214,13 +208,7 @@ impl SqliteInbox {
 
     /// Configures the retention and the pool.
     pub fn builder() -> SqliteInboxBuilder {
-        SqliteInboxBuilder {
-            retention: DEFAULT_RETENTION,
-            max_connections: 4,
-            connection_timeout: Duration::from_secs(3),
-            busy_timeout: Duration::from_secs(5),
-            skip_schema_check: false,
-        }
+        InboxBuilder::new(4)
     }
 
     fn with_pool(
@@ -411,36 +399,7 @@ impl SqliteInbox {
     }
 }
 
-impl SqliteInboxBuilder {
-    /// How long processed messages are remembered (default 7 days). Make it
-    /// longer than the broker redelivers: a redelivery after it runs again.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
-    }
-
-    /// The most connections the pool opens (default 4). Ignored by
-    /// [`build`](Self::build).
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long an inbox step waits for a pooled connection (default 3 s).
-    /// Ignored by [`build`](Self::build).
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
-    /// How long a step waits for another connection's write transaction (a
-    /// message being processed, handler included) before it fails with
-    /// "database is locked" (default 5 s). Ignored by [`build`](Self::build).
-    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
-        self
-    }
-
+impl InboxBuilder<Sqlite> {
     /// Opens the database at `url` (see [`SqliteInbox::connect`]), creating
     /// the file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteInbox, SetupError> {
@@ -457,15 +416,6 @@ impl SqliteInboxBuilder {
                 .map_err(SetupError::connect)?,
         );
         Ok(SqliteInbox::with_pool(pool, Some(failures), &self))
-    }
-
-    /// Skips the schema check: the inbox is ready without
-    /// [`migrate`](SqliteInbox::migrate) or
-    /// [`check_schema`](SqliteInbox::check_schema) (when the tables are known
-    /// to be there, and a check at start-up is not wanted).
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
-        self
     }
 
     /// An inbox over a pool the application already has.
