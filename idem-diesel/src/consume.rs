@@ -1,10 +1,8 @@
 //! What the consumer inboxes of both backends ([`PgInbox`](crate::PgInbox),
-//! [`SqliteInbox`](crate::SqliteInbox)) share: their builder, the classification of
+//! [`SqliteInbox`](crate::SqliteInbox)) share: the classification of
 //! database errors that can never succeed on a retry, and time conversions.
 
 use std::error::Error as StdError;
-use std::fmt;
-use std::marker::PhantomData;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
@@ -12,7 +10,6 @@ use idem_core::StoreError;
 use idem_core::consume::InboxError;
 
 use crate::SetupError;
-use crate::outbox::Backend;
 use crate::row::{duration_micros, time_from_micros};
 use crate::table::ColumnRow;
 
@@ -157,91 +154,6 @@ pub(crate) fn micros(time: SystemTime) -> i64 {
 /// The instant `micros` microseconds after the Unix epoch, as an inbox reads it.
 pub(crate) fn time(micros: i64) -> Result<SystemTime, InboxError> {
     time_from_micros(micros).map_err(|error| InboxError::Corrupt(error.to_string()))
-}
-
-/// Configures a consumer inbox ([`PgInboxBuilder`](crate::PgInboxBuilder),
-/// [`SqliteInboxBuilder`](crate::SqliteInboxBuilder)): what it remembers,
-/// and the pool it builds. The settings are the same on both databases; the
-/// defaults are each database's (PostgreSQL: 10 connections; SQLite: 4).
-#[must_use]
-pub struct InboxBuilder<B: Backend> {
-    pub(crate) retention: Duration,
-    pub(crate) max_connections: u32,
-    pub(crate) connection_timeout: Duration,
-    pub(crate) busy_timeout: Duration,
-    pub(crate) skip_schema_check: bool,
-    backend: PhantomData<fn() -> B>,
-}
-
-impl<B: Backend> InboxBuilder<B> {
-    /// The defaults, with `max_connections` the database's.
-    pub(crate) fn new(max_connections: u32) -> Self {
-        Self {
-            retention: DEFAULT_RETENTION,
-            max_connections,
-            connection_timeout: Duration::from_secs(3),
-            busy_timeout: Duration::from_secs(5),
-            skip_schema_check: false,
-            backend: PhantomData,
-        }
-    }
-
-    /// How long processed messages are remembered (default 7 days). Make it
-    /// longer than the broker redelivers: a redelivery after it runs again.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
-    }
-
-    /// The most connections the pool opens (default 10 on PostgreSQL, 4 on
-    /// SQLite). Each message being processed holds one until its
-    /// transaction ends. Ignored by `build`.
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long an inbox step waits for a pooled connection before it fails
-    /// with `InboxError::Unavailable` (default 3 s).
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
-    /// SQLite: how long a step waits for another connection's write
-    /// transaction (a message being processed, handler included) before it
-    /// fails with "database is locked" (default 5 s). Ignored by `build` and
-    /// on PostgreSQL.
-    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
-        self
-    }
-
-    /// Skips the schema check: the inbox is ready without `migrate` or
-    /// `check_schema` (when the tables are known to be there, and a check at
-    /// start-up is not wanted).
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
-        self
-    }
-}
-
-impl<B: Backend> Clone for InboxBuilder<B> {
-    fn clone(&self) -> Self {
-        Self { ..*self }
-    }
-}
-
-impl<B: Backend> fmt::Debug for InboxBuilder<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("InboxBuilder")
-            .field("retention", &self.retention)
-            .field("max_connections", &self.max_connections)
-            .field("connection_timeout", &self.connection_timeout)
-            .field("busy_timeout", &self.busy_timeout)
-            .field("skip_schema_check", &self.skip_schema_check)
-            .finish()
-    }
 }
 
 #[cfg(test)]

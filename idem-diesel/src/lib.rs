@@ -7,6 +7,8 @@
 )]
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod builder;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod consume;
 mod error;
 mod metrics;
@@ -36,7 +38,7 @@ pub use diesel;
 pub use diesel_async;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use consume::InboxBuilder;
+pub use builder::{InboxBuilder, StoreBuilder};
 pub use error::SetupError;
 pub use idem_core::cleanup::{Cleanup, ExpiredRows, Sweep, SweepGuard, SweepLock, SweepReport};
 pub use idem_core::outbox::{Event, Publish, PublishError};

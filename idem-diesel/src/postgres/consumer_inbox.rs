@@ -26,9 +26,8 @@ use super::{
     transaction_depth,
 };
 use crate::SetupError;
-use crate::consume::{
-    self, INBOX_SCHEMA, InboxBuilder, NestedOpen, check_inbox_columns, micros, time,
-};
+use crate::builder::InboxBuilder;
+use crate::consume::{self, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time};
 use crate::outbox::Postgres;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;

@@ -23,9 +23,11 @@ use idem_core::store::BoxError;
 use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
+use crate::builder::StoreBuilder;
+use crate::outbox::Postgres;
 use crate::pool::{self, ConnectFailures};
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{ColumnRow, DEFAULT_TABLE, SchemaGate, Table};
+use crate::table::{ColumnRow, SchemaGate, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::{Cleanup, SweepGuard, SweepLock};
 use statements::Statements;
@@ -119,15 +121,7 @@ impl std::fmt::Debug for PgStore {
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone, Debug)]
-#[must_use]
-pub struct PgStoreBuilder {
-    schema: Option<String>,
-    table: String,
-    max_connections: u32,
-    connection_timeout: Duration,
-    skip_schema_check: bool,
-}
+pub type PgStoreBuilder = StoreBuilder<Postgres>;
 
 /// The claim statement met concurrent changes on every attempt.
 #[derive(Debug, thiserror::Error)]
@@ -167,13 +161,7 @@ impl PgStore {
 
     /// Configures the table, the schema and the pool.
     pub fn builder() -> PgStoreBuilder {
-        PgStoreBuilder {
-            schema: None,
-            table: DEFAULT_TABLE.to_owned(),
-            max_connections: 10,
-            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
-            skip_schema_check: false,
-        }
+        StoreBuilder::new(10)
     }
 
     fn with_table(
@@ -340,44 +328,11 @@ impl PgStore {
     }
 }
 
-impl PgStoreBuilder {
-    /// The table's name (default `idem_records`): ASCII letters, digits and
-    /// underscores, at most 52 characters.
-    pub fn table(mut self, name: impl Into<String>) -> Self {
-        self.table = name.into();
-        self
-    }
-
+impl StoreBuilder<Postgres> {
     /// The table's schema (default: the connection's `search_path`, usually
     /// `public`). [`PgStore::migrate`] creates it if missing.
     pub fn schema(mut self, name: impl Into<String>) -> Self {
         self.schema = Some(name.into());
-        self
-    }
-
-    /// The most connections the pool opens (default 10). Ignored by
-    /// [`build`](Self::build).
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long a store step waits for a connection before it fails with
-    /// `StoreError::Unavailable` (default 3 s). The pool does not retry a failed
-    /// connection attempt, so an unreachable database is answered at once, with
-    /// its cause.
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
-    /// Skips the schema check a route's layer makes when it is built
-    /// ([`Store::readiness`](idem_core::Store::readiness)): without it, a
-    /// layer built on a store whose `migrate()` or `check_schema()` has not
-    /// succeeded in this process refuses to build, naming the fix. Skip it
-    /// only when something else guarantees the table.
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
         self
     }
 

@@ -20,9 +20,8 @@ use idem_core::{Redacted, StoreError};
 use super::statements::NOW;
 use super::{AsyncSqliteConnection, SqlitePool, build_pool};
 use crate::SetupError;
-use crate::consume::{
-    self, INBOX_SCHEMA, InboxBuilder, NestedOpen, check_inbox_columns, micros, time,
-};
+use crate::builder::InboxBuilder;
+use crate::consume::{self, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time};
 use crate::outbox::Sqlite;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
@@ -400,6 +399,14 @@ impl SqliteInbox {
 }
 
 impl InboxBuilder<Sqlite> {
+    /// How long a step waits for another connection's write transaction (a
+    /// message being processed, handler included) before it fails with
+    /// "database is locked" (default 5 s). Ignored by [`build`](Self::build).
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
     /// Opens the database at `url` (see [`SqliteInbox::connect`]), creating
     /// the file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteInbox, SetupError> {

@@ -26,10 +26,12 @@ use idem_core::store::BoxError;
 use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
+use crate::builder::StoreBuilder;
+use crate::outbox::Sqlite;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{ColumnRow, DEFAULT_TABLE, SchemaGate, Table};
+use crate::table::{ColumnRow, SchemaGate, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::Cleanup;
 use statements::Statements;
@@ -100,15 +102,7 @@ impl std::fmt::Debug for SqliteStore {
 }
 
 /// Configures a [`SqliteStore`]: its table and the pool it builds.
-#[derive(Clone, Debug)]
-#[must_use]
-pub struct SqliteStoreBuilder {
-    table: String,
-    max_connections: u32,
-    connection_timeout: Duration,
-    busy_timeout: Duration,
-    skip_schema_check: bool,
-}
+pub type SqliteStoreBuilder = StoreBuilder<Sqlite>;
 
 /// What a claim found, read inside its transaction.
 enum ClaimStep {
@@ -146,13 +140,7 @@ impl SqliteStore {
 
     /// Configures the table and the pool.
     pub fn builder() -> SqliteStoreBuilder {
-        SqliteStoreBuilder {
-            table: DEFAULT_TABLE.to_owned(),
-            max_connections: 4,
-            connection_timeout: Duration::from_secs(3),
-            busy_timeout: Duration::from_secs(5),
-            skip_schema_check: false,
-        }
+        StoreBuilder::new(4)
     }
 
     fn with_table(pool: SqlitePool, table: Table, failures: Option<ConnectFailures>) -> Self {
@@ -297,43 +285,12 @@ impl SqliteStore {
     }
 }
 
-impl SqliteStoreBuilder {
-    /// The table's name (default `idem_records`): ASCII letters, digits and
-    /// underscores, at most 52 characters.
-    pub fn table(mut self, name: impl Into<String>) -> Self {
-        self.table = name.into();
-        self
-    }
-
-    /// The most connections the pool opens (default 4). Ignored by
-    /// [`build`](Self::build).
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long a store step waits for a pooled connection (default 3 s).
-    /// Ignored by [`build`](Self::build).
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
+impl StoreBuilder<Sqlite> {
     /// How long a write waits for another connection's write to finish before it
     /// fails with "database is locked" (default 5 s). Ignored by
     /// [`build`](Self::build).
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
         self.busy_timeout = timeout;
-        self
-    }
-
-    /// Skips the schema check a route's layer makes when it is built
-    /// ([`Store::readiness`](idem_core::Store::readiness)): without it, a
-    /// layer built on a store whose `migrate()` or `check_schema()` has not
-    /// succeeded in this process refuses to build, naming the fix. Skip it
-    /// only when something else guarantees the table.
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
         self
     }
 

@@ -1,0 +1,174 @@
+//! The builders the stores and the inboxes of both databases share: one
+//! type per kind, generic over the database ([`Postgres`](crate::Postgres),
+//! [`Sqlite`](crate::Sqlite)) as the outbox's is, the settings both have
+//! documented once, each database's own (a PostgreSQL schema, SQLite's busy
+//! timeout) and its `connect`/`build` beside its store or inbox.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use crate::outbox::Backend;
+use crate::table::DEFAULT_TABLE;
+
+/// Configures a store ([`PgStoreBuilder`](crate::PgStoreBuilder),
+/// [`SqliteStoreBuilder`](crate::SqliteStoreBuilder)): its table and the
+/// pool it builds. The settings below are the same on both databases; the
+/// defaults are each database's (PostgreSQL: 10 connections; SQLite: 4).
+#[must_use]
+pub struct StoreBuilder<B: Backend> {
+    pub(crate) schema: Option<String>,
+    pub(crate) table: String,
+    pub(crate) max_connections: u32,
+    pub(crate) connection_timeout: Duration,
+    pub(crate) busy_timeout: Duration,
+    pub(crate) skip_schema_check: bool,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: Backend> StoreBuilder<B> {
+    /// The defaults, with `max_connections` the database's.
+    pub(crate) fn new(max_connections: u32) -> Self {
+        Self {
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+            max_connections,
+            connection_timeout: Duration::from_secs(3),
+            busy_timeout: Duration::from_secs(5),
+            skip_schema_check: false,
+            backend: PhantomData,
+        }
+    }
+
+    /// The table's name (default `idem_records`): ASCII letters, digits and
+    /// underscores, at most 52 characters.
+    pub fn table(mut self, name: impl Into<String>) -> Self {
+        self.table = name.into();
+        self
+    }
+
+    /// The most connections the pool opens (default 10 on PostgreSQL, 4 on
+    /// SQLite). Ignored by `build`.
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How long a store step waits for a pooled connection before it fails
+    /// with `StoreError::Unavailable` (default 3 s). The pool does not retry
+    /// a failed connection attempt, so an unreachable database is answered
+    /// at once, with its cause.
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Skips the schema check a route's layer makes when it is built
+    /// ([`Store::readiness`](idem_core::Store::readiness)): without it, a
+    /// layer built on a store whose `migrate()` or `check_schema()` has not
+    /// succeeded in this process refuses to build, naming the fix. Skip it
+    /// only when something else guarantees the table.
+    pub fn skip_schema_check(mut self) -> Self {
+        self.skip_schema_check = true;
+        self
+    }
+}
+
+impl<B: Backend> Clone for StoreBuilder<B> {
+    fn clone(&self) -> Self {
+        Self {
+            schema: self.schema.clone(),
+            table: self.table.clone(),
+            ..*self
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for StoreBuilder<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreBuilder")
+            .field("schema", &self.schema)
+            .field("table", &self.table)
+            .field("max_connections", &self.max_connections)
+            .field("connection_timeout", &self.connection_timeout)
+            .field("busy_timeout", &self.busy_timeout)
+            .field("skip_schema_check", &self.skip_schema_check)
+            .finish()
+    }
+}
+
+/// Configures a consumer inbox ([`PgInboxBuilder`](crate::PgInboxBuilder),
+/// [`SqliteInboxBuilder`](crate::SqliteInboxBuilder)): what it remembers,
+/// and the pool it builds. The settings are the same on both databases; the
+/// defaults are each database's (PostgreSQL: 10 connections; SQLite: 4).
+#[must_use]
+pub struct InboxBuilder<B: Backend> {
+    pub(crate) retention: Duration,
+    pub(crate) max_connections: u32,
+    pub(crate) connection_timeout: Duration,
+    pub(crate) busy_timeout: Duration,
+    pub(crate) skip_schema_check: bool,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: Backend> InboxBuilder<B> {
+    /// The defaults, with `max_connections` the database's.
+    pub(crate) fn new(max_connections: u32) -> Self {
+        Self {
+            retention: crate::consume::DEFAULT_RETENTION,
+            max_connections,
+            connection_timeout: Duration::from_secs(3),
+            busy_timeout: Duration::from_secs(5),
+            skip_schema_check: false,
+            backend: PhantomData,
+        }
+    }
+
+    /// How long processed messages are remembered (default 7 days). Make it
+    /// longer than the broker redelivers: a redelivery after it runs again.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The most connections the pool opens (default 10 on PostgreSQL, 4 on
+    /// SQLite). Each message being processed holds one until its
+    /// transaction ends. Ignored by `build`.
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How long an inbox step waits for a pooled connection before it fails
+    /// with `InboxError::Unavailable` (default 3 s).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Skips the schema check: the inbox is ready without `migrate` or
+    /// `check_schema` (when the tables are known to be there, and a check at
+    /// start-up is not wanted).
+    pub fn skip_schema_check(mut self) -> Self {
+        self.skip_schema_check = true;
+        self
+    }
+}
+
+impl<B: Backend> Clone for InboxBuilder<B> {
+    fn clone(&self) -> Self {
+        Self { ..*self }
+    }
+}
+
+impl<B: Backend> fmt::Debug for InboxBuilder<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InboxBuilder")
+            .field("retention", &self.retention)
+            .field("max_connections", &self.max_connections)
+            .field("connection_timeout", &self.connection_timeout)
+            .field("busy_timeout", &self.busy_timeout)
+            .field("skip_schema_check", &self.skip_schema_check)
+            .finish()
+    }
+}
