@@ -122,6 +122,7 @@ pub struct OutboxBuilder<B: Backend> {
     pub(crate) retention: Duration,
     pub(crate) max_connections: u32,
     pub(crate) connection_timeout: Duration,
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) busy_timeout: Duration,
     pub(crate) notify: bool,
     pub(crate) skip_schema_check: bool,
@@ -361,26 +362,11 @@ impl<B: Backend> OutboxBuilder<B> {
         self
     }
 
-    /// SQLite: how long a write waits for the file's lock (default 5 s).
-    /// Ignored by `build` and on PostgreSQL.
-    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
-        self
-    }
-
     /// Skips the schema check: a relay starts without `migrate` or
     /// `check_schema` (when the table is
     /// known to be there, and a check at start-up is not wanted).
     pub fn skip_schema_check(mut self) -> Self {
         self.skip_schema_check = true;
-        self
-    }
-
-    /// PostgreSQL: whether staging notifies the relays when the transaction
-    /// commits (default `true`). `NOTIFY` serializes the commits that use it
-    /// across the database; without it relays find events by polling.
-    pub fn notify(mut self, notify: bool) -> Self {
-        self.notify = notify;
         self
     }
 }

@@ -374,6 +374,14 @@ impl Outbox<Postgres> {
 }
 
 impl OutboxBuilder<Postgres> {
+    /// Whether staging notifies the relays when the transaction commits
+    /// (default `true`). `NOTIFY` serializes the commits that use it across
+    /// the database; without it relays find events by polling.
+    pub fn notify(mut self, notify: bool) -> Self {
+        self.notify = notify;
+        self
+    }
+
     /// Builds a pool for `url` and checks that it connects.
     pub async fn connect(self, url: &str) -> Result<PgOutbox, SetupError> {
         let (pool, failures): (PgPool, ConnectFailures) =

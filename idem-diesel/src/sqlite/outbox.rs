@@ -332,6 +332,13 @@ impl Outbox<Sqlite> {
 }
 
 impl OutboxBuilder<Sqlite> {
+    /// How long a write waits for the file's lock (default 5 s). Ignored by
+    /// `build`.
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
     /// Opens the database at `url` (see [`Outbox::<Sqlite>::connect`]),
     /// creating the file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteOutbox, SetupError> {
