@@ -9,6 +9,7 @@ use std::marker::PhantomData;
 use std::time::Duration;
 
 use crate::outbox::Backend;
+use crate::pool::pool_settings;
 use crate::table::DEFAULT_TABLE;
 
 /// Configures a store ([`PgStoreBuilder`](crate::PgStoreBuilder),
@@ -47,30 +48,9 @@ impl<B: Backend> StoreBuilder<B> {
         self
     }
 
-    /// The most connections the pool opens (default 10 on PostgreSQL, 4 on
-    /// SQLite). Ignored by `build`.
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long a store step waits for a pooled connection before it fails
-    /// with `StoreError::Unavailable` (default 3 s). The pool does not retry
-    /// a failed connection attempt, so an unreachable database is answered
-    /// at once, with its cause.
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
-    /// Skips the schema check a route's layer makes when it is built
-    /// ([`Store::readiness`](idem_core::Store::readiness)): without it, a
-    /// layer built on a store whose `migrate()` or `check_schema()` has not
-    /// succeeded in this process refuses to build, naming the fix. Skip it
-    /// only when something else guarantees the table.
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
-        self
+    pool_settings! {
+        connections: "default 10 on PostgreSQL, 4 on SQLite",
+        ready: "a route's layer builds on the store (without it, a layer built on a store not checked refuses to build, naming the fix: [`Store::readiness`](idem_core::Store::readiness))",
     }
 }
 
@@ -131,27 +111,9 @@ impl<B: Backend> InboxBuilder<B> {
         self
     }
 
-    /// The most connections the pool opens (default 10 on PostgreSQL, 4 on
-    /// SQLite). Each message being processed holds one until its
-    /// transaction ends. Ignored by `build`.
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long an inbox step waits for a pooled connection before it fails
-    /// with `InboxError::Unavailable` (default 3 s).
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
-    /// Skips the schema check: the inbox is ready without `migrate` or
-    /// `check_schema` (when the tables are known to be there, and a check at
-    /// start-up is not wanted).
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
-        self
+    pool_settings! {
+        connections: "default 10 on PostgreSQL, 4 on SQLite; each message being processed holds one until its transaction ends",
+        ready: "the inbox is ready",
     }
 }
 

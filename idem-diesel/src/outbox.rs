@@ -347,27 +347,9 @@ impl<B: Backend> OutboxBuilder<B> {
         self
     }
 
-    /// The most connections the pool opens (default 4: a relay holds one per
-    /// batch, PostgreSQL's listener one of its own outside the pool). Ignored
-    /// by `build`.
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How long a step waits for a connection (default 3 s). Ignored by
-    /// `build`.
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
-    /// Skips the schema check: a relay starts without `migrate` or
-    /// `check_schema` (when the table is
-    /// known to be there, and a check at start-up is not wanted).
-    pub fn skip_schema_check(mut self) -> Self {
-        self.skip_schema_check = true;
-        self
+    crate::pool::pool_settings! {
+        connections: "default 4: a relay holds one per batch, PostgreSQL's listener one of its own outside the pool",
+        ready: "a relay starts",
     }
 }
 
