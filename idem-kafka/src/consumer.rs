@@ -118,7 +118,7 @@ struct Options {
     name: Option<String>,
     policy: ConsumerPolicy,
     config: Vec<(String, String)>,
-    queue: usize,
+    prefetch: usize,
     shutdown_timeout: Duration,
     /// Partitions of the topic to create if it is missing; `None`: a
     /// missing topic stops the start.
@@ -135,7 +135,7 @@ pub struct Consumer<I, H> {
     policy: ConsumerPolicy,
     handler: H,
     config: Vec<(String, String)>,
-    queue: usize,
+    prefetch: usize,
     shutdown_timeout: Duration,
     /// Partitions of the topic to create if it is missing; `None`: a
     /// missing topic stops the start.
@@ -159,7 +159,7 @@ impl Consumer<Unset, Unset> {
                 name: None,
                 policy: ConsumerPolicy::new(),
                 config: Vec::new(),
-                queue: DEFAULT_PREFETCH,
+                prefetch: DEFAULT_PREFETCH,
                 shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
                 create_topic: None,
             },
@@ -213,7 +213,7 @@ impl<I, H> ConsumerBuilder<I, H> {
     /// nothing of it: the partition is not paused (with tansu 0.6, a
     /// partition paused then resumed received nothing more).
     pub fn prefetch(mut self, records: usize) -> Self {
-        self.options.queue = records.max(1);
+        self.options.prefetch = records.max(1);
         self
     }
 
@@ -281,7 +281,7 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> ConsumerBuilder<I,
             policy: self.options.policy,
             handler: self.handler,
             config: self.options.config,
-            queue: self.options.queue,
+            prefetch: self.options.prefetch,
             shutdown_timeout: self.options.shutdown_timeout,
             create_topic: self.options.create_topic,
         })
@@ -337,7 +337,7 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
             producer,
             runtime: tokio::runtime::Handle::current(),
             commands,
-            queue: self.queue,
+            prefetch: self.prefetch,
             shutdown_timeout: self.shutdown_timeout,
             stopping: AtomicBool::new(false),
             failed: Mutex::new(None),
@@ -355,7 +355,7 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Consumer<I, H> {
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "true")
             // What a partition holds in librdkafka, fetched ahead: see `queue`.
-            .set("queued.min.messages", self.queue.to_string())
+            .set("queued.min.messages", self.prefetch.to_string())
             .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS);
         for (key, value) in &self.config {
             config.set(key, value);
@@ -432,7 +432,7 @@ struct Shared<I: Positions, H> {
     producer: FutureProducer,
     runtime: tokio::runtime::Handle,
     commands: std_mpsc::Sender<Command>,
-    queue: usize,
+    prefetch: usize,
     shutdown_timeout: Duration,
     stopping: AtomicBool,
     /// Why the polling thread stopped on its own, when it did.
@@ -572,7 +572,7 @@ impl<I: Positions, H: Handler<I::Tx> + Send + Sync + 'static> Context<I, H> {
         let mut workers = lock(&self.workers);
         for (partition, mut records) in split {
             records.set_nonempty_callback(waker(&shared.commands));
-            let (queue, received) = mpsc::channel(shared.queue);
+            let (queue, received) = mpsc::channel(shared.prefetch);
             let (stop, stopped) = watch::channel(false);
             let task = shared.runtime.spawn(work(
                 Arc::clone(shared),

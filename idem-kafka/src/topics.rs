@@ -6,8 +6,9 @@ use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::error::KafkaError;
 use rdkafka::producer::FutureProducer;
-use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 
 use crate::error::Error;
 
@@ -63,7 +64,10 @@ pub(crate) async fn ensure(servers: &str, topic: &str) -> Result<(), Error> {
 const METADATA_LIMIT: Duration = Duration::from_secs(10);
 
 /// Whether `topic` exists on the cluster of `servers`: its metadata, asked
-/// without letting the broker create it on the way.
+/// without letting the broker create it on the way. Only Kafka's "unknown
+/// topic" (or no entry at all) says it does not; another error on the
+/// topic's entry (its leader being elected, say) is an error, not a missing
+/// topic.
 pub(crate) async fn exists(servers: &str, topic: &str) -> Result<bool, Error> {
     let client: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", servers)
@@ -75,9 +79,17 @@ pub(crate) async fn exists(servers: &str, topic: &str) -> Result<bool, Error> {
         let metadata = client
             .fetch_metadata(Some(&topic), METADATA_LIMIT)
             .map_err(Error::kafka("read the topic's metadata"))?;
-        Ok(metadata.topics().iter().any(|found| {
-            found.name() == topic && found.error().is_none() && !found.partitions().is_empty()
-        }))
+        let Some(found) = metadata.topics().iter().find(|found| found.name() == topic) else {
+            return Ok(false);
+        };
+        match found.error() {
+            None => Ok(!found.partitions().is_empty()),
+            Some(RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART) => Ok(false),
+            Some(code) => Err(Error::Kafka {
+                doing: "read the topic's metadata",
+                source: KafkaError::MetadataFetch(code.into()),
+            }),
+        }
     })
     .await
     // The blocking lookup ended without an answer (cancelled at shutdown).
