@@ -93,6 +93,15 @@ impl Outage {
         *self.held.borrow()
     }
 
+    /// Resolves once a delivery is held (at once when one is): a take that
+    /// can stop without losing anything (a subscription's next delivery)
+    /// stops there, so that nothing new starts during an outage.
+    pub async fn began(&self) {
+        let mut held = self.held.subscribe();
+        // The sender lives in `self`: the wait ends only by the count.
+        let _ = held.wait_for(|&held| held > 0).await;
+    }
+
     /// Resolves once no delivery is held (at once when none is).
     pub async fn over(&self) {
         let mut held = self.held.subscribe();
@@ -339,6 +348,31 @@ mod tests {
             Decision::Requeue {
                 after: Duration::from_millis(100)
             }
+        );
+        assert_eq!(outage.held(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn began_resolves_when_a_delivery_is_held_and_over_when_none_is() {
+        let outage = Outage::new();
+        let began = tokio::time::timeout(Duration::from_millis(10), outage.began()).await;
+        assert!(began.is_err(), "nothing held: no outage began");
+        let held = outage.hold();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(10), outage.began())
+                .await
+                .is_ok()
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_millis(10), outage.over())
+                .await
+                .is_err()
+        );
+        drop(held);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(10), outage.over())
+                .await
+                .is_ok()
         );
         assert_eq!(outage.held(), 0);
     }

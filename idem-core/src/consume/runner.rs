@@ -11,9 +11,12 @@
 //!   hand; a take asks for the free room only.
 //! - **Held through an outage:** while a delivery is held because the inbox
 //!   is unavailable ([`Outage`]), nothing more is taken; once none is, taking
-//!   resumes by itself. A take already under way completes (its deliveries
-//!   are held in turn): abandoning it could lose what the broker already
-//!   handed over, for SQS a receive that counts.
+//!   resumes by itself. A take already under way is the intake's to end:
+//!   one that can stop without losing anything (a RabbitMQ subscription's
+//!   next delivery) answers nothing once an outage begins
+//!   ([`Outage::began`]); an SQS receive completes (abandoning it would lose
+//!   what SQS already handed over, and spend a receive), its messages held
+//!   in turn.
 //! - **Stopped gracefully:** once the shutdown resolves, nothing more is
 //!   taken (the take under way is dropped), the broker's sending stops
 //!   ([`Intake::stopper`]), the held deliveries stop waiting
@@ -108,7 +111,7 @@ pub struct Runner<'a> {
     pub outage: &'a Outage,
     /// Set when the run ends: a held delivery stops waiting.
     pub stop: &'a StopSignal,
-    /// What the logs name: the queue.
+    /// What the logs name (their field `queue`, as the broker crates' own lines): the queue.
     pub source: &'a str,
     /// How a delivery not settled comes back, for the logs ("from the
     /// broker", "after its lease").
@@ -193,7 +196,7 @@ impl Runner<'_> {
                     Err(error) if error.is_cancelled() => {}
                     Err(error) => match T::task_failed(&error) {
                         Some(error) => break Some(error),
-                        None => tracing::error!(target: "idem", source = self.source, error = %error, "a delivery's task failed; its deliveries come back {}", self.comes_back),
+                        None => tracing::error!(target: "idem", queue = self.source, error = %error, "a delivery's task failed; its deliveries come back {}", self.comes_back),
                     },
                 },
                 // Held deliveries wait for the inbox: take again once none is.
@@ -216,13 +219,13 @@ impl Runner<'_> {
         drop(idle);
         self.stop.set(true);
         if failed.is_none() {
-            tracing::info!(target: "idem", source = self.source, running = running.in_hand, "stopping: nothing more is taken; the running deliveries finish");
+            tracing::info!(target: "idem", queue = self.source, running = running.in_hand, "stopping: nothing more is taken; the running deliveries finish");
             stopper.await;
         }
         self.drain(&mut running).await;
         match failed {
             None => {
-                tracing::info!(target: "idem", source = self.source, "stopped");
+                tracing::info!(target: "idem", queue = self.source, "stopped");
                 Ok(())
             }
             Some(error) => Err(error),
@@ -236,9 +239,9 @@ impl Runner<'_> {
             while let Some(joined) = running.tasks.join_next().await {
                 match joined {
                     Ok(Ok(())) => {}
-                    Ok(Err(error)) => tracing::warn!(target: "idem", source = self.source, error = %error_chain(&error), "a delivery could not be settled; it comes back {}", self.comes_back),
+                    Ok(Err(error)) => tracing::warn!(target: "idem", queue = self.source, error = %error_chain(&error), "a delivery could not be settled; it comes back {}", self.comes_back),
                     Err(error) if error.is_cancelled() => {}
-                    Err(error) => tracing::error!(target: "idem", source = self.source, error = %error, "a delivery's task failed; its deliveries come back {}", self.comes_back),
+                    Err(error) => tracing::error!(target: "idem", queue = self.source, error = %error, "a delivery's task failed; its deliveries come back {}", self.comes_back),
                 }
             }
         })
@@ -246,7 +249,7 @@ impl Runner<'_> {
         if waited.is_err() {
             tracing::warn!(
                 target: "idem",
-                source = self.source,
+                queue = self.source,
                 abandoned = running.tasks.len(),
                 timeout_ms = self.shutdown_timeout.as_millis() as u64,
                 "the shutdown deadline passed: the handlers still running are dropped, their deliveries come back {}",

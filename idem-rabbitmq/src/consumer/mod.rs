@@ -520,14 +520,20 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Deliveries<I, H> {
     type Error = Error;
 
     /// The next delivery, and those already received behind it (up to
-    /// `room`).
+    /// `room`); nothing once a delivery is held through an outage (the
+    /// subscription keeps the rest: no new delivery starts until the inbox
+    /// is back).
     async fn take(&mut self, room: usize) -> Taken<Error> {
         if let Some(error) = self.failed.take() {
             return Err(error);
         }
-        let first = received(self.deliveries.next().await)?;
-        let mut units = vec![self.unit(first)];
-        while units.len() < room {
+        let next = tokio::select! {
+            biased;
+            () = self.shared.outage.began() => return Ok(Vec::new()),
+            next = self.deliveries.next() => next,
+        };
+        let mut units = vec![self.unit(received(next)?)];
+        while units.len() < room && !self.shared.outage.is_on() {
             let Some(next) = self.deliveries.next().now_or_never() else {
                 break;
             };
