@@ -8,6 +8,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::time::Duration;
 
+use crate::database::PoolSettings;
 use crate::outbox::Backend;
 use crate::pool::pool_settings;
 use crate::table::DEFAULT_TABLE;
@@ -20,10 +21,7 @@ use crate::table::DEFAULT_TABLE;
 pub struct StoreBuilder<B: Backend> {
     pub(crate) schema: Option<String>,
     pub(crate) table: String,
-    pub(crate) max_connections: u32,
-    pub(crate) connection_timeout: Duration,
-    pub(crate) busy_timeout: Duration,
-    pub(crate) skip_schema_check: bool,
+    pub(crate) pool: PoolSettings,
     backend: PhantomData<fn() -> B>,
 }
 
@@ -33,10 +31,7 @@ impl<B: Backend> StoreBuilder<B> {
         Self {
             schema: None,
             table: DEFAULT_TABLE.to_owned(),
-            max_connections,
-            connection_timeout: Duration::from_secs(3),
-            busy_timeout: Duration::from_secs(5),
-            skip_schema_check: false,
+            pool: PoolSettings::new(max_connections),
             backend: PhantomData,
         }
     }
@@ -69,10 +64,7 @@ impl<B: Backend> fmt::Debug for StoreBuilder<B> {
         f.debug_struct("StoreBuilder")
             .field("schema", &self.schema)
             .field("table", &self.table)
-            .field("max_connections", &self.max_connections)
-            .field("connection_timeout", &self.connection_timeout)
-            .field("busy_timeout", &self.busy_timeout)
-            .field("skip_schema_check", &self.skip_schema_check)
+            .field("pool", &self.pool)
             .finish()
     }
 }
@@ -84,10 +76,7 @@ impl<B: Backend> fmt::Debug for StoreBuilder<B> {
 #[must_use]
 pub struct InboxBuilder<B: Backend> {
     pub(crate) retention: Duration,
-    pub(crate) max_connections: u32,
-    pub(crate) connection_timeout: Duration,
-    pub(crate) busy_timeout: Duration,
-    pub(crate) skip_schema_check: bool,
+    pub(crate) pool: PoolSettings,
     backend: PhantomData<fn() -> B>,
 }
 
@@ -96,10 +85,7 @@ impl<B: Backend> InboxBuilder<B> {
     pub(crate) fn new(max_connections: u32) -> Self {
         Self {
             retention: crate::consume::DEFAULT_RETENTION,
-            max_connections,
-            connection_timeout: Duration::from_secs(3),
-            busy_timeout: Duration::from_secs(5),
-            skip_schema_check: false,
+            pool: PoolSettings::new(max_connections),
             backend: PhantomData,
         }
     }
@@ -127,10 +113,7 @@ impl<B: Backend> fmt::Debug for InboxBuilder<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("InboxBuilder")
             .field("retention", &self.retention)
-            .field("max_connections", &self.max_connections)
-            .field("connection_timeout", &self.connection_timeout)
-            .field("busy_timeout", &self.busy_timeout)
-            .field("skip_schema_check", &self.skip_schema_check)
+            .field("pool", &self.pool)
             .finish()
     }
 }

@@ -10,6 +10,7 @@
 mod builder;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod consume;
+mod database;
 mod error;
 mod metrics;
 mod outbox;

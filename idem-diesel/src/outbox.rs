@@ -17,7 +17,7 @@ use idem_core::retry::Backoff;
 use idem_core::{Redacted, StoreError};
 use tokio::sync::Notify;
 
-use crate::pool::ConnectFailures;
+use crate::database::{Database, PoolSettings};
 
 /// How long a relay's shutdown waits for a batch that is settling (see
 /// `Relay::run`).
@@ -76,21 +76,15 @@ pub struct Outbox<B: Backend> {
 }
 
 pub(crate) struct Inner<B: Backend> {
-    pub(crate) pool: B::Pool,
-    /// Set when the outbox built the pool (see `crate::pool`).
-    pub(crate) failures: Option<ConnectFailures>,
+    /// The pool and the schema gate, which `relay` asks first.
+    pub(crate) db: Database<B>,
     pub(crate) retention: Duration,
     /// PostgreSQL: whether a stage notifies the relays on commit.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) notify: bool,
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) connection_timeout: Duration,
     /// Wakes this process's relay (SQLite: at each stage).
     pub(crate) wake: Arc<Notify>,
     pub(crate) staged: AtomicU64,
-    /// Passed by `migrate`, `check_schema` or the builder's
-    /// `skip_schema_check`: what `relay` asks first.
-    pub(crate) schema_gate: crate::table::SchemaGate,
 }
 
 /// The database an [`Outbox`] is on: [`Postgres`] or [`Sqlite`]. Sealed.
@@ -120,12 +114,8 @@ mod sealed {
 #[must_use]
 pub struct OutboxBuilder<B: Backend> {
     pub(crate) retention: Duration,
-    pub(crate) max_connections: u32,
-    pub(crate) connection_timeout: Duration,
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    pub(crate) busy_timeout: Duration,
+    pub(crate) pool: PoolSettings,
     pub(crate) notify: bool,
-    pub(crate) skip_schema_check: bool,
     backend: PhantomData<fn() -> B>,
 }
 
@@ -261,34 +251,21 @@ impl<B: Backend> Outbox<B> {
     pub fn builder() -> OutboxBuilder<B> {
         OutboxBuilder {
             retention: DEFAULT_RETENTION,
-            max_connections: 4,
-            connection_timeout: Duration::from_secs(3),
-            busy_timeout: Duration::from_secs(5),
+            pool: PoolSettings::new(4),
             notify: true,
-            skip_schema_check: false,
             backend: PhantomData,
         }
     }
 
-    pub(crate) fn with_pool(
-        pool: B::Pool,
-        failures: Option<ConnectFailures>,
-        builder: &OutboxBuilder<B>,
-    ) -> Self {
-        let schema_gate = crate::table::SchemaGate::default();
-        if builder.skip_schema_check {
-            schema_gate.pass();
-        }
+    /// An outbox on `db`, as `builder` configures it.
+    pub(crate) fn with_database(db: Database<B>, builder: &OutboxBuilder<B>) -> Self {
         Self {
             inner: Arc::new(Inner {
-                pool,
-                failures,
+                db,
                 retention: builder.retention,
                 notify: builder.notify,
-                connection_timeout: builder.connection_timeout,
                 wake: Arc::new(Notify::new()),
                 staged: AtomicU64::new(0),
-                schema_gate,
             }),
         }
     }
@@ -299,12 +276,12 @@ impl<B: Backend> Outbox<B> {
     /// then, so that a forgotten migration stops the start, naming the fix,
     /// instead of leaving every event unsent.
     pub(crate) fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
-        self.inner.schema_gate.outbox_readiness("OutboxBuilder")
+        self.inner.db.schema_gate.outbox_readiness("OutboxBuilder")
     }
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &B::Pool {
-        &self.inner.pool
+        &self.inner.db.pool
     }
 
     /// How long sent events are kept before the cleanup job deletes them.
@@ -357,7 +334,7 @@ impl<B: Backend> fmt::Debug for OutboxBuilder<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OutboxBuilder")
             .field("retention", &self.retention)
-            .field("max_connections", &self.max_connections)
+            .field("pool", &self.pool)
             .field("notify", &self.notify)
             .finish_non_exhaustive()
     }

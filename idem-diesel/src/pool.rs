@@ -147,14 +147,15 @@ impl StdError for SharedError {
 
 /// The pool's settings every builder of this crate has (the stores', the
 /// inboxes', the outbox's), written once: `max_connections`,
-/// `connection_timeout`, `skip_schema_check`, on fields of those names.
+/// `connection_timeout`, `skip_schema_check`, on a `pool` field of
+/// `PoolSettings`.
 /// `$connections` says the default number of connections and what holds
 /// one; `$ready` what is ready without the schema check.
 macro_rules! pool_settings {
     (connections: $connections:literal, ready: $ready:literal $(,)?) => {
         #[doc = concat!("The most connections the pool opens (", $connections, "). Ignored by `build`.")]
         pub fn max_connections(mut self, max: u32) -> Self {
-            self.max_connections = max.max(1);
+            self.pool.max_connections = max.max(1);
             self
         }
 
@@ -163,13 +164,13 @@ macro_rules! pool_settings {
         /// connection attempt, so an unreachable database is answered at
         /// once, with its cause. Ignored by `build`.
         pub fn connection_timeout(mut self, timeout: std::time::Duration) -> Self {
-            self.connection_timeout = timeout;
+            self.pool.connection_timeout = timeout;
             self
         }
 
         #[doc = concat!("Skips the schema check: ", $ready, " without `migrate` or `check_schema` having succeeded in this process. Skip it only when something else guarantees the tables.")]
         pub fn skip_schema_check(mut self) -> Self {
-            self.skip_schema_check = true;
+            self.pool.skip_schema_check = true;
             self
         }
     };

@@ -8,7 +8,6 @@ use diesel::QueryableByName;
 use diesel::connection::TransactionDepthChange;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{Array, BigInt, Binary, Bool, Integer, Nullable, Text};
-use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 use idem_core::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};
@@ -21,17 +20,13 @@ use idem_core::{Redacted, StoreError};
 
 use super::statements::{self, Commit, InboxBury, InboxCount, InboxEnter, InboxFinish, Statement};
 use super::transactional::{begin, mark_begun};
-use super::{
-    BURY_LOCK_CLASS, PgPool, SWEEP_LOCK_CLASS, build_pool, roll_back, run_migrations,
-    transaction_depth,
-};
+use super::{BURY_LOCK_CLASS, PgPool, roll_back, transaction_depth};
 use crate::SetupError;
 use crate::builder::InboxBuilder;
-use crate::consume::{self, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time};
+use crate::consume::{self, INBOX_TABLES, NestedOpen, check_inbox_columns, micros, time};
+use crate::database::{Database, Pooled};
 use crate::outbox::Postgres;
-use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
-use crate::table::{ColumnRow, SchemaGate};
 
 /// The migrations that create the inbox's tables.
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/postgres_consumer_inbox");
@@ -201,13 +196,9 @@ pub struct PgInbox {
 }
 
 struct Inner {
-    pool: PgPool,
-    /// Set when the inbox built the pool (see `crate::pool`).
-    failures: Option<ConnectFailures>,
+    db: Database<Postgres>,
     retention: Duration,
-    connection_timeout: Duration,
     statements: Statements,
-    schema_gate: SchemaGate,
 }
 
 /// The inbox's hot statements, kept prepared on every connection.
@@ -292,12 +283,6 @@ struct CountedRows {
     n: i64,
 }
 
-#[derive(QueryableByName)]
-struct LockRow {
-    #[diesel(sql_type = Bool)]
-    locked: bool,
-}
-
 /// The entry statement kept meeting concurrent entries of the message.
 #[derive(Debug, thiserror::Error)]
 #[error("the inbox entry kept meeting concurrent changes ({ENTER_ATTEMPTS} attempts)")]
@@ -307,13 +292,6 @@ struct EnterContended;
 #[derive(Debug, thiserror::Error)]
 #[error("an inbox statement answered no row")]
 struct NoRow;
-
-/// A dedicated connection could not be opened in time.
-#[derive(Debug, thiserror::Error)]
-#[error("no database connection within {0:?}")]
-struct ConnectTimedOut(Duration);
-
-type Pooled<'a> = bb8::PooledConnection<'a, AsyncDieselConnectionManager<AsyncPgConnection>>;
 
 impl PgInbox {
     /// Connects to `url` with a pool of its own (10 connections) and the
@@ -334,22 +312,11 @@ impl PgInbox {
         InboxBuilder::new(10)
     }
 
-    fn with_pool(
-        pool: PgPool,
-        failures: Option<ConnectFailures>,
-        builder: &PgInboxBuilder,
-    ) -> Self {
-        let schema_gate = SchemaGate::default();
-        if builder.skip_schema_check {
-            schema_gate.pass();
-        }
+    fn with_database(db: Database<Postgres>, builder: &PgInboxBuilder) -> Self {
         Self {
             inner: Arc::new(Inner {
-                pool,
-                failures,
-                schema_gate,
+                db,
                 retention: builder.retention,
-                connection_timeout: builder.connection_timeout,
                 statements: Statements {
                     enter: Statement::new(true, ENTER.to_owned()),
                     finish: Statement::new(true, FINISH.to_owned()),
@@ -363,7 +330,7 @@ impl PgInbox {
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &PgPool {
-        &self.inner.pool
+        &self.inner.db.pool
     }
 
     /// How long processed messages are remembered.
@@ -376,20 +343,7 @@ impl PgInbox {
     /// embedded diesel migrations. Safe to call from every instance at
     /// start-up: concurrent calls wait on an advisory lock.
     pub async fn migrate(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::Migrate {
-            table: INBOX_TABLE.to_owned(),
-            source,
-        };
-        let connection = self
-            .dedicated_connection()
-            .await
-            .map_err(|e| failed(e.into()))?;
-        tokio::task::spawn_blocking(move || run_migrations(connection, MIGRATIONS))
-            .await
-            .map_err(|e| failed(e.into()))?
-            .map_err(failed)?;
-        self.inner.schema_gate.pass();
-        Ok(())
+        self.inner.db.migrate(MIGRATIONS, INBOX_TABLE).await
     }
 
     /// Checks that the inbox's tables exist with every column this version
@@ -398,26 +352,10 @@ impl PgInbox {
     /// makes it pass; call it at start-up when your own migration tool
     /// creates the tables. It fails with [`SetupError::InboxSchema`].
     pub async fn check_schema(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::SchemaCheck {
-            table: INBOX_TABLE.to_owned(),
-            source,
-        };
-        let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
-        let mut found = Vec::with_capacity(INBOX_SCHEMA.len());
-        for (table, _) in INBOX_SCHEMA {
-            let columns = diesel::sql_query(
-                "SELECT attname::text AS name FROM pg_attribute \
-                 WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
-            )
-            .bind::<Text, _>(table)
-            .load::<ColumnRow>(&mut *connection)
+        let tables = INBOX_TABLES.map(str::to_owned);
+        let db = &self.inner.db;
+        db.check_schema(INBOX_TABLE, tables, check_inbox_columns)
             .await
-            .map_err(|e| failed(e.into()))?;
-            found.push(columns);
-        }
-        check_inbox_columns(&found)?;
-        self.inner.schema_gate.pass();
-        Ok(())
     }
 
     /// A cleanup job that deletes processed messages and abandoned failure
@@ -428,19 +366,12 @@ impl PgInbox {
         Cleanup::new(self.clone()).lock(self.clone())
     }
 
-    async fn connection(&self) -> Result<Pooled<'_>, InboxError> {
-        pool::checkout(&self.inner.pool, self.inner.failures.as_ref())
+    async fn connection(&self) -> Result<Pooled<'_, Postgres>, InboxError> {
+        self.inner
+            .db
+            .connection()
             .await
             .map_err(consume::unavailable)
-    }
-
-    /// A connection outside the pool, for session-scoped advisory locks.
-    async fn dedicated_connection(&self) -> Result<AsyncPgConnection, StoreError> {
-        let timeout = self.inner.connection_timeout;
-        match tokio::time::timeout(timeout, self.inner.pool.dedicated_connection()).await {
-            Ok(connection) => connection.map_err(StoreError::unavailable),
-            Err(_) => Err(StoreError::unavailable(ConnectTimedOut(timeout))),
-        }
     }
 
     /// [`Inbox::process`]: enters the message, runs the handler and commits,
@@ -686,19 +617,13 @@ impl PgInbox {
 impl InboxBuilder<Postgres> {
     /// Builds a pool for `url` and checks that it connects.
     pub async fn connect(self, url: &str) -> Result<PgInbox, SetupError> {
-        let (pool, failures) =
-            build_pool(url, self.max_connections, self.connection_timeout).await?;
-        drop(
-            pool::checkout(&pool, Some(&failures))
-                .await
-                .map_err(SetupError::connect)?,
-        );
-        Ok(PgInbox::with_pool(pool, Some(failures), &self))
+        let db = Database::open(url, &self.pool).await?;
+        Ok(PgInbox::with_database(db, &self))
     }
 
     /// An inbox over a pool the application already has.
     pub fn build(self, pool: PgPool) -> PgInbox {
-        PgInbox::with_pool(pool, None, &self)
+        PgInbox::with_database(Database::over(pool, &self.pool), &self)
     }
 }
 
@@ -794,15 +719,14 @@ impl Inbox for PgInbox {
     }
 
     fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
-        self.inner.schema_gate.inbox_readiness("PgInboxBuilder")
+        self.inner.db.schema_gate.inbox_readiness("PgInboxBuilder")
     }
 }
 
 impl ExpiredRows for PgInbox {
     fn sweep_expired(&self, batch: usize) -> StoreFuture<'_, u64> {
         Box::pin(async move {
-            let mut connection =
-                pool::checkout(&self.inner.pool, self.inner.failures.as_ref()).await?;
+            let mut connection = self.inner.db.connection().await?;
             let deleted = diesel::sql_query(DELETE_EXPIRED)
                 .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
                 .bind::<BigInt, _>(crate::row::duration_micros(self.inner.retention))
@@ -819,16 +743,7 @@ impl ExpiredRows for PgInbox {
 /// keyed by the inbox's table, on a connection of its own.
 impl SweepLock for PgInbox {
     fn try_lock(&self) -> StoreFuture<'_, Option<SweepGuard>> {
-        Box::pin(async move {
-            let mut connection = self.dedicated_connection().await?;
-            let row = diesel::sql_query("SELECT pg_try_advisory_lock($1, hashtext($2)) AS locked")
-                .bind::<Integer, _>(SWEEP_LOCK_CLASS)
-                .bind::<Text, _>(INBOX_TABLE)
-                .get_result::<LockRow>(&mut connection)
-                .await
-                .map_err(StoreError::unavailable)?;
-            Ok(row.locked.then(|| SweepGuard::new(connection)))
-        })
+        Box::pin(self.inner.db.sweep_lock(INBOX_TABLE.to_owned()))
     }
 }
 
@@ -836,7 +751,7 @@ impl fmt::Debug for PgInbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgInbox")
             .field("retention", &self.inner.retention)
-            .field("pool", &self.inner.pool.state())
+            .field("pool", &self.inner.db.state())
             .finish_non_exhaustive()
     }
 }

@@ -24,10 +24,11 @@ use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 use crate::builder::StoreBuilder;
+use crate::database::{Database, Dialect, PoolSettings, Pooled};
 use crate::outbox::Postgres;
-use crate::pool::{self, ConnectFailures};
+use crate::pool::ConnectFailures;
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{ColumnRow, SchemaGate, Table};
+use crate::table::{ColumnRow, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::{Cleanup, SweepGuard, SweepLock};
 use statements::Statements;
@@ -85,20 +86,16 @@ pub struct PgStore {
 }
 
 struct Inner {
-    pool: PgPool,
+    db: Database<Postgres>,
     table: Table,
     statements: Statements,
-    connection_timeout: Duration,
-    /// Set when the store built the pool (see `crate::pool`).
-    failures: Option<ConnectFailures>,
-    schema_gate: SchemaGate,
 }
 
 impl std::fmt::Debug for PgStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgStore")
             .field("table", &self.inner.table.display())
-            .field("pool", &self.inner.pool.state())
+            .field("pool", &self.inner.db.state())
             .finish_non_exhaustive()
     }
 }
@@ -156,7 +153,10 @@ impl PgStore {
     /// (`RecyclingMethod::Verified`) costs a `SELECT 1` round trip per store
     /// step; the pools the store builds only check that the connection is open.
     pub fn from_pool(pool: PgPool) -> Self {
-        Self::with_table(pool, Table::default(), DEFAULT_CONNECTION_TIMEOUT, None)
+        Self::with_table(
+            Database::over(pool, &PoolSettings::new(10)),
+            Table::default(),
+        )
     }
 
     /// Configures the table, the schema and the pool.
@@ -164,27 +164,19 @@ impl PgStore {
         StoreBuilder::new(10)
     }
 
-    fn with_table(
-        pool: PgPool,
-        table: Table,
-        connection_timeout: Duration,
-        failures: Option<ConnectFailures>,
-    ) -> Self {
+    fn with_table(db: Database<Postgres>, table: Table) -> Self {
         Self {
             inner: Arc::new(Inner {
                 statements: Statements::new(&table),
-                pool,
+                db,
                 table,
-                connection_timeout,
-                failures,
-                schema_gate: SchemaGate::default(),
             }),
         }
     }
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &PgPool {
-        &self.inner.pool
+        &self.inner.db.pool
     }
 
     /// The SQL that creates this store's schema (if configured), table and
@@ -226,36 +218,26 @@ impl PgStore {
     /// cannot be templated, so for any other name it runs [`ddl`](Self::ddl)
     /// instead, in one transaction; every statement there is `IF NOT EXISTS`.
     pub async fn migrate(&self) -> Result<(), SetupError> {
+        let table = &self.inner.table;
+        if table.is_default() {
+            return self.inner.db.migrate(MIGRATIONS, &table.display()).await;
+        }
+        // Several statements in one simple query run as one implicit
+        // transaction, which the transaction-scoped lock serializes.
+        let sql = format!(
+            "SELECT pg_advisory_xact_lock({MIGRATION_LOCK_CLASS}, 0);\n{}",
+            self.ddl()
+        );
         let failed = |source: BoxError| SetupError::Migrate {
-            table: self.inner.table.display(),
+            table: table.display(),
             source,
         };
-        if self.inner.table.is_default() {
-            let connection = self
-                .dedicated_connection()
-                .await
-                .map_err(|e| failed(e.into()))?;
-            // diesel's migration harness is synchronous: drive it from a blocking
-            // thread, which works under both runtime flavours (a current-thread
-            // runtime keeps driving the connection while it awaits the task).
-            tokio::task::spawn_blocking(move || run_migrations(connection, MIGRATIONS))
-                .await
-                .map_err(|e| failed(e.into()))?
-                .map_err(failed)?;
-        } else {
-            // Several statements in one simple query run as one implicit
-            // transaction, which the transaction-scoped lock serializes.
-            let sql = format!(
-                "SELECT pg_advisory_xact_lock({MIGRATION_LOCK_CLASS}, 0);\n{}",
-                self.ddl()
-            );
-            let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
-            connection
-                .batch_execute(&sql)
-                .await
-                .map_err(|e| failed(e.into()))?;
-        }
-        self.inner.schema_gate.pass();
+        let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
+        connection
+            .batch_execute(&sql)
+            .await
+            .map_err(|e| failed(e.into()))?;
+        self.inner.db.schema_gate.pass();
         Ok(())
     }
 
@@ -271,22 +253,12 @@ impl PgStore {
     /// messages say to run `store.migrate()`.
     pub async fn check_schema(&self) -> Result<(), SetupError> {
         let table = &self.inner.table;
-        let failed = |source: BoxError| SetupError::SchemaCheck {
-            table: table.display(),
-            source,
-        };
-        let mut connection = self.connection().await.map_err(SetupError::connect)?;
-        let found = diesel::sql_query(
-            "SELECT attname::text AS name FROM pg_attribute \
-             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
-        )
-        .bind::<Text, _>(table.sql())
-        .load::<ColumnRow>(&mut *connection)
-        .await
-        .map_err(|e| failed(e.into()))?;
-        table.check_columns(&found)?;
-        self.inner.schema_gate.pass();
-        Ok(())
+        self.inner
+            .db
+            .check_schema(&table.display(), [table.sql()], |found| {
+                table.check_columns(&found[0])
+            })
+            .await
     }
 
     /// A cleanup job for this store's table, of which one runner at a time
@@ -295,22 +267,8 @@ impl PgStore {
         Cleanup::new(self.clone()).lock(self.clone())
     }
 
-    async fn connection(
-        &self,
-    ) -> Result<
-        bb8::PooledConnection<'_, AsyncDieselConnectionManager<AsyncPgConnection>>,
-        StoreError,
-    > {
-        pool::checkout(&self.inner.pool, self.inner.failures.as_ref()).await
-    }
-
-    /// A connection outside the pool, for session-scoped advisory locks.
-    async fn dedicated_connection(&self) -> Result<AsyncPgConnection, StoreError> {
-        let timeout = self.inner.connection_timeout;
-        match tokio::time::timeout(timeout, self.inner.pool.dedicated_connection()).await {
-            Ok(connection) => connection.map_err(StoreError::unavailable),
-            Err(_) => Err(StoreError::unavailable(ConnectTimedOut(timeout))),
-        }
+    async fn connection(&self) -> Result<Pooled<'_, Postgres>, StoreError> {
+        self.inner.db.connection().await
     }
 
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
@@ -339,30 +297,16 @@ impl StoreBuilder<Postgres> {
     /// Builds a pool for `url` and checks that it connects.
     pub async fn connect(self, url: &str) -> Result<PgStore, SetupError> {
         let table = self.validated_table()?;
-        let (pool, failures) =
-            build_pool(url, self.max_connections, self.connection_timeout).await?;
-        let store = PgStore::with_table(pool, table, self.connection_timeout, Some(failures));
-        drop(store.connection().await.map_err(SetupError::connect)?);
-        Ok(self.gated(store))
+        Ok(PgStore::with_table(
+            Database::open(url, &self.pool).await?,
+            table,
+        ))
     }
 
     /// A store over a pool the application already has.
     pub fn build(self, pool: PgPool) -> Result<PgStore, SetupError> {
         let table = self.validated_table()?;
-        Ok(self.gated(PgStore::with_table(
-            pool,
-            table,
-            self.connection_timeout,
-            None,
-        )))
-    }
-
-    /// `store`, its schema check skipped if asked.
-    fn gated(&self, store: PgStore) -> PgStore {
-        if self.skip_schema_check {
-            store.inner.schema_gate.pass();
-        }
-        store
+        Ok(PgStore::with_table(Database::over(pool, &self.pool), table))
     }
 
     fn validated_table(&self) -> Result<Table, SetupError> {
@@ -370,30 +314,90 @@ impl StoreBuilder<Postgres> {
     }
 }
 
-/// The connection timeout of pools the store builds.
-pub(crate) const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(3);
+impl Dialect for Postgres {
+    type Manager = AsyncDieselConnectionManager<AsyncPgConnection>;
 
-/// A pool for `url` as the stores and the inbox build it: connections checked
-/// on checkout only for a closed socket, failed connection attempts reported to
-/// the waiting checkouts (see `crate::pool`), and not retried.
-pub(crate) async fn build_pool(
-    url: &str,
-    max_connections: u32,
-    connection_timeout: Duration,
-) -> Result<(PgPool, ConnectFailures), SetupError> {
-    let mut config = ManagerConfig::default();
-    config.recycling_method = RecyclingMethod::CustomFunction(Box::new(refuse_closed));
-    let manager = AsyncDieselConnectionManager::new_with_config(url, config);
-    let failures = ConnectFailures::new();
-    let pool = bb8::Pool::builder()
-        .max_size(max_connections)
-        .connection_timeout(connection_timeout)
-        .retry_connection(false)
-        .error_sink(failures.sink())
-        .build(manager)
-        .await
-        .map_err(|e| SetupError::Connect(e.into()))?;
-    Ok((pool, failures))
+    /// Connections checked on checkout only for a closed socket, failed
+    /// connection attempts reported to the waiting checkouts (see
+    /// `crate::pool`), and not retried.
+    async fn build_pool(
+        url: &str,
+        settings: &PoolSettings,
+    ) -> Result<(PgPool, ConnectFailures), SetupError> {
+        let mut config = ManagerConfig::default();
+        config.recycling_method = RecyclingMethod::CustomFunction(Box::new(refuse_closed));
+        let manager = AsyncDieselConnectionManager::new_with_config(url, config);
+        let failures = ConnectFailures::new();
+        let pool = bb8::Pool::builder()
+            .max_size(settings.max_connections)
+            .connection_timeout(settings.connection_timeout)
+            .retry_connection(false)
+            .error_sink(failures.sink())
+            .build(manager)
+            .await
+            .map_err(|e| SetupError::Connect(e.into()))?;
+        Ok((pool, failures))
+    }
+
+    /// On a connection of its own, under a session-scoped advisory lock, so
+    /// that concurrent calls wait for each other. diesel's migration harness
+    /// is synchronous: it runs on a blocking thread, which works under both
+    /// runtime flavours (a current-thread runtime keeps driving the
+    /// connection while it awaits the task).
+    async fn migrate(
+        database: &Database<Self>,
+        migrations: EmbeddedMigrations,
+    ) -> Result<(), BoxError> {
+        use diesel::connection::SimpleConnection;
+
+        let connection = database.dedicated().await?;
+        tokio::task::spawn_blocking(move || {
+            let mut connection: AsyncConnectionWrapper<AsyncPgConnection> = connection.into();
+            SimpleConnection::batch_execute(
+                &mut connection,
+                &format!("SELECT pg_advisory_lock({MIGRATION_LOCK_CLASS}, 0)"),
+            )?;
+            connection.run_pending_migrations(migrations)?;
+            Ok(())
+        })
+        .await?
+    }
+
+    async fn columns(database: &Database<Self>, table: String) -> Result<Vec<ColumnRow>, BoxError> {
+        let mut connection = database.connection().await?;
+        Ok(diesel::sql_query(
+            "SELECT attname::text AS name FROM pg_attribute \
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+        )
+        .bind::<Text, _>(table)
+        .load::<ColumnRow>(&mut *connection)
+        .await?)
+    }
+}
+
+impl Database<Postgres> {
+    /// The sweep lock of the table `name`: a session-scoped advisory lock,
+    /// on a connection of its own that the guard holds (see [`SweepLock`]).
+    pub(crate) async fn sweep_lock(&self, name: String) -> Result<Option<SweepGuard>, StoreError> {
+        let mut connection = self.dedicated().await?;
+        let row = diesel::sql_query("SELECT pg_try_advisory_lock($1, hashtext($2)) AS locked")
+            .bind::<Integer, _>(SWEEP_LOCK_CLASS)
+            .bind::<Text, _>(name)
+            .get_result::<LockRow>(&mut connection)
+            .await
+            .map_err(StoreError::unavailable)?;
+        Ok(row.locked.then(|| SweepGuard::new(connection)))
+    }
+
+    /// A connection outside the pool: for migrations, `LISTEN`, and
+    /// session-scoped advisory locks.
+    pub(crate) async fn dedicated(&self) -> Result<AsyncPgConnection, StoreError> {
+        let timeout = self.connection_timeout;
+        match tokio::time::timeout(timeout, self.pool.dedicated_connection()).await {
+            Ok(connection) => connection.map_err(StoreError::unavailable),
+            Err(_) => Err(StoreError::unavailable(ConnectTimedOut(timeout))),
+        }
+    }
 }
 
 /// The pool's check on checkout: refuses a connection whose socket has closed
@@ -412,23 +416,6 @@ fn refuse_closed(
             Ok(())
         }
     })
-}
-
-/// Runs `migrations` under a session-scoped advisory lock, which the
-/// connection releases when it closes at the end.
-pub(crate) fn run_migrations(
-    connection: AsyncPgConnection,
-    migrations: EmbeddedMigrations,
-) -> Result<(), BoxError> {
-    use diesel::connection::SimpleConnection;
-
-    let mut connection: AsyncConnectionWrapper<AsyncPgConnection> = connection.into();
-    SimpleConnection::batch_execute(
-        &mut connection,
-        &format!("SELECT pg_advisory_lock({MIGRATION_LOCK_CLASS}, 0)"),
-    )?;
-    connection.run_pending_migrations(migrations)?;
-    Ok(())
 }
 
 impl PgStore {
@@ -488,6 +475,7 @@ fn completion_binds<'a>(
 impl Store for PgStore {
     fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
         self.inner
+            .db
             .schema_gate
             .readiness(&self.inner.table, "PgStoreBuilder")
     }
@@ -592,15 +580,6 @@ impl Store for PgStore {
 /// sweep drops the guard and its connection closes, or when the process dies.
 impl SweepLock for PgStore {
     fn try_lock(&self) -> StoreFuture<'_, Option<SweepGuard>> {
-        Box::pin(async move {
-            let mut connection = self.dedicated_connection().await?;
-            let row = diesel::sql_query("SELECT pg_try_advisory_lock($1, hashtext($2)) AS locked")
-                .bind::<Integer, _>(SWEEP_LOCK_CLASS)
-                .bind::<Text, _>(self.inner.table.display())
-                .get_result::<LockRow>(&mut connection)
-                .await
-                .map_err(StoreError::unavailable)?;
-            Ok(row.locked.then(|| SweepGuard::new(connection)))
-        })
+        Box::pin(self.inner.db.sweep_lock(self.inner.table.display()))
     }
 }

@@ -15,22 +15,21 @@ use futures_util::StreamExt;
 use idem_core::StoreError;
 use idem_core::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};
 use idem_core::outbox::{Event, Publish};
-use idem_core::store::{BoxError, NotReady, StoreFuture};
+use idem_core::store::{NotReady, StoreFuture};
 
 use super::consumer_inbox::ended;
 use super::statements::{
     self, Commit, OutboxSettle, OutboxStage, OutboxStageQuiet, OutboxTake, Statement,
 };
 use super::transactional::{begin, mark_begun};
-use super::{PgPool, SWEEP_LOCK_CLASS, build_pool, roll_back, run_migrations};
+use super::{PgPool, roll_back};
+use crate::database::{Database, Pooled};
 use crate::outbox::{
     Backlog, Batch, BoxFuture, OUTBOX_TABLE, Outbox, OutboxBuilder, ParkedEvent, Postgres, Relay,
     Settlement, Source, Taken,
 };
-use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{duration_micros, time_from_micros};
-use crate::table::ColumnRow;
 use crate::{SetupError, outbox};
 
 /// The outbox on PostgreSQL: [`Outbox`] over a [`PgPool`].
@@ -158,17 +157,6 @@ struct ParkedRow {
     parked_at: i64,
 }
 
-#[derive(QueryableByName)]
-struct LockRow {
-    #[diesel(sql_type = diesel::sql_types::Bool)]
-    locked: bool,
-}
-
-/// A dedicated connection could not be opened in time.
-#[derive(Debug, thiserror::Error)]
-#[error("no database connection within {0:?}")]
-struct ConnectTimedOut(Duration);
-
 /// A staged event's headers could not be read back.
 #[derive(Debug, thiserror::Error)]
 #[error("an outbox event's headers are not in their encoding")]
@@ -209,20 +197,7 @@ impl Outbox<Postgres> {
     /// Creates the outbox's table (`idem_outbox`) with its embedded diesel
     /// migration. Safe to call from every instance at start-up.
     pub async fn migrate(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::Migrate {
-            table: OUTBOX_TABLE.to_owned(),
-            source,
-        };
-        let connection = self
-            .dedicated_connection()
-            .await
-            .map_err(|e| failed(e.into()))?;
-        tokio::task::spawn_blocking(move || run_migrations(connection, MIGRATIONS))
-            .await
-            .map_err(|e| failed(e.into()))?
-            .map_err(failed)?;
-        self.inner.schema_gate.pass();
-        Ok(())
+        self.inner.db.migrate(MIGRATIONS, OUTBOX_TABLE).await
     }
 
     /// Checks that the outbox's table exists with every column this version
@@ -231,22 +206,10 @@ impl Outbox<Postgres> {
     /// makes it pass; call it at start-up when your own migration tool
     /// creates the table. It fails with [`SetupError::OutboxSchema`].
     pub async fn check_schema(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::SchemaCheck {
-            table: OUTBOX_TABLE.to_owned(),
-            source,
-        };
-        let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
-        let columns = diesel::sql_query(
-            "SELECT attname::text AS name FROM pg_attribute \
-             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
-        )
-        .bind::<Text, _>(OUTBOX_TABLE)
-        .load::<ColumnRow>(&mut *connection)
-        .await
-        .map_err(|e| failed(e.into()))?;
-        outbox::check_outbox_columns(&[columns])?;
-        self.inner.schema_gate.pass();
-        Ok(())
+        let tables = [OUTBOX_TABLE.to_owned()];
+        let db = &self.inner.db;
+        db.check_schema(OUTBOX_TABLE, tables, outbox::check_outbox_columns)
+            .await
     }
 
     /// Stages `event` in the transaction open on `connection`: one statement,
@@ -353,23 +316,8 @@ impl Outbox<Postgres> {
         Cleanup::new(self.clone()).lock(self.clone())
     }
 
-    async fn connection(
-        &self,
-    ) -> Result<
-        bb8::PooledConnection<'_, AsyncDieselConnectionManager<AsyncPgConnection>>,
-        StoreError,
-    > {
-        pool::checkout(&self.inner.pool, self.inner.failures.as_ref()).await
-    }
-
-    /// A connection outside the pool: for migrations, `LISTEN`, and
-    /// session-scoped advisory locks.
-    async fn dedicated_connection(&self) -> Result<AsyncPgConnection, StoreError> {
-        let timeout = self.inner.connection_timeout;
-        match tokio::time::timeout(timeout, self.inner.pool.dedicated_connection()).await {
-            Ok(connection) => connection.map_err(StoreError::unavailable),
-            Err(_) => Err(StoreError::unavailable(ConnectTimedOut(timeout))),
-        }
+    async fn connection(&self) -> Result<Pooled<'_, Postgres>, StoreError> {
+        self.inner.db.connection().await
     }
 }
 
@@ -384,19 +332,13 @@ impl OutboxBuilder<Postgres> {
 
     /// Builds a pool for `url` and checks that it connects.
     pub async fn connect(self, url: &str) -> Result<PgOutbox, SetupError> {
-        let (pool, failures): (PgPool, ConnectFailures) =
-            build_pool(url, self.max_connections, self.connection_timeout).await?;
-        drop(
-            pool::checkout(&pool, Some(&failures))
-                .await
-                .map_err(SetupError::connect)?,
-        );
-        Ok(Outbox::with_pool(pool, Some(failures), &self))
+        let db = Database::open(url, &self.pool).await?;
+        Ok(Outbox::with_database(db, &self))
     }
 
     /// An outbox over a pool the application already has.
     pub fn build(self, pool: PgPool) -> PgOutbox {
-        Outbox::with_pool(pool, None, &self)
+        Outbox::with_database(Database::over(pool, &self.pool), &self)
     }
 }
 
@@ -416,7 +358,7 @@ impl Source for PgSource {
     fn take(&self, limit: usize) -> BoxFuture<'_, Result<Box<dyn Batch>, StoreError>> {
         Box::pin(async move {
             let inner = &self.outbox.inner;
-            let mut connection = pool::checkout_owned(&inner.pool, inner.failures.as_ref()).await?;
+            let mut connection = inner.db.connection_owned().await?;
             let rows = {
                 let connection: &mut AsyncPgConnection = &mut connection;
                 mark_begun(connection).map_err(StoreError::unavailable)?;
@@ -507,7 +449,7 @@ impl Source for PgSource {
 /// Listens for staged events on a connection of its own, waking the relay,
 /// until the connection fails (checked every 30 s).
 async fn listen(outbox: &PgOutbox) -> Result<(), StoreError> {
-    let mut connection = outbox.dedicated_connection().await?;
+    let mut connection = outbox.inner.db.dedicated().await?;
     connection
         .batch_execute(&format!("LISTEN {CHANNEL}"))
         .await
@@ -601,15 +543,6 @@ impl ExpiredRows for PgOutbox {
 /// lock keyed by the outbox's table, on a connection of its own.
 impl SweepLock for PgOutbox {
     fn try_lock(&self) -> StoreFuture<'_, Option<SweepGuard>> {
-        Box::pin(async move {
-            let mut connection = self.dedicated_connection().await?;
-            let row = diesel::sql_query("SELECT pg_try_advisory_lock($1, hashtext($2)) AS locked")
-                .bind::<Integer, _>(SWEEP_LOCK_CLASS)
-                .bind::<Text, _>(OUTBOX_TABLE)
-                .get_result::<LockRow>(&mut connection)
-                .await
-                .map_err(StoreError::unavailable)?;
-            Ok(row.locked.then(|| SweepGuard::new(connection)))
-        })
+        Box::pin(self.inner.db.sweep_lock(OUTBOX_TABLE.to_owned()))
     }
 }

@@ -22,7 +22,6 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
 use super::{CLAIM_ATTEMPTS, ClaimContended, PgStore, completion_binds, statements};
-use crate::pool;
 use crate::prepared::PreparedExt;
 use crate::row::{ClaimRow, RecordRow, duration_micros};
 use crate::wait;
@@ -339,7 +338,7 @@ impl TransactionalPgStore {
         request: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
         let inner = &self.store.inner;
-        let mut connection = pool::checkout_owned(&inner.pool, inner.failures.as_ref()).await?;
+        let mut connection = inner.db.connection_owned().await?;
         let binds = statements::binds()
             .bind::<Text, _>(request.scope.as_str())
             .bind::<Text, _>(request.key.as_str());

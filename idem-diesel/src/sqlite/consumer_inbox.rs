@@ -7,26 +7,24 @@ use std::time::{Duration, SystemTime};
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::sql_types::{BigInt, Binary, Bool, Integer, Nullable, Text};
 use diesel::{OptionalExtension, QueryResult, QueryableByName, RunQueryDsl, SqliteConnection};
-use diesel_async::pooled_connection::AsyncDieselConnectionManager;
-use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use diesel_migrations::{EmbeddedMigrations, embed_migrations};
+use idem_core::Redacted;
 use idem_core::cleanup::{Cleanup, ExpiredRows};
 use idem_core::consume::{
     Attempt, Buried, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError, Inbox,
     InboxError, InboxFuture, Message,
 };
-use idem_core::store::{BoxError, StoreFuture};
-use idem_core::{Redacted, StoreError};
+use idem_core::store::StoreFuture;
 
 use super::statements::NOW;
-use super::{AsyncSqliteConnection, SqlitePool, build_pool};
+use super::{AsyncSqliteConnection, SqlitePool};
 use crate::SetupError;
 use crate::builder::InboxBuilder;
-use crate::consume::{self, INBOX_SCHEMA, NestedOpen, check_inbox_columns, micros, time};
+use crate::consume::{self, INBOX_TABLES, NestedOpen, check_inbox_columns, micros, time};
+use crate::database::{Database, Pooled};
 use crate::outbox::Sqlite;
-use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::duration_micros;
-use crate::table::{ColumnRow, SchemaGate};
 
 /// The migrations that create the inbox's tables.
 const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/sqlite_consumer_inbox");
@@ -105,11 +103,8 @@ pub struct SqliteInbox {
 }
 
 struct Inner {
-    pool: SqlitePool,
-    /// Set when the inbox built the pool (see `crate::pool`).
-    failures: Option<ConnectFailures>,
+    db: Database<Sqlite>,
     retention: Duration,
-    schema_gate: SchemaGate,
 }
 
 /// Configures a [`SqliteInbox`]: its retention and the pool it builds
@@ -187,8 +182,6 @@ enum Finish {
     NestedOpen(u32),
 }
 
-type Pooled<'a> = bb8::PooledConnection<'a, AsyncDieselConnectionManager<AsyncSqliteConnection>>;
-
 impl SqliteInbox {
     /// Opens (creating if missing) the database at `url` (`sqlite://PATH`, as
     /// [`SqliteStore::connect`](crate::SqliteStore::connect) reads it) with a
@@ -210,28 +203,18 @@ impl SqliteInbox {
         InboxBuilder::new(4)
     }
 
-    fn with_pool(
-        pool: SqlitePool,
-        failures: Option<ConnectFailures>,
-        builder: &SqliteInboxBuilder,
-    ) -> Self {
-        let schema_gate = SchemaGate::default();
-        if builder.skip_schema_check {
-            schema_gate.pass();
-        }
+    fn with_database(db: Database<Sqlite>, builder: &SqliteInboxBuilder) -> Self {
         Self {
             inner: Arc::new(Inner {
-                pool,
-                failures,
+                db,
                 retention: builder.retention,
-                schema_gate,
             }),
         }
     }
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &SqlitePool {
-        &self.inner.pool
+        &self.inner.db.pool
     }
 
     /// How long processed messages are remembered.
@@ -243,20 +226,7 @@ impl SqliteInbox {
     /// `idem_consumer_failures`, `idem_consumer_dead_letters`) with its
     /// embedded diesel migrations, in one immediate transaction.
     pub async fn migrate(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::Migrate {
-            table: "idem_consumer_inbox".to_owned(),
-            source,
-        };
-        let mut connection = self.connection().await.map_err(|e| failed(Box::new(e)))?;
-        connection
-            .spawn_blocking(|c| {
-                Ok(c.immediate_transaction(|c| c.run_pending_migrations(MIGRATIONS).map(drop)))
-            })
-            .await
-            .map_err(|e| failed(e.into()))?
-            .map_err(failed)?;
-        self.inner.schema_gate.pass();
-        Ok(())
+        self.inner.db.migrate(MIGRATIONS, INBOX_TABLES[0]).await
     }
 
     /// Checks that the inbox's tables exist with every column this version
@@ -265,27 +235,10 @@ impl SqliteInbox {
     /// makes it pass; call it at start-up when your own migration tool
     /// creates the tables. It fails with [`SetupError::InboxSchema`].
     pub async fn check_schema(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::SchemaCheck {
-            table: INBOX_SCHEMA[0].0.to_owned(),
-            source,
-        };
-        let mut connection = self.connection().await.map_err(|e| failed(Box::new(e)))?;
-        let found = connection
-            .spawn_blocking(|c| {
-                INBOX_SCHEMA
-                    .iter()
-                    .map(|(table, _)| {
-                        diesel::sql_query("SELECT name FROM pragma_table_info(?)")
-                            .bind::<Text, _>(*table)
-                            .load::<ColumnRow>(c)
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-            })
+        let tables = INBOX_TABLES.map(str::to_owned);
+        let db = &self.inner.db;
+        db.check_schema(INBOX_TABLES[0], tables, check_inbox_columns)
             .await
-            .map_err(|e| failed(e.into()))?;
-        check_inbox_columns(&found)?;
-        self.inner.schema_gate.pass();
-        Ok(())
     }
 
     /// A cleanup job that deletes processed messages and abandoned failure
@@ -295,28 +248,21 @@ impl SqliteInbox {
         Cleanup::new(self.clone())
     }
 
-    async fn connection(&self) -> Result<Pooled<'_>, InboxError> {
-        pool::checkout(&self.inner.pool, self.inner.failures.as_ref())
+    async fn connection(&self) -> Result<Pooled<'_, Sqlite>, InboxError> {
+        self.inner
+            .db
+            .connection()
             .await
             .map_err(consume::unavailable)
     }
 
     /// Runs `task` on a pooled connection, on a blocking thread, as a task of
-    /// its own (see `SqliteStore::run`: a caller that gives up detaches).
+    /// its own (see `Database::run`: a caller that gives up detaches).
     async fn run<R: Send + 'static>(
         &self,
         task: impl FnOnce(&mut SqliteConnection) -> QueryResult<R> + Send + 'static,
     ) -> Result<R, InboxError> {
-        let inbox = self.clone();
-        tokio::spawn(async move {
-            let mut connection = inbox.connection().await?;
-            connection
-                .spawn_blocking(task)
-                .await
-                .map_err(InboxError::unavailable)
-        })
-        .await
-        .map_err(InboxError::unavailable)?
+        self.inner.db.run(task).await.map_err(consume::unavailable)
     }
 
     /// [`Inbox::process`]: enters the message, runs the handler and commits,
@@ -403,31 +349,20 @@ impl InboxBuilder<Sqlite> {
     /// message being processed, handler included) before it fails with
     /// "database is locked" (default 5 s). Ignored by [`build`](Self::build).
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
+        self.pool.busy_timeout = timeout;
         self
     }
 
     /// Opens the database at `url` (see [`SqliteInbox::connect`]), creating
     /// the file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteInbox, SetupError> {
-        let (pool, failures) = build_pool(
-            url,
-            self.max_connections,
-            self.connection_timeout,
-            self.busy_timeout,
-        )
-        .await?;
-        drop(
-            pool::checkout(&pool, Some(&failures))
-                .await
-                .map_err(SetupError::connect)?,
-        );
-        Ok(SqliteInbox::with_pool(pool, Some(failures), &self))
+        let db = Database::open(url, &self.pool).await?;
+        Ok(SqliteInbox::with_database(db, &self))
     }
 
     /// An inbox over a pool the application already has.
     pub fn build(self, pool: SqlitePool) -> SqliteInbox {
-        SqliteInbox::with_pool(pool, None, &self)
+        SqliteInbox::with_database(Database::over(pool, &self.pool), &self)
     }
 }
 
@@ -554,7 +489,10 @@ impl Inbox for SqliteInbox {
     }
 
     fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
-        self.inner.schema_gate.inbox_readiness("SqliteInboxBuilder")
+        self.inner
+            .db
+            .schema_gate
+            .inbox_readiness("SqliteInboxBuilder")
     }
 }
 
@@ -564,6 +502,8 @@ impl ExpiredRows for SqliteInbox {
             let batch = i64::try_from(batch).unwrap_or(i64::MAX);
             let retention = duration_micros(self.inner.retention);
             let deleted = self
+                .inner
+                .db
                 .run(move |c| {
                     c.immediate_transaction(|c| {
                         let processed = diesel::sql_query(format!(
@@ -587,11 +527,7 @@ impl ExpiredRows for SqliteInbox {
                         Ok(processed.saturating_add(abandoned))
                     })
                 })
-                .await
-                .map_err(|error| match error {
-                    InboxError::Unavailable(source) => StoreError::Unavailable(source),
-                    other => StoreError::unavailable(other),
-                })?;
+                .await?;
             Ok(u64::try_from(deleted).unwrap_or(u64::MAX))
         })
     }
@@ -601,7 +537,7 @@ impl fmt::Debug for SqliteInbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SqliteInbox")
             .field("retention", &self.inner.retention)
-            .field("pool", &self.inner.pool.state())
+            .field("pool", &self.inner.db.state())
             .finish_non_exhaustive()
     }
 }

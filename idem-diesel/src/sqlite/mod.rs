@@ -27,11 +27,12 @@ use idem_core::store::{Claim, ClaimOutcome, ClaimRequest, Record, StoreFuture};
 use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 
 use crate::builder::StoreBuilder;
+use crate::database::{Database, Dialect, PoolSettings};
 use crate::outbox::Sqlite;
 use crate::pool::{self, ConnectFailures};
 use crate::prepared::PreparedExt;
 use crate::row::{InProgressRow, RecordRow, duration_micros, fenced};
-use crate::table::{ColumnRow, SchemaGate, Table};
+use crate::table::{ColumnRow, Table};
 use crate::{SetupError, wait};
 use idem_core::cleanup::Cleanup;
 use statements::Statements;
@@ -84,19 +85,16 @@ pub struct SqliteStore {
 }
 
 struct Inner {
-    pool: SqlitePool,
+    db: Database<Sqlite>,
     table: Table,
     statements: Arc<Statements>,
-    /// Set when the store built the pool (see `crate::pool`).
-    failures: Option<ConnectFailures>,
-    schema_gate: SchemaGate,
 }
 
 impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteStore")
             .field("table", &self.inner.table.display())
-            .field("pool", &self.inner.pool.state())
+            .field("pool", &self.inner.db.state())
             .finish_non_exhaustive()
     }
 }
@@ -135,7 +133,10 @@ impl SqliteStore {
     /// Open its connections with a busy timeout (`PRAGMA busy_timeout`), or
     /// concurrent writes fail at once with "database is locked".
     pub fn from_pool(pool: SqlitePool) -> Self {
-        Self::with_table(pool, Table::default(), None)
+        Self::with_table(
+            Database::over(pool, &PoolSettings::new(4)),
+            Table::default(),
+        )
     }
 
     /// Configures the table and the pool.
@@ -143,21 +144,19 @@ impl SqliteStore {
         StoreBuilder::new(4)
     }
 
-    fn with_table(pool: SqlitePool, table: Table, failures: Option<ConnectFailures>) -> Self {
+    fn with_table(db: Database<Sqlite>, table: Table) -> Self {
         Self {
             inner: Arc::new(Inner {
                 statements: Arc::new(Statements::new(&table)),
-                pool,
+                db,
                 table,
-                failures,
-                schema_gate: SchemaGate::default(),
             }),
         }
     }
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &SqlitePool {
-        &self.inner.pool
+        &self.inner.db.pool
     }
 
     /// The SQL that creates this store's table and cleanup index, for
@@ -175,28 +174,20 @@ impl SqliteStore {
     /// templated, so for any other name it runs [`ddl`](Self::ddl) instead; every
     /// statement there is `IF NOT EXISTS`.
     pub async fn migrate(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::Migrate {
-            table: self.inner.table.display(),
-            source,
-        };
-        let mut connection = self.connection().await.map_err(|e| failed(e.into()))?;
-        let outcome = if self.inner.table.is_default() {
-            connection
-                .spawn_blocking(|c| {
-                    Ok(c.immediate_transaction(|c| c.run_pending_migrations(MIGRATIONS).map(drop)))
-                })
-                .await
-        } else {
-            let ddl = self.ddl();
-            connection
-                .spawn_blocking(move |c| {
-                    Ok(c.immediate_transaction(|c| c.batch_execute(&ddl))
-                        .map_err(BoxError::from))
-                })
-                .await
-        };
-        outcome.map_err(|e| failed(e.into()))?.map_err(failed)?;
-        self.inner.schema_gate.pass();
+        let table = &self.inner.table;
+        if table.is_default() {
+            return self.inner.db.migrate(MIGRATIONS, &table.display()).await;
+        }
+        let ddl = self.ddl();
+        self.inner
+            .db
+            .run(move |c| c.immediate_transaction(|c| c.batch_execute(&ddl)))
+            .await
+            .map_err(|e| SetupError::Migrate {
+                table: table.display(),
+                source: e.into(),
+            })?;
+        self.inner.db.schema_gate.pass();
         Ok(())
     }
 
@@ -210,21 +201,12 @@ impl SqliteStore {
     /// messages say to run `store.migrate()`.
     pub async fn check_schema(&self) -> Result<(), SetupError> {
         let table = &self.inner.table;
-        let name = table.name().to_owned();
-        let found = self
-            .run_here(move |c, _| {
-                diesel::sql_query("SELECT name FROM pragma_table_info(?)")
-                    .bind::<Text, _>(name)
-                    .load::<ColumnRow>(c)
+        self.inner
+            .db
+            .check_schema(&table.display(), [table.name().to_owned()], |found| {
+                table.check_columns(&found[0])
             })
             .await
-            .map_err(|e| SetupError::SchemaCheck {
-                table: table.display(),
-                source: e.into(),
-            })?;
-        table.check_columns(&found)?;
-        self.inner.schema_gate.pass();
-        Ok(())
     }
 
     /// A cleanup job for this store's table. SQLite writers take turns anyway,
@@ -233,42 +215,14 @@ impl SqliteStore {
         Cleanup::new(self.clone())
     }
 
-    async fn connection(
-        &self,
-    ) -> Result<bb8::PooledConnection<'_, AsyncDieselConnectionManager<Connection>>, StoreError>
-    {
-        pool::checkout(&self.inner.pool, self.inner.failures.as_ref()).await
-    }
-
-    /// Runs `task` on a pooled connection, on a blocking thread.
-    ///
-    /// As a task of its own: when the future of a blocking step is dropped,
-    /// diesel-async waits for the step with `block_in_place`, which panics on a
-    /// current-thread runtime (actix-web runs each worker on one). A caller that
-    /// gives up on a step (the engine between two looks at a record, a client
-    /// that disconnects) detaches from the task instead, and the step finishes
-    /// by itself, as it would on any runtime.
+    /// Runs `task` on a pooled connection, on a blocking thread, as a task
+    /// of its own (see [`Database::run`]).
     async fn run<R: Send + 'static>(
         &self,
         task: impl FnOnce(&mut SqliteConnection, &Statements) -> QueryResult<R> + Send + 'static,
     ) -> Result<R, StoreError> {
-        let store = self.clone();
-        tokio::spawn(async move { store.run_here(task).await })
-            .await
-            .map_err(StoreError::unavailable)?
-    }
-
-    /// Runs `task` on a pooled connection, on a blocking thread, in this task.
-    async fn run_here<R: Send + 'static>(
-        &self,
-        task: impl FnOnce(&mut SqliteConnection, &Statements) -> QueryResult<R> + Send + 'static,
-    ) -> Result<R, StoreError> {
         let statements = Arc::clone(&self.inner.statements);
-        let mut connection = self.connection().await?;
-        connection
-            .spawn_blocking(move |c| task(c, &statements))
-            .await
-            .map_err(StoreError::unavailable)
+        self.inner.db.run(move |c| task(c, &statements)).await
     }
 
     async fn in_progress(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
@@ -290,7 +244,7 @@ impl StoreBuilder<Sqlite> {
     /// fails with "database is locked" (default 5 s). Ignored by
     /// [`build`](Self::build).
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
+        self.pool.busy_timeout = timeout;
         self
     }
 
@@ -298,58 +252,98 @@ impl StoreBuilder<Sqlite> {
     /// file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteStore, SetupError> {
         let table = Table::new(None, &self.table)?;
-        let (pool, failures) = build_pool(
-            url,
-            self.max_connections,
-            self.connection_timeout,
-            self.busy_timeout,
-        )
-        .await?;
-        let store = SqliteStore::with_table(pool, table, Some(failures));
-        drop(store.connection().await.map_err(SetupError::connect)?);
-        Ok(self.gated(store))
+        Ok(SqliteStore::with_table(
+            Database::open(url, &self.pool).await?,
+            table,
+        ))
     }
 
     /// A store over a pool the application already has.
     pub fn build(self, pool: SqlitePool) -> Result<SqliteStore, SetupError> {
         let table = Table::new(None, &self.table)?;
-        Ok(self.gated(SqliteStore::with_table(pool, table, None)))
-    }
-
-    /// `store`, its schema check skipped if asked.
-    fn gated(&self, store: SqliteStore) -> SqliteStore {
-        if self.skip_schema_check {
-            store.inner.schema_gate.pass();
-        }
-        store
+        Ok(SqliteStore::with_table(
+            Database::over(pool, &self.pool),
+            table,
+        ))
     }
 }
 
-/// A pool for `url` as the store and the inbox build it: connections opened
-/// with `busy_ms` of busy timeout and WAL (see [`establish`]), failed
-/// connection attempts reported to the waiting checkouts (see `crate::pool`).
-pub(crate) async fn build_pool(
-    url: &str,
-    max_connections: u32,
-    connection_timeout: Duration,
-    busy_timeout: Duration,
-) -> Result<(SqlitePool, ConnectFailures), SetupError> {
-    let busy_ms = busy_timeout.as_millis();
-    let mut config = ManagerConfig::<Connection>::default();
-    config.custom_setup = Box::new(move |url| establish(url, busy_ms));
-    // The file is local: a connection does not go stale, so it is not pinged.
-    config.recycling_method = RecyclingMethod::Fast;
-    let manager = AsyncDieselConnectionManager::new_with_config(database_path(url), config);
-    let failures = ConnectFailures::new();
-    let pool = bb8::Pool::builder()
-        .max_size(max_connections)
-        .connection_timeout(connection_timeout)
-        .retry_connection(false)
-        .error_sink(failures.sink())
-        .build(manager)
+impl Dialect for Sqlite {
+    type Manager = AsyncDieselConnectionManager<Connection>;
+
+    /// Connections opened with the busy timeout and WAL (see [`establish`]),
+    /// failed connection attempts reported to the waiting checkouts (see
+    /// `crate::pool`), and not retried.
+    async fn build_pool(
+        url: &str,
+        settings: &PoolSettings,
+    ) -> Result<(SqlitePool, ConnectFailures), SetupError> {
+        let busy_ms = settings.busy_timeout.as_millis();
+        let mut config = ManagerConfig::<Connection>::default();
+        config.custom_setup = Box::new(move |url| establish(url, busy_ms));
+        // The file is local: a connection does not go stale, so it is not pinged.
+        config.recycling_method = RecyclingMethod::Fast;
+        let manager = AsyncDieselConnectionManager::new_with_config(database_path(url), config);
+        let failures = ConnectFailures::new();
+        let pool = bb8::Pool::builder()
+            .max_size(settings.max_connections)
+            .connection_timeout(settings.connection_timeout)
+            .retry_connection(false)
+            .error_sink(failures.sink())
+            .build(manager)
+            .await
+            .map_err(|e| SetupError::Connect(e.into()))?;
+        Ok((pool, failures))
+    }
+
+    /// In one immediate transaction, so that processes sharing the file
+    /// take turns.
+    async fn migrate(
+        database: &Database<Self>,
+        migrations: EmbeddedMigrations,
+    ) -> Result<(), BoxError> {
+        database
+            .run(move |c| {
+                Ok(c.immediate_transaction(|c| c.run_pending_migrations(migrations).map(drop)))
+            })
+            .await?
+    }
+
+    async fn columns(database: &Database<Self>, table: String) -> Result<Vec<ColumnRow>, BoxError> {
+        Ok(database
+            .run(move |c| {
+                diesel::sql_query("SELECT name FROM pragma_table_info(?)")
+                    .bind::<Text, _>(table)
+                    .load::<ColumnRow>(c)
+            })
+            .await?)
+    }
+}
+
+impl Database<Sqlite> {
+    /// Runs `task` on a pooled connection, on a blocking thread.
+    ///
+    /// As a task of its own: when the future of a blocking step is dropped,
+    /// diesel-async waits for the step with `block_in_place`, which panics on a
+    /// current-thread runtime (actix-web runs each worker on one). A caller that
+    /// gives up on a step (the engine between two looks at a record, a client
+    /// that disconnects, a consumer that stops) detaches from the task instead,
+    /// and the step finishes by itself, as it would on any runtime.
+    pub(crate) async fn run<R: Send + 'static>(
+        &self,
+        task: impl FnOnce(&mut SqliteConnection) -> QueryResult<R> + Send + 'static,
+    ) -> Result<R, StoreError> {
+        let (pool, failures) = (self.pool.clone(), self.failures.clone());
+        tokio::spawn(async move {
+            let mut connection = pool::checkout(&pool, failures.as_ref()).await?;
+            connection
+                .spawn_blocking(task)
+                .await
+                .map_err(StoreError::unavailable)
+        })
         .await
-        .map_err(|e| SetupError::Connect(e.into()))?;
-    Ok((pool, failures))
+        .map_err(StoreError::unavailable)?
+    }
 }
 
 /// The path diesel opens for `url`: the `sqlite:` scheme removed, so that the
@@ -414,6 +408,7 @@ fn completion(
 impl Store for SqliteStore {
     fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
         self.inner
+            .db
             .schema_gate
             .readiness(&self.inner.table, "SqliteStoreBuilder")
     }

@@ -5,25 +5,22 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Binary, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName, RunQueryDsl, SqliteConnection};
-use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 use idem_core::StoreError;
 use idem_core::cleanup::{Cleanup, ExpiredRows};
 use idem_core::outbox::{Event, Publish};
-use idem_core::store::{BoxError, NotReady, StoreFuture};
+use idem_core::store::{NotReady, StoreFuture};
 
 use super::statements::NOW;
-use super::{
-    AsyncSqliteConnection, SqlitePool, SqliteTransaction, SqliteTransactionError, build_pool,
-};
+use super::{AsyncSqliteConnection, SqlitePool, SqliteTransaction, SqliteTransactionError};
 use crate::SetupError;
+use crate::database::Database;
 use crate::outbox::{
     self, Backlog, Batch, BoxFuture, OUTBOX_TABLE, Outbox, OutboxBuilder, ParkedEvent, Relay,
     Settlement, Source, Sqlite, Taken,
 };
-use crate::pool;
 use crate::prepared::PreparedExt;
 use crate::row::{duration_micros, time_from_micros};
-use crate::table::ColumnRow;
 
 /// The outbox on SQLite: [`Outbox`] over a [`SqlitePool`].
 pub type SqliteOutbox = Outbox<Sqlite>;
@@ -138,18 +135,7 @@ impl Outbox<Sqlite> {
     /// Creates the outbox's table (`idem_outbox`) with its embedded diesel
     /// migration, in one immediate transaction.
     pub async fn migrate(&self) -> Result<(), SetupError> {
-        let failed = |source: BoxError| SetupError::Migrate {
-            table: OUTBOX_TABLE.to_owned(),
-            source,
-        };
-        self.run(|c| {
-            Ok(c.immediate_transaction(|c| c.run_pending_migrations(MIGRATIONS).map(drop)))
-        })
-        .await
-        .map_err(|error| failed(error.into()))?
-        .map_err(failed)?;
-        self.inner.schema_gate.pass();
-        Ok(())
+        self.inner.db.migrate(MIGRATIONS, OUTBOX_TABLE).await
     }
 
     /// Checks that the outbox's table exists with every column this version
@@ -158,20 +144,10 @@ impl Outbox<Sqlite> {
     /// makes it pass; call it at start-up when your own migration tool
     /// creates the table. It fails with [`SetupError::OutboxSchema`].
     pub async fn check_schema(&self) -> Result<(), SetupError> {
-        let columns = self
-            .run(|c| {
-                diesel::sql_query("SELECT name FROM pragma_table_info(?)")
-                    .bind::<Text, _>(OUTBOX_TABLE)
-                    .load::<ColumnRow>(c)
-            })
+        let tables = [OUTBOX_TABLE.to_owned()];
+        let db = &self.inner.db;
+        db.check_schema(OUTBOX_TABLE, tables, outbox::check_outbox_columns)
             .await
-            .map_err(|e| SetupError::SchemaCheck {
-                table: OUTBOX_TABLE.to_owned(),
-                source: e.into(),
-            })?;
-        crate::outbox::check_outbox_columns(&[columns])?;
-        self.inner.schema_gate.pass();
-        Ok(())
     }
 
     /// Stages `event` in the transaction open on `connection` (an inbox
@@ -312,22 +288,12 @@ impl Outbox<Sqlite> {
     }
 
     /// Runs `task` on a pooled connection, on a blocking thread, as a task of
-    /// its own (a caller that gives up detaches).
+    /// its own (see `Database::run`: a caller that gives up detaches).
     async fn run<R: Send + 'static>(
         &self,
         task: impl FnOnce(&mut SqliteConnection) -> QueryResult<R> + Send + 'static,
     ) -> Result<R, StoreError> {
-        let outbox = self.clone();
-        tokio::spawn(async move {
-            let mut connection =
-                pool::checkout(&outbox.inner.pool, outbox.inner.failures.as_ref()).await?;
-            connection
-                .spawn_blocking(task)
-                .await
-                .map_err(StoreError::unavailable)
-        })
-        .await
-        .map_err(StoreError::unavailable)?
+        self.inner.db.run(task).await
     }
 }
 
@@ -335,31 +301,20 @@ impl OutboxBuilder<Sqlite> {
     /// How long a write waits for the file's lock (default 5 s). Ignored by
     /// `build`.
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
+        self.pool.busy_timeout = timeout;
         self
     }
 
     /// Opens the database at `url` (see [`Outbox::<Sqlite>::connect`]),
     /// creating the file if missing, and checks that it opens.
     pub async fn connect(self, url: &str) -> Result<SqliteOutbox, SetupError> {
-        let (pool, failures) = build_pool(
-            url,
-            self.max_connections,
-            self.connection_timeout,
-            self.busy_timeout,
-        )
-        .await?;
-        drop(
-            pool::checkout(&pool, Some(&failures))
-                .await
-                .map_err(SetupError::connect)?,
-        );
-        Ok(Outbox::with_pool(pool, Some(failures), &self))
+        let db = Database::open(url, &self.pool).await?;
+        Ok(Outbox::with_database(db, &self))
     }
 
     /// An outbox over a pool the application already has.
     pub fn build(self, pool: SqlitePool) -> SqliteOutbox {
-        Outbox::with_pool(pool, None, &self)
+        Outbox::with_database(Database::over(pool, &self.pool), &self)
     }
 }
 

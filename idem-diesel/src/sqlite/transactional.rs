@@ -18,7 +18,6 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use tokio::sync::OwnedMutexGuard;
 
 use super::{AsyncSqliteConnection, SqliteStore, completion};
-use crate::pool;
 
 /// A pooled connection held across the steps of one execution.
 type OwnedConnection =
@@ -393,8 +392,9 @@ impl SqliteTransaction {
                 State::Idle | State::Ended => return Err(SqliteTransactionError::Ended.into()),
             },
             State::Idle => {
-                let inner = &self.store.inner;
-                let connection = pool::checkout_owned(&inner.pool, inner.failures.as_ref())
+                let db = &self.store.inner.db;
+                let connection = db
+                    .connection_owned()
                     .await
                     .map_err(|error| SqliteTransactionError::Unavailable(error.into()))?;
                 (connection, false)
