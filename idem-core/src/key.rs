@@ -221,11 +221,7 @@ impl fmt::Display for Redacted<'_> {
         } else {
             // Keys are ASCII (a byte is a character); another id is cut at
             // the character boundary at or below the bound.
-            let mut end = Redacted::SHOWN.min(key.len() / 2);
-            while !key.is_char_boundary(end) {
-                end -= 1;
-            }
-            key.get(..end).unwrap_or("")
+            crate::log::cut(key, Redacted::SHOWN.min(key.len() / 2))
         };
         write!(f, "{shown}…({})", key.len())
     }

@@ -64,6 +64,25 @@ pub fn carries_payloads(target: &str) -> bool {
         .any(|driver| target.starts_with(driver))
 }
 
+/// The longest prefix of `text` of at most `max` bytes that ends on a
+/// character boundary: how a log field, a shown key and a dead letter's
+/// reason are cut.
+///
+/// ```
+/// assert_eq!(idem_core::log::cut("éé", 3), "é");
+/// assert_eq!(idem_core::log::cut("abc", 8), "abc");
+/// ```
+pub fn cut(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.get(..end).unwrap_or("")
+}
+
 /// `text` as a log line may show it: whole up to [`FIELD_LIMIT`] bytes, else
 /// its first bytes up to the limit (cut at a character boundary), an ellipsis
 /// and its length in bytes.
@@ -81,11 +100,7 @@ impl fmt::Display for Bounded<'_> {
         if text.len() <= FIELD_LIMIT {
             return f.write_str(text);
         }
-        let mut end = FIELD_LIMIT;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        write!(f, "{}…({} bytes)", &text[..end], text.len())
+        write!(f, "{}…({} bytes)", cut(text, FIELD_LIMIT), text.len())
     }
 }
 

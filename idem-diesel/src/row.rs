@@ -59,6 +59,22 @@ pub(crate) struct ClaimRow {
     pub(crate) record: RecordRow,
 }
 
+#[cfg(feature = "postgres")]
+impl ClaimRow {
+    /// What `request`'s claim answers for what its statement returned, or
+    /// `None` when the statement met a concurrent change and runs again.
+    pub(crate) fn settled(
+        row: Option<Self>,
+        request: &idem_core::store::ClaimRequest,
+    ) -> Option<Result<ClaimOutcome, StoreError>> {
+        match row {
+            Some(row) if row.claimed => Some(Ok(ClaimOutcome::Claimed(request.to_claim()))),
+            Some(row) => Some(row.record.into_found()),
+            None => None,
+        }
+    }
+}
+
 /// Whether a record is in progress under a live lease (`changed` polls it).
 #[derive(Debug, QueryableByName)]
 pub(crate) struct InProgressRow {

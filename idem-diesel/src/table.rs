@@ -221,9 +221,8 @@ impl Table {
     /// The statements that create the table and its cleanup index on PostgreSQL,
     /// if they do not exist. Does not create the schema.
     pub(crate) fn postgres_ddl(&self) -> String {
-        format!(
-            "CREATE TABLE IF NOT EXISTS {table} (
-    scope       text        NOT NULL,
+        self.ddl(
+            "    scope       text        NOT NULL,
     key         text        NOT NULL,
     fingerprint bytea       NOT NULL,
     state       text        NOT NULL CHECK (state IN ('in_progress', 'completed')),
@@ -235,15 +234,7 @@ impl Table {
     replayable  boolean,
     expires_at  timestamptz NOT NULL,
     created_at  timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (scope, key),
-    CHECK (state <> 'in_progress' OR (owner IS NOT NULL AND lease_until IS NOT NULL)),
-    CHECK (state <> 'completed' OR (status IS NOT NULL AND headers IS NOT NULL
-                                    AND body IS NOT NULL AND replayable IS NOT NULL))
-);
-CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
 ",
-            table = self.sql(),
-            index = self.index(),
         )
     }
 
@@ -251,9 +242,8 @@ CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
     /// The statements that create the table and its cleanup index on SQLite, if
     /// they do not exist. Times are microseconds since the Unix epoch.
     pub(crate) fn sqlite_ddl(&self) -> String {
-        format!(
-            "CREATE TABLE IF NOT EXISTS {table} (
-    scope       TEXT    NOT NULL,
+        self.ddl(
+            "    scope       TEXT    NOT NULL,
     key         TEXT    NOT NULL,
     fingerprint BLOB    NOT NULL,
     state       TEXT    NOT NULL CHECK (state IN ('in_progress', 'completed')),
@@ -265,7 +255,17 @@ CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
     replayable  INTEGER,
     expires_at  INTEGER NOT NULL,
     created_at  INTEGER NOT NULL,
-    PRIMARY KEY (scope, key),
+",
+        )
+    }
+
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    /// The table with `columns` (each database's types), its key and checks,
+    /// and its cleanup index, as both databases write them.
+    fn ddl(&self, columns: &str) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+{columns}    PRIMARY KEY (scope, key),
     CHECK (state <> 'in_progress' OR (owner IS NOT NULL AND lease_until IS NOT NULL)),
     CHECK (state <> 'completed' OR (status IS NOT NULL AND headers IS NOT NULL
                                     AND body IS NOT NULL AND replayable IS NOT NULL))

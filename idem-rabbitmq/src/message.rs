@@ -100,7 +100,10 @@ pub(crate) fn hop(
     let mut headers = headers(properties);
     remove(&mut headers, REDRIVEN_HEADER);
     headers.remove(DELIVERY_COUNT_HEADER);
-    headers.insert(REASON_HEADER.into(), string(cut(reason, MAX_REASON_LEN)));
+    headers.insert(
+        REASON_HEADER.into(),
+        string(idem_core::log::cut(reason, MAX_REASON_LEN)),
+    );
     if let Some(attempts) = attempts {
         headers.insert(QUEUE_HEADER.into(), string(queue));
         let times: Vec<AMQPValue> = attempts
@@ -220,18 +223,6 @@ fn truthy(value: &AMQPValue) -> bool {
         AMQPValue::Boolean(value) => *value,
         other => text(other).is_some_and(|text| text.as_ref() == b"true"),
     }
-}
-
-/// `text` cut to at most `max` bytes, at a character boundary.
-fn cut(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    text.get(..end).unwrap_or("")
 }
 
 pub(crate) fn long_string(bytes: &[u8]) -> AMQPValue {

@@ -168,7 +168,7 @@ pub(crate) fn dead_letter_attributes(
     if let Some(id) = received.message.message_id() {
         put(&mut attributes, MESSAGE_ID_ATTRIBUTE, id);
     }
-    let reason = cut(reason, MAX_REASON_LEN);
+    let reason = idem_core::log::cut(reason, MAX_REASON_LEN);
     put(
         &mut attributes,
         REASON_ATTRIBUTE,
@@ -218,19 +218,6 @@ fn copy_own(message: &sqs::Message, attributes: &mut HashMap<String, MessageAttr
             attributes.insert(name.clone(), value.clone());
         }
     }
-}
-
-/// The longest prefix of `text` of at most `max` bytes ending on a
-/// character boundary.
-fn cut(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }
 
 /// The times of an `idem-attempts` attribute.
@@ -387,6 +374,6 @@ mod tests {
         let parsed = parse_attempts(&text.join(","));
         assert_eq!(parsed.len(), 2);
         assert_eq!(parsed[0], SystemTime::UNIX_EPOCH);
-        assert_eq!(cut("éé", 3), "é");
+        assert_eq!(idem_core::log::cut("éé", 3), "é");
     }
 }

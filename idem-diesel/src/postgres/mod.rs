@@ -441,12 +441,8 @@ impl PgStore {
                 .row::<_, ClaimRow>(connection, binds)
                 .await
                 .map_err(StoreError::unavailable)?;
-            match row {
-                Some(row) if row.claimed => {
-                    return Ok(ClaimOutcome::Claimed(request.to_claim()));
-                }
-                Some(row) => return row.record.into_found(),
-                None => continue,
+            if let Some(outcome) = ClaimRow::settled(row, request) {
+                return outcome;
             }
         }
         Err(StoreError::unavailable(ClaimContended))

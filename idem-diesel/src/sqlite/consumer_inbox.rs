@@ -506,25 +506,24 @@ impl ExpiredRows for SqliteInbox {
                 .db
                 .run(move |c| {
                     c.immediate_transaction(|c| {
-                        let processed = diesel::sql_query(format!(
-                            "DELETE FROM idem_consumer_inbox WHERE rowid IN (
-                                 SELECT rowid FROM idem_consumer_inbox
-                                 WHERE processed_at <= {NOW} - ?2 LIMIT ?1)"
-                        ))
-                        .bind::<BigInt, _>(batch)
-                        .bind::<BigInt, _>(retention)
-                        .prepared()
-                        .execute(c)?;
-                        let abandoned = diesel::sql_query(format!(
-                            "DELETE FROM idem_consumer_failures WHERE rowid IN (
-                                 SELECT rowid FROM idem_consumer_failures
-                                 WHERE last_attempt_at <= {NOW} - ?2 LIMIT ?1)"
-                        ))
-                        .bind::<BigInt, _>(batch)
-                        .bind::<BigInt, _>(retention)
-                        .prepared()
-                        .execute(c)?;
-                        Ok(processed.saturating_add(abandoned))
+                        // Processed messages, then abandoned failure counts.
+                        let mut deleted = 0usize;
+                        for (table, changed) in [
+                            ("idem_consumer_inbox", "processed_at"),
+                            ("idem_consumer_failures", "last_attempt_at"),
+                        ] {
+                            let rows = diesel::sql_query(format!(
+                                "DELETE FROM {table} WHERE rowid IN (
+                                     SELECT rowid FROM {table}
+                                     WHERE {changed} <= {NOW} - ?2 LIMIT ?1)"
+                            ))
+                            .bind::<BigInt, _>(batch)
+                            .bind::<BigInt, _>(retention)
+                            .prepared()
+                            .execute(c)?;
+                            deleted = deleted.saturating_add(rows);
+                        }
+                        Ok(deleted)
                     })
                 })
                 .await?;
