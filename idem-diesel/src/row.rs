@@ -19,6 +19,37 @@ pub(crate) const IN_PROGRESS: &str = "in_progress";
 /// The `state` column of a completed record.
 pub(crate) const COMPLETED: &str = "completed";
 
+/// Whether the record `r` may be claimed anew at `now` (each database's
+/// current time): completed and past its retention, or in progress and past
+/// its lease. An in-progress record past its retention but under a live
+/// lease is still being worked on.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn claimable(now: &str) -> String {
+    format!(
+        "(r.state = '{COMPLETED}' AND r.expires_at <= {now}) \
+         OR (r.state = '{IN_PROGRESS}' AND r.lease_until <= {now})"
+    )
+}
+
+/// Whether the record `r` is gone at `now`: past its retention, and not
+/// under a live lease. What `load` does not see and cleanup deletes.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn expired(now: &str) -> String {
+    format!("r.expires_at <= {now} AND (r.state = '{COMPLETED}' OR r.lease_until <= {now})")
+}
+
+/// How a claim's insert takes over the record it met (when the record is
+/// claimable): the claim's fingerprint, owner, lease and times, no response.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) const RECLAIM: &str = "ON CONFLICT (scope, key) DO UPDATE SET
+                    fingerprint = excluded.fingerprint,
+                    state = excluded.state,
+                    owner = excluded.owner,
+                    lease_until = excluded.lease_until,
+                    status = NULL, headers = NULL, body = NULL, replayable = NULL,
+                    expires_at = excluded.expires_at,
+                    created_at = excluded.created_at";
+
 /// The longest duration handed to a database: 100 years. Longer ones are
 /// clamped, so that `now + duration` stays within every backend's time range.
 const MAX_DURATION_MICROS: u128 = 100 * 366 * 24 * 60 * 60 * 1_000_000;

@@ -374,24 +374,13 @@ impl Store for RedisStore {
         })
     }
 
-    /// Polls: sleeps `poll`, after which the engine claims again (one script
-    /// call). Redis could notify instead (keyspace notifications, or a
-    /// `PUBLISH` from the completing script), but notifications need server
-    /// configuration, and in a cluster a subscription per node; the engine's
-    /// poll interval starts at 5 ms and backs off to 200 ms, which bounds the
-    /// added latency of a waiting request.
-    fn changed<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        poll: Duration,
-    ) -> StoreFuture<'a, ()> {
-        let _ = (scope, key);
-        Box::pin(async move {
-            tokio::time::sleep(poll).await;
-            Ok(())
-        })
-    }
+    // `changed` is the trait's: it sleeps `poll`, after which the engine
+    // claims again (one script call). Redis could notify instead (keyspace
+    // notifications, or a `PUBLISH` from the completing script), but
+    // notifications need server configuration, and in a cluster a
+    // subscription per node; the engine's poll interval starts at 5 ms and
+    // backs off to 200 ms, which bounds the added latency of a waiting
+    // request.
 }
 
 impl std::fmt::Debug for RedisStore {

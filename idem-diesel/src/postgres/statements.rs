@@ -23,7 +23,7 @@ use diesel::sql_types::Untyped;
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
-use crate::row::{COMPLETED, IN_PROGRESS};
+use crate::row::{COMPLETED, IN_PROGRESS, RECLAIM, claimable, expired};
 use crate::table::Table;
 
 /// The statements of every store step, with the table name spliced in.
@@ -77,16 +77,8 @@ impl Statements {
     pub(super) fn new(table: &Table) -> Self {
         let t = table.sql();
         let keyed = *KEYED_TABLE.get_or_init(|| t.clone()) == t;
-        // A record counts as new when it is completed and past its retention, or
-        // in progress and past its lease. An in-progress record past its
-        // retention but under a live lease is still being worked on.
-        let claimable = format!(
-            "(r.state = '{COMPLETED}' AND r.expires_at <= now()) \
-             OR (r.state = '{IN_PROGRESS}' AND r.lease_until <= now())"
-        );
-        let expired = format!(
-            "r.expires_at <= now() AND (r.state = '{COMPLETED}' OR r.lease_until <= now())"
-        );
+        let claimable = claimable("now()");
+        let expired = expired("now()");
         let completion = format!(
             "state = '{COMPLETED}', owner = NULL, lease_until = NULL,
                 status = $4, headers = $5, body = $6, replayable = $7,
@@ -94,14 +86,7 @@ impl Statements {
              WHERE r.scope = $1 AND r.key = $2 AND r.owner = $3 AND r.state = '{IN_PROGRESS}'"
         );
         let upsert = format!(
-            "ON CONFLICT (scope, key) DO UPDATE SET
-                        fingerprint = excluded.fingerprint,
-                        state = excluded.state,
-                        owner = excluded.owner,
-                        lease_until = excluded.lease_until,
-                        status = NULL, headers = NULL, body = NULL, replayable = NULL,
-                        expires_at = excluded.expires_at,
-                        created_at = excluded.created_at
+            "{RECLAIM}
                     WHERE {claimable}
                     RETURNING {RECORD_COLUMNS}"
         );

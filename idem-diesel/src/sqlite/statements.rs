@@ -6,7 +6,7 @@
 //! uses the database's `now()`. Time columns hold microseconds since the Unix
 //! epoch; durations are bound as microseconds.
 
-use crate::row::{COMPLETED, IN_PROGRESS};
+use crate::row::{COMPLETED, IN_PROGRESS, RECLAIM, claimable, expired};
 use crate::table::Table;
 
 /// The current time, as microseconds since the Unix epoch, to the millisecond
@@ -52,28 +52,12 @@ impl Statements {
         let t = table.sql();
         // As on PostgreSQL: new when completed and past retention, or in progress
         // and past the lease.
-        let claimable = |now: &str| {
-            format!(
-                "(r.state = '{COMPLETED}' AND r.expires_at <= {now}) \
-                 OR (r.state = '{IN_PROGRESS}' AND r.lease_until <= {now})"
-            )
-        };
-        let expired = |now: &str| {
-            format!("r.expires_at <= {now} AND (r.state = '{COMPLETED}' OR r.lease_until <= {now})")
-        };
         Self {
             claim: format!(
                 "INSERT INTO {t} AS r
                     (scope, key, fingerprint, state, owner, lease_until, expires_at, created_at)
                  VALUES (?1, ?2, ?3, '{IN_PROGRESS}', ?4, {NOW} + ?5, {NOW} + ?6, {NOW})
-                 ON CONFLICT (scope, key) DO UPDATE SET
-                    fingerprint = excluded.fingerprint,
-                    state = excluded.state,
-                    owner = excluded.owner,
-                    lease_until = excluded.lease_until,
-                    status = NULL, headers = NULL, body = NULL, replayable = NULL,
-                    expires_at = excluded.expires_at,
-                    created_at = excluded.created_at
+                 {RECLAIM}
                  WHERE {}",
                 claimable(NOW)
             ),
