@@ -14,7 +14,7 @@ use actix_web::http::{Method, StatusCode};
 use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
 use idem_actix::{ContextRouteError, ExecutionInfo, Idempotency, StoreContext};
 use idem_core::{Engine, InProgress, MemoryStore, OnStoreFailure, Policy, Scope, Store};
-use idem_scenarios::{
+use idem_http_suite::{
     HandsATill, PromisesATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target, Till,
     assert_route_misconfigured, routes, scenario_tests,
 };
@@ -30,7 +30,7 @@ struct Server {
 
 impl Server {
     /// Serves an app configured by `configure` on 127.0.0.1, port 0 (bound by
-    /// `idem_scenarios::bind`, with its fixed receive buffer).
+    /// `idem_http_suite::bind`, with its fixed receive buffer).
     fn start<F>(configure: F) -> Self
     where
         F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
@@ -38,7 +38,7 @@ impl Server {
         let (started, bound) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             actix_rt::System::new().block_on(async move {
-                let listener = idem_scenarios::bind()
+                let listener = idem_http_suite::bind()
                     .and_then(tokio::net::TcpListener::into_std)
                     .expect("bind 127.0.0.1:0");
                 let server = HttpServer::new(move || App::new().configure(configure.clone()))
@@ -73,7 +73,7 @@ impl Drop for Server {
 }
 
 // ---------------------------------------------------------------------------
-// The scenario app, built as idem-scenarios documents it, and the shared suite.
+// The scenario app, built as idem-http-suite documents it, and the shared suite.
 // ---------------------------------------------------------------------------
 
 /// Starts the actix build of the scenario app over `store`.
@@ -96,7 +96,7 @@ async fn start_scenario_app(store: Arc<dyn Store>) -> Target {
                     )
                     // The app's authentication: it names the principal first.
                     .wrap_fn(|request, service| {
-                        let scope = idem_scenarios::principal(
+                        let scope = idem_http_suite::principal(
                             request
                                 .headers()
                                 .get("authorization")
@@ -146,9 +146,9 @@ scenario_tests!(start_scenario_app);
 mod sqlite {
     use super::start_scenario_app;
 
-    idem_scenarios::scenario_tests!(
+    idem_http_suite::scenario_tests!(
         start_scenario_app,
-        store = idem_scenarios::stores::sqlite_store
+        store = idem_http_suite::stores::sqlite_store
     );
 }
 
@@ -156,20 +156,20 @@ mod sqlite {
 mod postgres {
     use super::start_scenario_app;
 
-    idem_scenarios::scenario_tests!(
+    idem_http_suite::scenario_tests!(
         start_scenario_app,
-        store = idem_scenarios::stores::postgres_store
+        store = idem_http_suite::stores::postgres_store
     );
 }
 
 /// Durable stores beyond the suite: instances sharing one database, and the
 /// database going away under a running app.
 mod durable {
-    use idem_scenarios::durable::{Start, instances_over_one_postgres_database};
+    use idem_http_suite::durable::{Start, instances_over_one_postgres_database};
 
     use super::{axum_instance, start_scenario_app};
 
-    idem_scenarios::durable_tests!(start_scenario_app);
+    idem_http_suite::durable_tests!(start_scenario_app);
 
     /// One instance of each adapter, each with its own `PgStore` (its own
     /// pool), over one database: 200 concurrent requests with one key, spread
@@ -197,14 +197,14 @@ mod axum_instance {
     use axum::routing::{any, get, post};
     use idem_axum::IdempotencyLayer;
     use idem_core::{Scope, Store};
-    use idem_scenarios::{ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
+    use idem_http_suite::{ScenarioAnswer, ScenarioApp, ScenarioRequest, Target};
 
     /// Starts it over `store` on 127.0.0.1, port 0.
     pub(super) async fn start(store: Arc<dyn Store>) -> Target {
         let mut router = Router::new()
             .route("/executions", get(executions))
             .route("/gates/{name}", post(open_gate));
-        for route in idem_scenarios::routes() {
+        for route in idem_http_suite::routes() {
             let idempotency = IdempotencyLayer::new(Arc::clone(&store), route.policy)
                 .scope_with(|parts| Some(principal(&parts.headers)));
             router = router.route(route.path, any(guarded).layer(idempotency));
@@ -228,7 +228,7 @@ mod axum_instance {
     }
 
     fn principal(headers: &HeaderMap) -> Scope {
-        idem_scenarios::principal(headers.get(AUTHORIZATION).map(HeaderValue::as_bytes))
+        idem_http_suite::principal(headers.get(AUTHORIZATION).map(HeaderValue::as_bytes))
     }
 
     async fn guarded(
@@ -279,7 +279,7 @@ async fn scenario_handler(
     let principal = request
         .extensions()
         .get::<Scope>()
-        .map_or_else(|| idem_scenarios::ANONYMOUS.to_owned(), Scope::to_string);
+        .map_or_else(|| idem_http_suite::ANONYMOUS.to_owned(), Scope::to_string);
     let mut body = web::BytesMut::new();
     while let Some(chunk) = futures_util::StreamExt::next(&mut payload).await {
         body.extend_from_slice(&chunk?);
@@ -680,25 +680,25 @@ mod redis {
 
     use idem_core::Store;
     use idem_redis::RedisStore;
-    use idem_scenarios::durable::one_key_over_instances_executes_once;
+    use idem_http_suite::durable::one_key_over_instances_executes_once;
     use idem_testkit::TestRedis;
 
     use super::{axum_instance, start_scenario_app};
 
-    idem_scenarios::scenario_tests!(start_scenario_app, store = redis_store);
+    idem_http_suite::scenario_tests!(start_scenario_app, store = redis_store);
 
     mod cluster {
         use super::super::start_scenario_app;
 
-        idem_scenarios::scenario_tests!(start_scenario_app, store = super::redis_cluster_store);
+        idem_http_suite::scenario_tests!(start_scenario_app, store = super::redis_cluster_store);
     }
 
     async fn redis_store() -> Arc<dyn Store> {
-        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared()).await)
+        Arc::new(idem_http_suite::stores::redis_store(TestRedis::shared()).await)
     }
 
     async fn redis_cluster_store() -> Arc<dyn Store> {
-        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared_cluster()).await)
+        Arc::new(idem_http_suite::stores::redis_store(TestRedis::shared_cluster()).await)
     }
 
     /// One instance of each adapter, each with its own `RedisStore` (its own

@@ -21,7 +21,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_axum::{ContextRouteError, ExecutionInfo, IdempotencyLayer, RequestBody, StoreContext};
 use idem_core::{Engine, MemoryStore, OnStoreFailure, Policy, Scope, Store};
-use idem_scenarios::{
+use idem_http_suite::{
     FailingStore, HandsATill, PromisesATill, ScenarioAnswer, ScenarioApp, ScenarioRequest, Target,
     Till, assert_route_misconfigured,
 };
@@ -45,7 +45,7 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
         .headers()
         .get(AUTHORIZATION)
         .map(HeaderValue::as_bytes);
-    let principal = Principal(idem_scenarios::principal(authorization));
+    let principal = Principal(idem_http_suite::principal(authorization));
     request.extensions_mut().insert(principal);
     next.run(request).await
 }
@@ -91,7 +91,7 @@ fn scenario_router(store: &Arc<dyn Store>) -> Router {
     let mut router = Router::new()
         .route("/executions", get(executions))
         .route("/gates/{name}", post(open_gate));
-    for route in idem_scenarios::routes() {
+    for route in idem_http_suite::routes() {
         let idempotency =
             IdempotencyLayer::from_engine(Engine::from_shared(Arc::clone(store), route.policy))
                 .scope_from_extension::<Principal>();
@@ -113,7 +113,7 @@ impl Drop for Serving {
 }
 
 async fn start(store: Arc<dyn Store>) -> Target {
-    let listener = idem_scenarios::bind().unwrap();
+    let listener = idem_http_suite::bind().unwrap();
     let addr = listener.local_addr().unwrap();
     let router = scenario_router(&store);
     let server = tokio::spawn(async move {
@@ -126,21 +126,21 @@ async fn start(store: Arc<dyn Store>) -> Target {
 mod scenarios {
     use super::start;
 
-    idem_scenarios::scenario_tests!(start);
+    idem_http_suite::scenario_tests!(start);
 }
 
 /// The suite over a fresh SQLite file per case.
 mod sqlite {
     use super::start;
 
-    idem_scenarios::scenario_tests!(start, store = idem_scenarios::stores::sqlite_store);
+    idem_http_suite::scenario_tests!(start, store = idem_http_suite::stores::sqlite_store);
 }
 
 /// The suite over a fresh PostgreSQL database per case.
 mod postgres {
     use super::start;
 
-    idem_scenarios::scenario_tests!(start, store = idem_scenarios::stores::postgres_store);
+    idem_http_suite::scenario_tests!(start, store = idem_http_suite::stores::postgres_store);
 }
 
 /// Durable stores beyond the suite: instances of the app sharing one database,
@@ -148,7 +148,7 @@ mod postgres {
 mod durable {
     use super::start;
 
-    idem_scenarios::durable_tests!(start);
+    idem_http_suite::durable_tests!(start);
 }
 
 // ---------------------------------------------------------------------------
@@ -436,7 +436,7 @@ mod redis {
     use std::sync::Arc;
 
     use idem_core::Store;
-    use idem_scenarios::durable::{
+    use idem_http_suite::durable::{
         ServerFuture, StoreServer, store_outage_fails_closed_then_recovers,
     };
 
@@ -444,20 +444,20 @@ mod redis {
 
     use super::start;
 
-    idem_scenarios::scenario_tests!(start, store = redis_store);
+    idem_http_suite::scenario_tests!(start, store = redis_store);
 
     mod cluster {
         use super::super::start;
 
-        idem_scenarios::scenario_tests!(start, store = super::redis_cluster_store);
+        idem_http_suite::scenario_tests!(start, store = super::redis_cluster_store);
     }
 
     async fn redis_store() -> Arc<dyn Store> {
-        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared()).await)
+        Arc::new(idem_http_suite::stores::redis_store(TestRedis::shared()).await)
     }
 
     async fn redis_cluster_store() -> Arc<dyn Store> {
-        Arc::new(idem_scenarios::stores::redis_store(TestRedis::shared_cluster()).await)
+        Arc::new(idem_http_suite::stores::redis_store(TestRedis::shared_cluster()).await)
     }
 
     /// Redis stops under the running app, then starts again on its port.
@@ -471,7 +471,7 @@ mod redis {
                 .unwrap()
                 .unwrap_or_else(|error| panic!("cannot start redis-server: {error}")),
         );
-        let target = start(Arc::new(idem_scenarios::stores::redis_store(&redis).await)).await;
+        let target = start(Arc::new(idem_http_suite::stores::redis_store(&redis).await)).await;
         store_outage_fails_closed_then_recovers(target, &StoppableRedis(Arc::clone(&redis))).await;
     }
 

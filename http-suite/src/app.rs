@@ -35,7 +35,7 @@ pub struct ScenarioRoute {
 /// The guarded routes of the scenario app (see the crate docs for the table).
 ///
 /// ```
-/// let routes = idem_scenarios::routes();
+/// let routes = idem_http_suite::routes();
 /// assert_eq!(routes[0].path, "/required");
 /// assert!(routes.iter().all(|route| route.path.starts_with('/')));
 /// ```
@@ -93,7 +93,7 @@ pub fn routes() -> Vec<ScenarioRoute> {
 /// application authenticates it first.)
 ///
 /// ```
-/// use idem_scenarios::principal;
+/// use idem_http_suite::principal;
 ///
 /// assert_eq!(principal(Some(b"Bearer alice")).as_str(), "alice");
 /// assert_eq!(principal(None).as_str(), "anonymous");

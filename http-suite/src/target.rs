@@ -18,7 +18,7 @@ impl Target {
     /// should stop the server then (abort its task, stop its handle).
     ///
     /// ```
-    /// use idem_scenarios::Target;
+    /// use idem_http_suite::Target;
     ///
     /// let target = Target::new("127.0.0.1:8080".parse().unwrap(), ());
     /// assert_eq!(target.url("/required?status=200"), "http://127.0.0.1:8080/required?status=200");
@@ -59,7 +59,7 @@ pub const RECEIVE_BUFFER: u32 = 64 * 1024;
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> std::io::Result<()> {
-/// let listener = idem_scenarios::bind()?;
+/// let listener = idem_http_suite::bind()?;
 /// assert!(listener.local_addr()?.ip().is_loopback());
 /// # Ok(())
 /// # }

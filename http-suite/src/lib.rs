@@ -66,7 +66,7 @@ impl std::fmt::Debug for Case {
 /// Every case of the suite.
 ///
 /// ```
-/// let cases = idem_scenarios::cases();
+/// let cases = idem_http_suite::cases();
 /// assert!(cases.iter().any(|case| case.name == "replay_is_byte_identical"));
 /// ```
 pub fn cases() -> Vec<Case> {
