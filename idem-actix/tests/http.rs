@@ -679,8 +679,8 @@ mod redis {
     use std::sync::Arc;
 
     use idem_core::Store;
-    use idem_redis::RedisStore;
     use idem_http_suite::durable::one_key_over_instances_executes_once;
+    use idem_redis::RedisStore;
     use idem_testkit::TestRedis;
 
     use super::{axum_instance, start_scenario_app};
