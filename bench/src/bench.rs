@@ -130,6 +130,9 @@ struct Settings {
     consumer_messages: usize,
     /// Messages each consumer run drains first, unmeasured.
     consumer_warmup: usize,
+    /// The rounds of each consumer row (idem and bare, alternating): the
+    /// row shows their median, so that one slow drain does not swing it.
+    consumer_rounds: usize,
     /// Events the outbox's relay drains (the outbox section).
     outbox_events: usize,
     /// Transactional charges a second while the outbox's lag is measured.
@@ -163,6 +166,7 @@ impl Settings {
             sqs_warmup: 100,
             consumer_messages: 10_000,
             consumer_warmup: 256,
+            consumer_rounds: 3,
             outbox_events: 20_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(10),
@@ -191,8 +195,9 @@ impl Settings {
             sqs_concurrencies: vec![1, 10],
             sqs_messages: 200,
             sqs_warmup: 20,
-            consumer_messages: 300,
+            consumer_messages: 1_000,
             consumer_warmup: 64,
+            consumer_rounds: 5,
             outbox_events: 2_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(2),
@@ -226,6 +231,7 @@ impl Settings {
             sqs_warmup: 4,
             consumer_messages: 40,
             consumer_warmup: 8,
+            consumer_rounds: 1,
             outbox_events: 200,
             outbox_lag_rate: 50,
             outbox_lag: Duration::from_millis(500),

@@ -257,22 +257,28 @@ impl Stream {
     }
 }
 
-/// Waits until the inbox holds `count` messages of the case's consumer.
+/// Waits until the inbox holds `count` messages of the case's consumer;
+/// fails once it has held the same number for [`PATIENCE`]. A consumer that
+/// keeps applying messages is not stuck, however slow the machine (moto's
+/// SQS slows as a queue's history grows, with the other rows beside it).
 pub(super) async fn wait_processed(
     case: &Case,
     database: &Database,
     count: i64,
 ) -> Result<i64, String> {
     let consumer = case.inbox_consumer();
-    let started = Instant::now();
+    let (mut last, mut since) = (-1, Instant::now());
     loop {
         let done = processed(database, &consumer).await?;
         if done >= count {
             return Ok(done);
         }
+        if done != last {
+            (last, since) = (done, Instant::now());
+        }
         ensure!(
-            started.elapsed() < PATIENCE,
-            "the inbox held {done} messages after {PATIENCE:?}, not {count}"
+            since.elapsed() < PATIENCE,
+            "the inbox held {done} messages, not {count}, and none more for {PATIENCE:?}"
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }

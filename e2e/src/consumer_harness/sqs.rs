@@ -232,16 +232,20 @@ async fn drained(
     database: &Database,
     unique: usize,
 ) -> Result<(), String> {
-    let started = Instant::now();
+    // Fails once nothing moved for PATIENCE (see `wait_processed`).
+    let (mut last, mut since) = ((-1, 0), Instant::now());
     loop {
         let done = processed(database, &case.inbox_consumer()).await?;
         let left = depth(client, url).await?;
         if done == unique as i64 && left == 0 {
             break;
         }
+        if (done, left) != last {
+            (last, since) = ((done, left), Instant::now());
+        }
         ensure!(
-            started.elapsed() < PATIENCE,
-            "after {PATIENCE:?}: {done} of {unique} processed, {left} messages left in the queue"
+            since.elapsed() < PATIENCE,
+            "{done} of {unique} processed, {left} messages left in the queue, and nothing moved for {PATIENCE:?}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
