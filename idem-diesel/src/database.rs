@@ -54,12 +54,9 @@ pub(crate) trait Dialect: Backend<Pool = bb8::Pool<<Self as Dialect>::Manager>> 
     /// diesel-async's manager of the database's connections.
     type Manager: ManageConnection<Error = PoolError>;
 
-    /// A pool for `url` (not connected yet), its failed connection attempts
-    /// reported to the waiting checkouts.
-    fn build_pool(
-        url: &str,
-        settings: &PoolSettings,
-    ) -> impl Future<Output = Result<(Self::Pool, ConnectFailures), SetupError>> + Send;
+    /// The manager of `url`'s connections: how each is opened and checked
+    /// on checkout.
+    fn manager(url: &str, settings: &PoolSettings) -> Self::Manager;
 
     /// Runs `migrations`, taking turns with every other instance's.
     fn migrate(
@@ -89,9 +86,19 @@ pub(crate) struct Database<B: Backend> {
 }
 
 impl<B: Dialect> Database<B> {
-    /// Builds a pool for `url` and checks that it connects.
+    /// Builds a pool for `url` and checks that it connects. Its failed
+    /// connection attempts are reported to the waiting checkouts (see
+    /// `crate::pool`), and not retried.
     pub(crate) async fn open(url: &str, settings: &PoolSettings) -> Result<Self, SetupError> {
-        let (pool, failures) = B::build_pool(url, settings).await?;
+        let failures = ConnectFailures::new();
+        let pool = bb8::Pool::builder()
+            .max_size(settings.max_connections)
+            .connection_timeout(settings.connection_timeout)
+            .retry_connection(false)
+            .error_sink(failures.sink())
+            .build(B::manager(url, settings))
+            .await
+            .map_err(|e| SetupError::Connect(e.into()))?;
         drop(
             pool::checkout(&pool, Some(&failures))
                 .await

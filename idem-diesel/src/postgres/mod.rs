@@ -26,7 +26,6 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use crate::builder::StoreBuilder;
 use crate::database::{Database, Dialect, PoolSettings, Pooled};
 use crate::outbox::Postgres;
-use crate::pool::ConnectFailures;
 use crate::row::{ClaimRow, InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{ColumnRow, Table};
 use crate::{SetupError, wait};
@@ -317,26 +316,11 @@ impl StoreBuilder<Postgres> {
 impl Dialect for Postgres {
     type Manager = AsyncDieselConnectionManager<AsyncPgConnection>;
 
-    /// Connections checked on checkout only for a closed socket, failed
-    /// connection attempts reported to the waiting checkouts (see
-    /// `crate::pool`), and not retried.
-    async fn build_pool(
-        url: &str,
-        settings: &PoolSettings,
-    ) -> Result<(PgPool, ConnectFailures), SetupError> {
+    /// Connections checked on checkout only for a closed socket.
+    fn manager(url: &str, _: &PoolSettings) -> Self::Manager {
         let mut config = ManagerConfig::default();
         config.recycling_method = RecyclingMethod::CustomFunction(Box::new(refuse_closed));
-        let manager = AsyncDieselConnectionManager::new_with_config(url, config);
-        let failures = ConnectFailures::new();
-        let pool = bb8::Pool::builder()
-            .max_size(settings.max_connections)
-            .connection_timeout(settings.connection_timeout)
-            .retry_connection(false)
-            .error_sink(failures.sink())
-            .build(manager)
-            .await
-            .map_err(|e| SetupError::Connect(e.into()))?;
-        Ok((pool, failures))
+        AsyncDieselConnectionManager::new_with_config(url, config)
     }
 
     /// On a connection of its own, under a session-scoped advisory lock, so

@@ -29,7 +29,7 @@ use idem_core::{IdempotencyKey, Scope, Store, StoreError, StoredResponse};
 use crate::builder::StoreBuilder;
 use crate::database::{Database, Dialect, PoolSettings};
 use crate::outbox::Sqlite;
-use crate::pool::{self, ConnectFailures};
+use crate::pool;
 use crate::prepared::PreparedExt;
 use crate::row::{InProgressRow, RecordRow, duration_micros, fenced};
 use crate::table::{ColumnRow, Table};
@@ -272,28 +272,14 @@ impl Dialect for Sqlite {
     type Manager = AsyncDieselConnectionManager<Connection>;
 
     /// Connections opened with the busy timeout and WAL (see [`establish`]),
-    /// failed connection attempts reported to the waiting checkouts (see
-    /// `crate::pool`), and not retried.
-    async fn build_pool(
-        url: &str,
-        settings: &PoolSettings,
-    ) -> Result<(SqlitePool, ConnectFailures), SetupError> {
+    /// not pinged on checkout: the file is local, so a connection does not
+    /// go stale.
+    fn manager(url: &str, settings: &PoolSettings) -> Self::Manager {
         let busy_ms = settings.busy_timeout.as_millis();
         let mut config = ManagerConfig::<Connection>::default();
         config.custom_setup = Box::new(move |url| establish(url, busy_ms));
-        // The file is local: a connection does not go stale, so it is not pinged.
         config.recycling_method = RecyclingMethod::Fast;
-        let manager = AsyncDieselConnectionManager::new_with_config(database_path(url), config);
-        let failures = ConnectFailures::new();
-        let pool = bb8::Pool::builder()
-            .max_size(settings.max_connections)
-            .connection_timeout(settings.connection_timeout)
-            .retry_connection(false)
-            .error_sink(failures.sink())
-            .build(manager)
-            .await
-            .map_err(|e| SetupError::Connect(e.into()))?;
-        Ok((pool, failures))
+        AsyncDieselConnectionManager::new_with_config(database_path(url), config)
     }
 
     /// In one immediate transaction, so that processes sharing the file
