@@ -9,8 +9,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use bb8::ManageConnection;
-use bb8::PooledConnection;
+use bb8::{ManageConnection, PooledConnection};
 use diesel_async::pooled_connection::PoolError;
 use diesel_migrations::EmbeddedMigrations;
 use idem_core::StoreError;

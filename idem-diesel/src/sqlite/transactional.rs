@@ -402,7 +402,7 @@ impl SqliteTransaction {
         };
         // A task of its own, holding the state: the step finishes, and its
         // connection goes back into the state, even if this future is dropped
-        // (see `SqliteStore::run`).
+        // (see `Database::run`).
         let step = tokio::spawn(step(state, connection, begun, work));
         match step.await {
             Ok(outcome) => outcome,
@@ -470,7 +470,7 @@ where
 }
 
 /// Runs `task` on `connection`'s blocking thread, in a task of its own (see
-/// `SqliteStore::run`).
+/// `Database::run`).
 async fn on_blocking_thread(
     mut connection: OwnedConnection,
     task: impl FnOnce(&mut SqliteConnection) -> Result<(), BoxError> + Send + 'static,
