@@ -167,7 +167,7 @@ impl Settings {
             consumer_messages: 10_000,
             consumer_warmup: 256,
             consumer_rounds: 3,
-            outbox_events: 20_000,
+            outbox_events: 100_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(10),
         }
@@ -198,7 +198,7 @@ impl Settings {
             consumer_messages: 1_000,
             consumer_warmup: 64,
             consumer_rounds: 5,
-            outbox_events: 2_000,
+            outbox_events: 20_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(2),
         }

@@ -58,26 +58,44 @@ const STAGE: &str = "WITH staged AS (
 const STAGE_QUIET: &str = "INSERT INTO idem_outbox (id, destination, key, payload, headers)
     VALUES ($1, $2, $3, $4, $5)";
 
-/// A relay's batch, `$1` events at most: the events whose turn it is (no
-/// earlier unsent event of their destination and key; due), locked for this
+/// A relay's batch, `$1` events at most: the events whose turn it is (the
+/// earliest unsent event of their destination and key; due), locked for this
 /// relay and skipped by the others (`SKIP LOCKED`), with the events behind
 /// them in their key, which the others leave alone since an earlier one of
 /// their key is unsent.
+///
+/// Written so that its one sensible plan is the indexes' whatever the
+/// statistics say: a table filled by a burst since it was last analyzed
+/// looks empty to the planner (its unsent rows estimated at one), and the
+/// former `NOT EXISTS` anti-join then compared every candidate with every
+/// unsent row (870 ms for a batch of 100 out of 20,000 unsent, against 2 ms
+/// now). A head is found by one index probe of its key (the scalar
+/// subquery), the events behind it by one bounded range of the same index
+/// each: when `$1` heads were found, the batch's `$1` earliest events are
+/// all at or before the last head, so no key is read past it.
 const TAKE: &str = "WITH heads AS (
         SELECT o.position, o.destination, o.key FROM idem_outbox AS o
         WHERE o.sent_at IS NULL AND o.parked_at IS NULL AND o.next_attempt_at <= now()
-          AND NOT EXISTS (
-              SELECT 1 FROM idem_outbox AS e
+          AND o.position = (
+              SELECT e.position FROM idem_outbox AS e
               WHERE e.destination = o.destination AND e.key = o.key
-                AND e.position < o.position
-                AND e.sent_at IS NULL AND e.parked_at IS NULL)
+                AND e.sent_at IS NULL AND e.parked_at IS NULL
+              ORDER BY e.position LIMIT 1)
         ORDER BY o.position LIMIT $1
         FOR UPDATE OF o SKIP LOCKED
+    ), bound AS (
+        SELECT CASE WHEN count(*) < $1 THEN 9223372036854775807 ELSE max(position) END AS last
+        FROM heads
     )
-    SELECT o.position, o.id, o.destination, o.key, o.payload, o.headers, o.attempts
-    FROM idem_outbox AS o JOIN heads AS h ON o.destination = h.destination AND o.key = h.key
-    WHERE o.sent_at IS NULL AND o.parked_at IS NULL AND o.position >= h.position
-    ORDER BY o.position LIMIT $1";
+    SELECT f.position, f.id, f.destination, f.key, f.payload, f.headers, f.attempts
+    FROM heads AS h CROSS JOIN bound AS b CROSS JOIN LATERAL (
+        SELECT o.position, o.id, o.destination, o.key, o.payload, o.headers, o.attempts
+        FROM idem_outbox AS o
+        WHERE o.destination = h.destination AND o.key = h.key
+          AND o.sent_at IS NULL AND o.parked_at IS NULL
+          AND o.position >= h.position AND o.position <= b.last
+        ORDER BY o.position LIMIT $1) AS f
+    ORDER BY f.position LIMIT $1";
 
 /// What became of a batch: `$1` positions sent; `$2`, `$3` positions parked
 /// and why; `$4`, `$5` positions to try again and after how long (µs).

@@ -72,6 +72,24 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         "outbox::sqlite_a_relay_dropped_mid_batch_publishes_again_after_restart",
         |d| Box::pin(a_relay_dropped_mid_batch_publishes_again(d, Kind::Sqlite)),
     ),
+    (
+        "outbox::postgres_a_batch_is_the_earliest_events_whose_turn_it_is",
+        |d| {
+            Box::pin(a_batch_is_the_earliest_events_whose_turn_it_is(
+                d,
+                Kind::Postgres,
+            ))
+        },
+    ),
+    (
+        "outbox::sqlite_a_batch_is_the_earliest_events_whose_turn_it_is",
+        |d| {
+            Box::pin(a_batch_is_the_earliest_events_whose_turn_it_is(
+                d,
+                Kind::Sqlite,
+            ))
+        },
+    ),
     ("outbox::postgres_a_parked_event_blocks_no_other_key", |d| {
         Box::pin(a_parked_event_blocks_no_other_key(d, Kind::Postgres))
     }),
@@ -671,6 +689,61 @@ async fn a_parked_event_blocks_no_other_key(databases: Arc<Databases>, kind: Kin
     );
     let backlog = db.backlog().await;
     assert_eq!((backlog.unsent, backlog.parked), (0, 1));
+}
+
+/// A batch is the earliest events whose turn it is, with the events behind
+/// them in their keys: when the heads alone fill it, no event past the last
+/// head (the bound PostgreSQL's statement reads each key to); when one key
+/// holds the backlog, that key's earliest events.
+async fn a_batch_is_the_earliest_events_whose_turn_it_is(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let staged = [
+        ("acc_1", "acc_1:0"),
+        ("acc_2", "acc_2:0"),
+        ("acc_1", "acc_1:1"),
+        ("acc_3", "acc_3:0"),
+        ("acc_1", "acc_1:2"),
+        ("acc_2", "acc_2:1"),
+        ("acc_4", "acc_4:0"),
+    ];
+    let events: Vec<_> = staged
+        .iter()
+        .map(|(key, payload)| event(key, payload))
+        .collect();
+    db.stage(&events, true).await;
+    let recorder = Recorder::default();
+    let relay = db.relay(recorder.clone()).batch_size(3);
+    let mut batches = Vec::new();
+    while batches.len() < 5 {
+        let before = recorder.payloads().len();
+        let relayed = relay.run_once().await.unwrap();
+        if relayed.published == 0 {
+            break;
+        }
+        let mut batch = recorder.payloads()[before..].to_vec();
+        batch.sort();
+        batches.push(batch);
+    }
+    assert_eq!(
+        batches,
+        vec![
+            vec!["acc_1:0", "acc_1:1", "acc_2:0"],
+            vec!["acc_1:2", "acc_2:1", "acc_3:0"],
+            vec!["acc_4:0"],
+        ]
+    );
+    assert_in_order_per_key(&recorder.payloads());
+
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let mut events: Vec<_> = (0..5)
+        .map(|n| event("acc_1", &format!("acc_1:{n}")))
+        .collect();
+    events.push(event("acc_2", "acc_2:0"));
+    db.stage(&events, true).await;
+    let recorder = Recorder::default();
+    let relay = db.relay(recorder.clone()).batch_size(3);
+    assert_eq!(relay.run_once().await.unwrap().published, 3);
+    assert_eq!(recorder.payloads(), vec!["acc_1:0", "acc_1:1", "acc_1:2"]);
 }
 
 /// An event the broker did not take is tried again after a backoff, and the
