@@ -1125,14 +1125,18 @@ async fn postgres_a_stage_is_one_statement_and_a_relay_batch_four(databases: Arc
     let batch = std::mem::take(&mut *sent.lock().unwrap());
     assert_eq!(
         batch,
-        [&["BEGIN", "WITH heads", "WITH sent", "COMMIT"][..], gauge].concat(),
+        [
+            &["BEGIN; SET", "WITH heads", "WITH sent", "COMMIT"][..],
+            gauge
+        ]
+        .concat(),
         "a batch: BEGIN with the take, the settlement with COMMIT"
     );
     assert_eq!(relay.run_once().await.unwrap().published, 0);
     let empty = std::mem::take(&mut *sent.lock().unwrap());
     assert_eq!(
         empty,
-        [&["BEGIN", "WITH heads", "ROLLBACK"][..], gauge].concat(),
+        [&["BEGIN; SET", "WITH heads", "ROLLBACK"][..], gauge].concat(),
         "an empty look"
     );
 }
