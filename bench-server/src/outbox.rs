@@ -1,6 +1,7 @@
 //! `outbox-drain` and `outbox-lag`: idem-diesel's relay (`PgOutbox::relay`,
 //! `Relay::run`) publishing to RabbitMQ with idem-rabbitmq's
-//! `OutboxPublisher`, in this process, on a fresh queue.
+//! `OutboxPublisher`, in this process, on a fresh queue (or, with
+//! `--kafka`, to a fresh topic with idem-kafka's).
 //!
 //! - **`outbox-drain`**: stages `--events` events (not measured; pipelined
 //!   on one connection, each on its own), then measures a relay draining
@@ -61,6 +62,11 @@ pub(crate) struct Common {
     /// The broker: `amqp://user:password@host:port/vhost`.
     #[arg(long)]
     amqp: String,
+    /// Publishes to Kafka at these bootstrap servers (`HOST:PORT`) instead
+    /// of RabbitMQ, with idem-kafka's `OutboxPublisher`, to a fresh topic of
+    /// the queue's name (1 partition).
+    #[arg(long)]
+    kafka: Option<String>,
     /// The database: `postgres://…`.
     #[arg(long)]
     database: String,
@@ -100,7 +106,7 @@ pub(crate) struct LagOptions {
 
 /// The publisher, noting when the broker confirmed each event.
 struct Timed {
-    inner: OutboxPublisher,
+    inner: Box<dyn Publish>,
     confirmed: Mutex<HashMap<uuid::Uuid, Instant>>,
     count: AtomicUsize,
     /// Told at each confirm.
@@ -157,11 +163,20 @@ impl Common {
             .connect(&self.database)
             .await?;
         outbox.migrate().await?;
-        let (connection, channel) = self.channel().await?;
-        Topology::new(&self.queue).declare(&channel).await?;
-        connection.close(200, "declared".into()).await?;
+        let inner: Box<dyn Publish> = match &self.kafka {
+            Some(servers) => {
+                idem_kafka::create_topic(servers, &self.queue, 1).await?;
+                Box::new(idem_kafka::OutboxPublisher::connect(servers)?)
+            }
+            None => {
+                let (connection, channel) = self.channel().await?;
+                Topology::new(&self.queue).declare(&channel).await?;
+                connection.close(200, "declared".into()).await?;
+                Box::new(OutboxPublisher::connect(&self.amqp).await?)
+            }
+        };
         let publisher = Arc::new(Timed {
-            inner: OutboxPublisher::connect(&self.amqp).await?,
+            inner,
             confirmed: Mutex::default(),
             count: AtomicUsize::new(0),
             progress: Notify::new(),
@@ -176,8 +191,12 @@ impl Common {
         Ok((connection, channel))
     }
 
-    /// Deletes the run's queue and its dead-letter queues.
+    /// Deletes the run's queue and its dead-letter queues (a topic stays:
+    /// the in-memory broker ends with the bench).
     async fn clean_up(&self) -> Result<(), BoxError> {
+        if self.kafka.is_some() {
+            return Ok(());
+        }
         let (connection, channel) = self.channel().await?;
         delete_queue(&channel, &self.queue).await?;
         connection.close(200, "bye".into()).await?;

@@ -14,9 +14,10 @@
 //!   (Without a write of its own to pipeline with, a stage is one round trip
 //!   more: a fourth on a three-round-trip request.)
 //! - **Relay**: events per second of one relay (`Relay::run`, default batch
-//!   of 100) draining pre-staged events to RabbitMQ (`bench-server
-//!   outbox-drain`): from its start until every event is confirmed and marked
-//!   sent; its process's CPU and PostgreSQL's per event.
+//!   of 100) draining pre-staged events to RabbitMQ, then to Kafka (tansu,
+//!   started for that row; `bench-server outbox-drain [--kafka]`): from its
+//!   start until every event is confirmed and marked sent; its process's CPU
+//!   and PostgreSQL's per event; against the target of 10,000 events/s.
 //! - **Lag**: while the relay runs in the same process, transactional
 //!   charges at a fixed rate each stage one event (`bench-server
 //!   outbox-lag`, in process, without HTTP); the lag is from a charge's
@@ -27,7 +28,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use idem_testkit::TestRabbitMq;
+use idem_testkit::{TestKafka, TestRabbitMq};
 
 use super::load::{Expect, Measured};
 use super::postgres::{cluster, url};
@@ -35,14 +36,26 @@ use super::process::helper_json;
 use super::report::{Figure, Ratio, Report, Row, Target};
 use super::{Bench, Framework, KeySource, Workload, short_id};
 
+/// The events a second one relay should publish, to either broker.
+const RELAY_TARGET: f64 = 10_000.0;
+
 /// Starts the broker and the cluster; runs every row; stops them.
 pub(super) fn outbox(bench: &Bench, report: &mut Report) -> Result<(), String> {
     let broker = TestRabbitMq::start().map_err(|e| e.to_string())?;
-    let (cluster, port) = cluster(bench, "outbox,relay")?;
+    let (cluster, port) = cluster(bench, "outbox,relay,relay_kafka")?;
     let amqp = broker.url();
     let outcome = staging(bench, report, &url(port, "outbox")).and_then(|staged| {
-        relay(bench, report, &amqp, &url(port, "relay"), staged)?;
-        lag(bench, report, &amqp, &url(port, "relay"))
+        relay(bench, report, &amqp, &url(port, "relay"), None, staged)?;
+        lag(bench, report, &amqp, &url(port, "relay"))?;
+        let kafka = TestKafka::start().map_err(|e| e.to_string())?;
+        relay(
+            bench,
+            report,
+            &amqp,
+            &url(port, "relay_kafka"),
+            Some(&kafka.servers()),
+            staged,
+        )
     });
     cluster.finish(Duration::from_secs(30));
     drop(broker);
@@ -118,17 +131,26 @@ fn staging(bench: &Bench, report: &mut Report, url: &str) -> Result<f64, String>
     Ok(slowest)
 }
 
-/// One relay draining pre-staged events; its rate against the charges'.
+/// One relay draining pre-staged events to RabbitMQ, or to Kafka at
+/// `kafka`; its rate against the charges'.
 fn relay(
     bench: &Bench,
     report: &mut Report,
     amqp: &str,
     database: &str,
+    kafka: Option<&str>,
     charges: f64,
 ) -> Result<(), String> {
     let events = bench.settings.outbox_events;
     let mut command = outbox_command(bench, "outbox-drain", amqp, database);
     command.args(["--events", &events.to_string()]);
+    if let Some(servers) = kafka {
+        command.args(["--kafka", servers]);
+    }
+    let (to, publisher) = match kafka {
+        Some(_) => ("Kafka", "idem-kafka"),
+        None => ("RabbitMQ", "idem-rabbitmq"),
+    };
     let json = helper_json(command, Duration::from_secs(900))?;
     let seconds = json["seconds"]
         .as_f64()
@@ -142,23 +164,35 @@ fn relay(
         database_cpu_seconds: json["database_cpu_seconds"].as_f64(),
         ..Measured::default()
     };
-    report.notes.push(format!(
-        "outbox relay row: req/s is events/s, one relay (batches of 100, keys over 1,000 \
-         accounts) draining {events} pre-staged events to RabbitMQ until all are confirmed \
-         and marked sent; srv is the relay's process"
-    ));
+    if kafka.is_none() {
+        report.notes.push(format!(
+            "outbox relay rows: req/s is events/s, one relay (batches of 100, keys over 1,000 \
+             accounts) draining {events} pre-staged events to RabbitMQ (a durable queue, \
+             persistent messages, publisher confirms) or Kafka (one partition, acks=all, the \
+             idempotent producer) until all are confirmed and marked sent; srv is the relay's \
+             process"
+        ));
+    }
     report.rows.push(
         Row::from_load(
             "outbox",
-            "relay (PgOutbox + OutboxPublisher) to RabbitMQ",
+            format!("relay (PgOutbox + {publisher} OutboxPublisher) to {to}"),
             1,
             &drained,
         )
         .without_latency(),
     );
+    report.ratios.push(Ratio::new(
+        format!("one relay's events/s to {to} / 10,000 events/s, the relay's target"),
+        drained.rps() / RELAY_TARGET,
+        Target::AtLeast(1.0),
+    ));
     if charges.is_finite() {
         report.ratios.push(Ratio::new(
-            "one relay's events/s / transactional charges staging an event, req/s (slowest c)",
+            format!(
+                "one relay's events/s to {to} / transactional charges staging an event, req/s \
+                 (slowest c)"
+            ),
             drained.rps() / charges,
             Target::AtLeast(1.0),
         ));
