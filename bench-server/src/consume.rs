@@ -428,7 +428,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
             .drain(&options, &warmup_queue, options.drain.warmup, &mut ignored)
             .await?;
     }
-    let before = database.applied().await?;
+    let before = database.tally().await?;
     let mut window = Window::new(database.postgres_port());
     let drained = database
         .drain(
@@ -442,14 +442,8 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     if drained != options.drain.messages {
         return Err(format!("{drained} messages drained, not {}", options.drain.messages).into());
     }
-    let applied = database.applied().await? - before;
-    if applied != options.drain.messages as i64 {
-        return Err(format!(
-            "the accounts counted {applied} payments in the drain, not {}",
-            options.drain.messages
-        )
-        .into());
-    }
+    let after = database.tally_after().await?;
+    after.applied_since(&before, options.drain.messages)?;
     clean_up(&options, &[&options.queue, &warmup_queue]).await?;
     println!(
         "{}",
@@ -458,6 +452,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
             "seconds": measured.seconds,
             "cpu_seconds": measured.cpu_seconds,
             "database_cpu_seconds": measured.database_cpu_seconds,
+            "statements": after.statements_since(&before),
             "publish_seconds": publish_seconds,
         })
     );
@@ -545,6 +540,70 @@ impl Database {
             Self::Postgres { inbox, .. } => inbox.pool().get().await?.applied().await?,
             Self::Sqlite { inbox } => inbox.pool().get().await?.applied().await?,
         })
+    }
+
+    /// The payments counted and, on PostgreSQL, the statements the cluster
+    /// ran (`pg_stat_statements`, its own reads aside), read so that a drain
+    /// between two tallies counts exactly its own statements: the payments
+    /// first here, and last in [`tally_after`](Self::tally_after).
+    pub(crate) async fn tally(&self) -> Result<Tally, BoxError> {
+        let applied = self.applied().await?;
+        Ok(Tally {
+            applied,
+            statements: self.statements().await,
+        })
+    }
+
+    /// [`tally`](Self::tally) at the end of a drain: the statements first.
+    pub(crate) async fn tally_after(&self) -> Result<Tally, BoxError> {
+        let statements = self.statements().await;
+        Ok(Tally {
+            applied: self.applied().await?,
+            statements,
+        })
+    }
+
+    async fn statements(&self) -> Option<u64> {
+        use diesel_async::RunQueryDsl;
+        let Self::Postgres { inbox, .. } = self else {
+            return None;
+        };
+        let mut connection = inbox.pool().get().await.ok()?;
+        diesel::sql_query(
+            "SELECT CAST(coalesce(sum(calls), 0) AS BIGINT) AS n FROM pg_stat_statements
+             WHERE query NOT LIKE '%pg_stat_statements%'",
+        )
+        .get_result::<Total>(&mut *connection)
+        .await
+        .ok()
+        .and_then(|total| u64::try_from(total.n).ok())
+    }
+}
+
+/// What a drain changed: [`Database::tally`] at both ends.
+pub(crate) struct Tally {
+    applied: i64,
+    statements: Option<u64>,
+}
+
+impl Tally {
+    /// The payments counted since `before`, checked against `expected`.
+    pub(crate) fn applied_since(&self, before: &Self, expected: usize) -> Result<(), BoxError> {
+        let applied = self.applied - before.applied;
+        if applied == expected as i64 {
+            Ok(())
+        } else {
+            Err(
+                format!("the accounts counted {applied} payments in the drain, not {expected}")
+                    .into(),
+            )
+        }
+    }
+
+    /// PostgreSQL's statements since `before`: the drain's, its consumer's
+    /// start and stop included.
+    pub(crate) fn statements_since(&self, before: &Self) -> Option<u64> {
+        self.statements?.checked_sub(before.statements?)
     }
 }
 

@@ -119,7 +119,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         )
         .await?;
     }
-    let before = database.applied().await?;
+    let before = database.tally().await?;
     let mut window = Window::new(database.postgres_port());
     let drained = drain(
         &client,
@@ -134,14 +134,8 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     if drained != options.drain.messages {
         return Err(format!("{drained} messages drained, not {}", options.drain.messages).into());
     }
-    let applied = database.applied().await? - before;
-    if applied != options.drain.messages as i64 {
-        return Err(format!(
-            "the accounts counted {applied} payments in the drain, not {}",
-            options.drain.messages
-        )
-        .into());
-    }
+    let after = database.tally_after().await?;
+    after.applied_since(&before, options.drain.messages)?;
     let left = depth(&client, &queue).await?;
     if left != 0 {
         let counts = client
@@ -167,6 +161,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
             "seconds": measured.seconds,
             "cpu_seconds": measured.cpu_seconds,
             "database_cpu_seconds": measured.database_cpu_seconds,
+            "statements": after.statements_since(&before),
             "sqs_call_ms": sqs_call_ms,
         })
     );

@@ -272,7 +272,7 @@ fn drain(
     (store, database): &(Store, String),
     kind: Kind,
     c: usize,
-) -> Result<Measured, String> {
+) -> Result<Drain, String> {
     let settings = &bench.settings;
     let store = match store {
         Store::Postgres => "postgres",
@@ -307,15 +307,25 @@ fn drain(
     let seconds = json["seconds"]
         .as_f64()
         .ok_or_else(|| format!("consume answered no seconds: {json}"))?;
-    Ok(Measured {
-        requests: messages,
-        answered: messages,
-        seconds,
-        run_seconds: seconds,
-        server_cpu_seconds: json["cpu_seconds"].as_f64(),
-        database_cpu_seconds: json["database_cpu_seconds"].as_f64(),
-        ..Measured::default()
+    Ok(Drain {
+        measured: Measured {
+            requests: messages,
+            answered: messages,
+            seconds,
+            run_seconds: seconds,
+            server_cpu_seconds: json["cpu_seconds"].as_f64(),
+            database_cpu_seconds: json["database_cpu_seconds"].as_f64(),
+            ..Measured::default()
+        },
+        statements: json["statements"].as_u64(),
     })
+}
+
+/// One drain: as a load run, and the PostgreSQL statements it ran.
+struct Drain {
+    measured: Measured,
+    /// `None` on SQLite, or when `pg_stat_statements` could not be read.
+    statements: Option<u64>,
 }
 
 /// One consumer's drains of a row, a round each.
@@ -323,15 +333,29 @@ struct Rounds {
     drains: Vec<Measured>,
     /// Every drain as one: for the CPU time per message.
     pooled: Measured,
+    /// PostgreSQL's statements per message over every drain.
+    statements: Option<f64>,
 }
 
 impl Rounds {
-    fn of(drains: Vec<Measured>) -> Self {
+    fn of(drains: Vec<Drain>) -> Self {
+        let statements = drains
+            .iter()
+            .map(|drain| drain.statements)
+            .sum::<Option<u64>>();
+        let drains: Vec<Measured> = drains.into_iter().map(|drain| drain.measured).collect();
         let pooled = drains
             .iter()
             .cloned()
             .fold(Measured::default(), Measured::pooled);
-        Self { drains, pooled }
+        let statements = statements
+            .filter(|_| pooled.answered > 0)
+            .map(|statements| statements as f64 / pooled.answered as f64);
+        Self {
+            drains,
+            pooled,
+            statements,
+        }
     }
 
     /// The drain of median messages/s (the upper one of an even count).
@@ -374,6 +398,22 @@ fn add(report: &mut Report, on: &On, store: Store, c: usize, idem: &Rounds, bare
         .without_latency(),
     );
     let ratio = median_ratio(idem, bare);
+    if let (Some(idem), Some(bare)) = (idem.statements, bare.statements) {
+        report.ratios.push(
+            Ratio::new(
+                format!(
+                    "{idem_name} + {inbox} / {bare_name}, PostgreSQL statements per message (c={c})"
+                ),
+                idem / bare,
+                Target::None,
+            )
+            .note(format!(
+                "pg_stat_statements calls per message (BEGIN and COMMIT included, each \
+                 pipelined statement counted; the consumer's start and stop included): \
+                 idem {idem:.2}, bare {bare:.2}"
+            )),
+        );
+    }
     let (idem, bare) = (&idem.pooled, &bare.pooled);
     let consumer_cpu = match (
         idem.server_micros_per_request(),
