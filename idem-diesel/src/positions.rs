@@ -56,7 +56,8 @@ const POSITIONS: &str = "SELECT partition_id, next_offset FROM idem_kafka_offset
 /// offset, `$5` the offset the writer saw, `-1` for none): in this order,
 /// because SQLite numbers parameters as they first appear. A row already at
 /// `$4` is rewritten with the same value, so the move counts one row.
-const ADVANCE: &str = "INSERT INTO idem_kafka_offsets (consumer, topic, partition_id, next_offset)
+pub(crate) const ADVANCE: &str =
+    "INSERT INTO idem_kafka_offsets (consumer, topic, partition_id, next_offset)
     VALUES ($1, $2, $3, $4)
     ON CONFLICT (consumer, topic, partition_id) DO UPDATE SET next_offset = excluded.next_offset
     WHERE idem_kafka_offsets.next_offset IN ($5, excluded.next_offset)";
@@ -92,7 +93,7 @@ macro_rules! advance_on {
 
 /// One implementation for both databases: the statements are the same text.
 macro_rules! positions_on {
-    ($connection:ty, $inbox:ty, $schema:expr) => {
+    ($connection:ty, $inbox:ty, $schema:expr $(, $($own:tt)*)?) => {
         impl Positions for $inbox {
             fn migrate_positions(&self) -> InboxFuture<'_, ()> {
                 Box::pin(async move {
@@ -148,12 +149,29 @@ macro_rules! positions_on {
                         .map_err(InboxError::unavailable)
                 })
             }
+
+            $($($own)*)?
         }
     };
 }
 
 #[cfg(feature = "postgres")]
-positions_on!(diesel_async::AsyncPgConnection, crate::PgInbox, PG_SCHEMA);
+positions_on!(
+    diesel_async::AsyncPgConnection,
+    crate::PgInbox,
+    PG_SCHEMA,
+    /// The move is sent with the entry (`BEGIN`, the entry, the move: one
+    /// round trip), not from the handler's transaction after it.
+    fn process_advancing<'a>(
+        &'a self,
+        entry: &'a idem_core::consume::Entry<'a>,
+        message: &'a idem_core::consume::Message,
+        advance: &'a Advance<'a>,
+        handler: &'a (dyn idem_core::consume::Handler<diesel_async::AsyncPgConnection> + 'a),
+    ) -> InboxFuture<'a, idem_core::consume::Entered> {
+        Box::pin(self.process_on(entry, message, Some(advance), handler))
+    }
+);
 #[cfg(feature = "sqlite")]
 positions_on!(
     crate::AsyncSqliteConnection,

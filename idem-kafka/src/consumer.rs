@@ -65,7 +65,7 @@ use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::Error;
-use crate::fence::{Fenced, WithOffset};
+use crate::fence::Fenced;
 use crate::record::{dead_letter_headers, message_of};
 use crate::topics;
 
@@ -871,14 +871,10 @@ async fn apply<I: Positions, H: Handler<I::Tx>>(
         if *stop.borrow() {
             return None;
         }
-        let lost = AtomicBool::new(false);
-        let handler = WithOffset {
-            inbox: protocol.inbox().inner(),
-            handler: &shared.handler,
-            advance: advance.clone(),
-            lost: &lost,
-        };
-        match protocol.decide(&message, &handler).await {
+        match protocol
+            .decide_advancing(&message, &advance, &shared.handler)
+            .await
+        {
             Decision::Ack(Acked::Processed { .. }) => return Some(advance.to),
             Decision::Ack(Acked::Duplicate | Acked::DeadLetter) => {
                 match advance_alone(shared, &advance, stop).await {
@@ -904,7 +900,7 @@ async fn apply<I: Positions, H: Handler<I::Tx>>(
                 }
             }
             Decision::Requeue { after } => {
-                if lost.load(Ordering::SeqCst) {
+                if protocol.inbox().take_lost(partition) {
                     fenced(shared, partition);
                     return None;
                 }

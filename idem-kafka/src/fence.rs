@@ -1,77 +1,66 @@
 //! The offset in the effect's transaction, and the fence.
 //!
-//! [`WithOffset`] wraps the application's handler: on the inbox's
-//! transaction it first moves the partition's position
-//! ([`Positions::advance_in`]), then runs the handler, so the effect, the
-//! inbox row and the next offset commit together, on whatever inbox keeps
-//! the positions. On a database, moving the row first also takes its lock,
-//! so a member that lost the partition waits for the new owner's commit and
-//! then finds the row moved: fenced, its handler never runs.
+//! Each record is processed with its partition's move
+//! ([`Positions::process_advancing`]): the effect, the inbox row and the
+//! next offset commit together, on whatever inbox keeps the positions. On a
+//! database the move also takes the position's lock, so a member that lost
+//! the partition waits for the new owner's commit and then finds the
+//! position moved: fenced, its handler never runs.
 //!
-//! [`Fenced`] wraps the inbox: a handler refused by the fence is not a
-//! failed attempt of the message (nothing is counted; the new owner runs it),
-//! so the wrapper answers the protocol "unavailable", which hands the record
-//! back uncounted ([`Decision::Requeue`](idem_core::consume::Decision)).
+//! [`Fenced`] wraps the inbox: a record refused by the fence is not a failed
+//! attempt of the message (nothing is counted; the new owner runs it), so
+//! the wrapper answers the protocol "unavailable", which hands the record
+//! back uncounted ([`Decision::Requeue`](idem_core::consume::Decision)), and
+//! notes the partition lost for its worker ([`Fenced::take_lost`]).
 
+use std::collections::{HashMap, HashSet};
 use std::error::Error as StdError;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 
+pub use idem_core::consume::PartitionLost;
 use idem_core::consume::{
-    Advance, Attempt, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError,
-    HandlerFuture, Inbox, InboxError, InboxFuture, Message, Positions,
+    Advance, Counted, DeadLetter, Entered, Entry, Failure, Handler, Inbox, InboxError,
+    InboxFuture, Message, Positions,
 };
-
-/// The partition has another owner: this member's write was refused.
-#[derive(Debug, thiserror::Error)]
-#[error("the partition has another owner now: its stored offset moved")]
-pub struct PartitionLost;
-
-/// The application's handler, after the partition's offset on the same
-/// transaction.
-pub(crate) struct WithOffset<'a, I, H: ?Sized> {
-    /// The inbox that keeps the positions.
-    pub(crate) inbox: &'a I,
-    pub(crate) handler: &'a H,
-    pub(crate) advance: Advance<'a>,
-    /// Set when the fence refused the write.
-    pub(crate) lost: &'a AtomicBool,
-}
-
-impl<I, H> Handler<I::Tx> for WithOffset<'_, I, H>
-where
-    I: Positions,
-    H: Handler<I::Tx> + ?Sized,
-{
-    fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut I::Tx) -> HandlerFuture<'a> {
-        Box::pin(async move {
-            match self.inbox.advance_in(tx, &self.advance).await {
-                Ok(true) => self.handler.handle(attempt, tx).await,
-                Ok(false) => {
-                    self.lost.store(true, Ordering::SeqCst);
-                    Err(HandlerError::transient(PartitionLost))
-                }
-                // The database's own error, as the handler's (a failed
-                // attempt, retried in place).
-                Err(InboxError::Unavailable(source)) => Err(HandlerError::transient(source)),
-                Err(error) => Err(HandlerError::transient(error)),
-            }
-        })
-    }
-}
 
 /// An inbox whose fenced attempts are not counted.
 pub struct Fenced<I> {
     inner: I,
+    /// The partitions a record of which was fenced since their worker last
+    /// looked ([`take_lost`](Self::take_lost)).
+    lost: Mutex<HashSet<i32>>,
 }
 
 impl<I> Fenced<I> {
     pub(crate) fn new(inner: I) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            lost: Mutex::default(),
+        }
     }
 
     /// The wrapped inbox.
     pub fn inner(&self) -> &I {
         &self.inner
+    }
+
+    /// Whether a record of `partition` was fenced since the last call: its
+    /// worker stops applying it.
+    pub(crate) fn take_lost(&self, partition: i32) -> bool {
+        self.lost
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&partition)
+    }
+}
+
+/// A fenced attempt as the protocol should see it: unavailable, uncounted.
+fn uncounted(entered: Entered) -> Result<Entered, InboxError> {
+    match entered {
+        Entered::Failed { error, .. } if error.source_error().is::<PartitionLost>() => {
+            Err(InboxError::unavailable(PartitionLost))
+        }
+        entered => Ok(entered),
     }
 }
 
@@ -85,14 +74,7 @@ impl<I: Positions> Inbox for Fenced<I> {
         message: &'a Message,
         handler: &'a (dyn Handler<Self::Tx> + 'a),
     ) -> InboxFuture<'a, Entered> {
-        Box::pin(async move {
-            match self.inner.process(entry, message, handler).await? {
-                Entered::Failed { error, .. } if error.source_error().is::<PartitionLost>() => {
-                    Err(InboxError::unavailable(PartitionLost))
-                }
-                entered => Ok(entered),
-            }
-        })
+        Box::pin(async move { uncounted(self.inner.process(entry, message, handler).await?) })
     }
 
     fn fail<'a>(
@@ -133,5 +115,54 @@ impl<I: Positions> Inbox for Fenced<I> {
 
     fn readiness(&self) -> Result<(), idem_core::store::NotReady> {
         self.inner.readiness()
+    }
+}
+
+impl<I: Positions> Positions for Fenced<I> {
+    fn migrate_positions(&self) -> InboxFuture<'_, ()> {
+        self.inner.migrate_positions()
+    }
+
+    fn positions<'a>(
+        &'a self,
+        consumer: &'a str,
+        topic: &'a str,
+    ) -> InboxFuture<'a, HashMap<i32, i64>> {
+        self.inner.positions(consumer, topic)
+    }
+
+    fn advance_in<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        advance: &'a Advance<'a>,
+    ) -> InboxFuture<'a, bool> {
+        self.inner.advance_in(tx, advance)
+    }
+
+    fn advance_alone<'a>(&'a self, advance: &'a Advance<'a>) -> InboxFuture<'a, bool> {
+        self.inner.advance_alone(advance)
+    }
+
+    fn process_advancing<'a>(
+        &'a self,
+        entry: &'a Entry<'a>,
+        message: &'a Message,
+        advance: &'a Advance<'a>,
+        handler: &'a (dyn Handler<Self::Tx> + 'a),
+    ) -> InboxFuture<'a, Entered> {
+        Box::pin(async move {
+            let entered = self
+                .inner
+                .process_advancing(entry, message, advance, handler)
+                .await?;
+            let entered = uncounted(entered);
+            if entered.is_err() {
+                self.lost
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(advance.partition);
+            }
+            entered
+        })
     }
 }

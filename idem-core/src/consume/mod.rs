@@ -100,7 +100,7 @@ pub use memory::MemoryInbox;
 pub use message::{Attempt, MAX_MESSAGE_ID_LEN, Message, id_text, parse_rfc3339, rfc3339};
 pub use outage::{Outage, StopSignal, held_wait};
 pub use policy::{ConsumerPolicy, DeadLetterAlert, MissingId};
-pub use positions::{Advance, Positions};
+pub use positions::{Advance, PartitionLost, Positions};
 pub use store_inbox::StoreInbox;
 
 use std::fmt;
@@ -234,6 +234,34 @@ impl<I: Inbox> Protocol<I> {
     /// transaction if the message is new, records what happened, and answers
     /// what the broker crate must do (see the module's table).
     pub async fn decide(&self, message: &Message, handler: &(dyn Handler<I::Tx> + '_)) -> Decision {
+        self.decide_entering(message, handler, &Plain).await
+    }
+
+    /// [`decide`](Self::decide) for a partition's record: the handler runs
+    /// on the transaction that moves the partition's position as `advance`
+    /// says ([`Positions::process_advancing`]). Fenced, the inbox answers
+    /// [`Entered::Failed`] with [`PartitionLost`], which this decides as any
+    /// failed attempt: the broker crate's inbox wrapper turns it into what it
+    /// does for a partition lost (idem-kafka: stop applying it, uncounted).
+    pub async fn decide_advancing(
+        &self,
+        message: &Message,
+        advance: &Advance<'_>,
+        handler: &(dyn Handler<I::Tx> + '_),
+    ) -> Decision
+    where
+        I: Positions,
+    {
+        self.decide_entering(message, handler, &Advancing(advance))
+            .await
+    }
+
+    async fn decide_entering(
+        &self,
+        message: &Message,
+        handler: &(dyn Handler<I::Tx> + '_),
+        enter: &impl Enter<I>,
+    ) -> Decision {
         let consumer = self.consumer();
         let key = Self::key_of(message);
         let span = tracing::info_span!(
@@ -262,7 +290,7 @@ impl<I: Inbox> Protocol<I> {
             {
                 return self.unavailable(Some(error));
             }
-            self.process(&entry, message, handler).await
+            self.process(&entry, message, handler, enter).await
         }
         .instrument(span)
         .await
@@ -273,10 +301,10 @@ impl<I: Inbox> Protocol<I> {
         entry: &Entry<'_>,
         message: &Message,
         handler: &(dyn Handler<I::Tx> + '_),
+        enter: &impl Enter<I>,
     ) -> Decision {
-        let entered = self
-            .inbox()
-            .process(entry, message, &Guarded(handler))
+        let entered = enter
+            .enter(self.inbox(), entry, message, &Guarded(handler))
             .await;
         match entered {
             Ok(Entered::Processed { attempt }) => {
@@ -482,6 +510,48 @@ impl<I: Inbox> fmt::Debug for Protocol<I> {
             .field("consumer", &self.inner.consumer)
             .field("policy", &self.inner.policy)
             .finish_non_exhaustive()
+    }
+}
+
+/// How [`Protocol`] hands a new message to its inbox: [`Inbox::process`],
+/// or [`Positions::process_advancing`] for a partition's record.
+trait Enter<I: Inbox> {
+    fn enter<'a>(
+        &'a self,
+        inbox: &'a I,
+        entry: &'a Entry<'a>,
+        message: &'a Message,
+        handler: &'a (dyn Handler<I::Tx> + 'a),
+    ) -> InboxFuture<'a, Entered>;
+}
+
+/// [`Inbox::process`].
+struct Plain;
+
+impl<I: Inbox> Enter<I> for Plain {
+    fn enter<'a>(
+        &'a self,
+        inbox: &'a I,
+        entry: &'a Entry<'a>,
+        message: &'a Message,
+        handler: &'a (dyn Handler<I::Tx> + 'a),
+    ) -> InboxFuture<'a, Entered> {
+        inbox.process(entry, message, handler)
+    }
+}
+
+/// [`Positions::process_advancing`] with this move.
+struct Advancing<'x>(&'x Advance<'x>);
+
+impl<I: Positions> Enter<I> for Advancing<'_> {
+    fn enter<'a>(
+        &'a self,
+        inbox: &'a I,
+        entry: &'a Entry<'a>,
+        message: &'a Message,
+        handler: &'a (dyn Handler<I::Tx> + 'a),
+    ) -> InboxFuture<'a, Entered> {
+        inbox.process_advancing(entry, message, self.0, handler)
     }
 }
 

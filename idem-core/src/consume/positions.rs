@@ -27,7 +27,16 @@
 
 use std::collections::HashMap;
 
-use super::{Inbox, InboxFuture};
+use super::{
+    Attempt, Entered, Entry, Handler, HandlerError, HandlerFuture, Inbox, InboxError, InboxFuture,
+    Message,
+};
+
+/// The partition has another owner: its stored position moved, and this
+/// member's write was refused.
+#[derive(Debug, thiserror::Error)]
+#[error("the partition has another owner now: its stored offset moved")]
+pub struct PartitionLost;
 
 /// One partition's move, from the offset its owner saw to the next one.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,4 +102,60 @@ pub trait Positions: Inbox {
     /// Moves a partition's position in a transaction of its own (a record
     /// that ran no handler: a duplicate, a dead letter); `false` when fenced.
     fn advance_alone<'a>(&'a self, advance: &'a Advance<'a>) -> InboxFuture<'a, bool>;
+
+    /// [`Inbox::process`] of a partition's record, its position moved as
+    /// `advance` says on the same transaction before `handler` runs: the
+    /// effect, the inbox row and the position commit together. Fenced (the
+    /// position holds another offset: the partition has another owner), the
+    /// handler does not run and nothing commits: [`Entered::Failed`] whose
+    /// error is [`PartitionLost`]. A message that runs no handler (a
+    /// duplicate, a dead letter) moves nothing here: see
+    /// [`advance_alone`](Self::advance_alone).
+    ///
+    /// The default moves the position from the transaction, before the
+    /// handler ([`advance_in`](Self::advance_in)). A database inbox may send
+    /// the move with its entry instead (idem-diesel's `PgInbox`: one round
+    /// trip fewer).
+    fn process_advancing<'a>(
+        &'a self,
+        entry: &'a Entry<'a>,
+        message: &'a Message,
+        advance: &'a Advance<'a>,
+        handler: &'a (dyn Handler<Self::Tx> + 'a),
+    ) -> InboxFuture<'a, Entered>
+    where
+        Self: Sized,
+    {
+        Box::pin(async move {
+            let first = AdvanceFirst {
+                positions: self,
+                advance,
+                handler,
+            };
+            self.process(entry, message, &first).await
+        })
+    }
+}
+
+/// A handler run after the partition's position moved on its transaction:
+/// [`Positions::process_advancing`]'s default.
+struct AdvanceFirst<'a, P: Positions> {
+    positions: &'a P,
+    advance: &'a Advance<'a>,
+    handler: &'a (dyn Handler<P::Tx> + 'a),
+}
+
+impl<P: Positions> Handler<P::Tx> for AdvanceFirst<'_, P> {
+    fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut P::Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            match self.positions.advance_in(tx, self.advance).await {
+                Ok(true) => self.handler.handle(attempt, tx).await,
+                Ok(false) => Err(HandlerError::transient(PartitionLost)),
+                // The database's own error, as the handler's (a failed
+                // attempt, retried in place).
+                Err(InboxError::Unavailable(source)) => Err(HandlerError::transient(source)),
+                Err(error) => Err(HandlerError::transient(error)),
+            }
+        })
+    }
 }

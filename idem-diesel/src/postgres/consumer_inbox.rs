@@ -12,13 +12,15 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, Trans
 use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 use idem_core::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};
 use idem_core::consume::{
-    Attempt, Buried, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError, Inbox,
-    InboxError, InboxFuture, Message,
+    Advance, Attempt, Buried, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError,
+    Inbox, InboxError, InboxFuture, Message, PartitionLost,
 };
 use idem_core::store::{BoxError, StoreFuture};
 use idem_core::{Redacted, StoreError};
 
-use super::statements::{self, Commit, InboxBury, InboxCount, InboxEnter, InboxFinish, Statement};
+use super::statements::{
+    self, Commit, InboxAdvance, InboxBury, InboxCount, InboxEnter, InboxFinish, Statement,
+};
 use super::transactional::{begin, mark_begun};
 use super::{BURY_LOCK_CLASS, PgPool, roll_back, transaction_depth};
 use crate::SetupError;
@@ -207,6 +209,7 @@ struct Statements {
     finish: Statement<InboxFinish>,
     count: Statement<InboxCount>,
     bury: Statement<InboxBury>,
+    advance: Statement<InboxAdvance>,
     commit: Statement<Commit>,
 }
 
@@ -322,6 +325,7 @@ impl PgInbox {
                     finish: Statement::new(true, FINISH.to_owned()),
                     count: Statement::new(true, COUNT.to_owned()),
                     bury: Statement::new(true, BURY.to_owned()),
+                    advance: Statement::new(true, crate::positions::ADVANCE.to_owned()),
                     commit: Statement::new(true, "COMMIT".to_owned()),
                 },
             }),
@@ -376,16 +380,21 @@ impl PgInbox {
 
     /// [`Inbox::process`]: enters the message, runs the handler and commits,
     /// on one pooled connection.
-    async fn process_on(
+    ///
+    /// With `advance` (a partition's record, [`Positions::process_advancing`](idem_core::consume::Positions::process_advancing)),
+    /// the position's move is sent with the entry and the handler runs only
+    /// if it moved.
+    pub(crate) async fn process_on(
         &self,
         entry: &Entry<'_>,
         message: &Message,
+        advance: Option<&Advance<'_>>,
         handler: &(dyn Handler<AsyncPgConnection> + '_),
     ) -> Result<Entered, InboxError> {
         let mut pooled = self.connection().await?;
         let connection: &mut AsyncPgConnection = &mut pooled;
-        let row = match self.enter(connection, entry).await {
-            Ok(row) => row,
+        let (row, moved) = match self.enter(connection, entry, advance).await {
+            Ok(entered) => entered,
             Err(error) => {
                 roll_back(connection).await;
                 return Err(InboxError::Unavailable(error));
@@ -405,6 +414,12 @@ impl PgInbox {
             });
         }
         let attempt = u32::try_from(row.failures).unwrap_or(0).saturating_add(1);
+        if !moved {
+            // Fenced: the partition has another owner; nothing is kept.
+            roll_back(connection).await;
+            let error = HandlerError::transient(PartitionLost);
+            return Ok(Entered::Failed { attempt, error });
+        }
         let ran = handler
             .handle(Attempt::new(message, entry.message_id, attempt), connection)
             .await;
@@ -433,16 +448,21 @@ impl PgInbox {
         }
     }
 
-    /// `BEGIN` and the entry statement, sent together (one round trip), the
-    /// statement again while a concurrent entry keeps it from settling. Leaves
-    /// the transaction open.
+    /// `BEGIN` and the entry statement, sent together (one round trip) with
+    /// the position's move if there is one, the entry again while a
+    /// concurrent entry keeps it from settling. Leaves the transaction open.
+    /// Answers the entry and whether the position moved (`true` without a
+    /// move).
     async fn enter(
         &self,
         connection: &mut AsyncPgConnection,
         entry: &Entry<'_>,
-    ) -> Result<EnterRow, BoxError> {
+        advance: Option<&Advance<'_>>,
+    ) -> Result<(EnterRow, bool), BoxError> {
         mark_begun(connection)?;
-        let statement = &self.inner.statements.enter;
+        let statements = &self.inner.statements;
+        let statement = &statements.enter;
+        let mut moved = true;
         for attempt in 0..ENTER_ATTEMPTS {
             let binds = statements::binds()
                 .bind::<Text, _>(entry.consumer)
@@ -450,13 +470,34 @@ impl PgInbox {
                 .bind::<Binary, _>(&entry.fingerprint.as_bytes()[..]);
             let enter = statement.row::<_, EnterRow>(connection, binds);
             let row = if attempt == 0 {
-                // `BEGIN` is polled first, so it is sent first.
-                let (begun, row) = tokio::join!(biased; begin(connection), enter);
+                let advanced = async {
+                    match advance {
+                        Some(advance) => {
+                            let binds = statements::binds()
+                                .bind::<Text, _>(advance.consumer)
+                                .bind::<Text, _>(advance.topic)
+                                .bind::<Integer, _>(advance.partition)
+                                .bind::<BigInt, _>(advance.to)
+                                .bind::<BigInt, _>(advance.from.unwrap_or(-1));
+                            Some(statements.advance.run(connection, binds).await)
+                        }
+                        None => None,
+                    }
+                };
+                // `BEGIN` is polled first, so it is sent first; the move
+                // last, so that it waits for the position's lock (a member
+                // that lost the partition waits for the new owner's commit)
+                // after the entry.
+                let (begun, row, advanced) =
+                    tokio::join!(biased; begin(connection), enter, advanced);
                 if let Err(error) = begun {
                     // Whatever the server did, the pool must not reuse it.
                     AnsiTransactionManager::transaction_manager_status_mut(connection)
                         .set_in_error();
                     return Err(error.into());
+                }
+                if let Some(advanced) = advanced {
+                    moved = advanced? == 1;
                 }
                 row
             } else {
@@ -464,7 +505,7 @@ impl PgInbox {
             }?;
             match row {
                 Some(row) if row.entered || row.dead.is_some() || row.fingerprint.is_some() => {
-                    return Ok(row);
+                    return Ok((row, moved));
                 }
                 _ => tracing::debug!(
                     target: "idem",
@@ -637,7 +678,7 @@ impl Inbox for PgInbox {
         message: &'a Message,
         handler: &'a (dyn Handler<AsyncPgConnection> + 'a),
     ) -> InboxFuture<'a, Entered> {
-        Box::pin(self.process_on(entry, message, handler))
+        Box::pin(self.process_on(entry, message, None, handler))
     }
 
     fn fail<'a>(

@@ -270,6 +270,8 @@ statement_keys!(
     InboxCount,
     /// The consumer inbox's move of a message to the dead letters.
     InboxBury,
+    /// A partition's position, moved with a consumer inbox's entry.
+    InboxAdvance,
     /// The outbox's stage of an event (see `outbox`).
     OutboxStage,
     /// The outbox's stage of an event, without `NOTIFY`.

@@ -1,8 +1,10 @@
 //! The conformance suite of the positions ([`Positions`]), which every inbox
 //! that keeps them passes (feature `test-util`): a first move inserts, a
 //! move from a stale offset writes nothing, a move repeated after it landed
-//! answers `true`, a rolled-back transaction moves nothing, and the positions
-//! read back are what committed, per consumer and topic.
+//! answers `true`, a rolled-back transaction moves nothing, the positions
+//! read back are what committed, per consumer and topic, and a record
+//! processed with its move ([`Positions::process_advancing`]) runs its
+//! handler only once the position moved.
 //!
 //! # Running it against an inbox
 //!
@@ -29,7 +31,8 @@ use std::sync::Mutex;
 use std::time::SystemTime;
 
 use crate::consume::{
-    Advance, Attempt, Entered, Entry, Handler, HandlerError, HandlerFuture, Message, Positions,
+    Advance, Attempt, Entered, Entry, Handler, HandlerError, HandlerFuture, Message, PartitionLost,
+    Positions,
 };
 
 /// A handler that moves one position on its transaction, remembers the
@@ -280,6 +283,113 @@ pub async fn positions_are_kept_per_consumer_and_topic<I: Positions>(inbox: I) {
     assert_eq!(positions(&inbox, "c-b", "t-2").await, HashMap::new());
 }
 
+/// A handler that notes it ran, then fails if told to.
+struct Noted {
+    ran: Mutex<bool>,
+    fail: bool,
+}
+
+impl<Tx: Send + ?Sized> Handler<Tx> for Noted {
+    fn handle<'a>(&'a self, _attempt: Attempt<'a>, _tx: &'a mut Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            *self.ran.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            if self.fail {
+                return Err(HandlerError::transient("the handler failed on purpose"));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Processes a new message (`id`) with its move, through
+/// [`Positions::process_advancing`]; answers whether the handler ran and
+/// what the inbox did.
+async fn advancing<I: Positions>(
+    inbox: &I,
+    id: &str,
+    partition: i32,
+    from: Option<i64>,
+    to: i64,
+    fail: bool,
+) -> (bool, Entered) {
+    let noted = Noted {
+        ran: Mutex::new(false),
+        fail,
+    };
+    let message = Message::new("body").id(id);
+    let entry = Entry {
+        consumer: "c",
+        message_id: id,
+        fingerprint: message.fingerprint(),
+        at: SystemTime::now(),
+    };
+    let advance = Advance {
+        consumer: "c",
+        topic: "t",
+        partition,
+        from,
+        to,
+    };
+    let entered = match inbox
+        .process_advancing(&entry, &message, &advance, &noted)
+        .await
+    {
+        Ok(entered) => entered,
+        Err(error) => panic!("process_advancing failed: {error}"),
+    };
+    let ran = *noted.ran.lock().unwrap_or_else(|p| p.into_inner());
+    (ran, entered)
+}
+
+fn lost(entered: &Entered) -> bool {
+    matches!(entered, Entered::Failed { error, .. } if error.source_error().is::<PartitionLost>())
+}
+
+/// A record processed with its move runs its handler once the position
+/// moved, and both commit; fenced, the handler does not run and nothing
+/// commits, the message's entry neither (it runs once its owner's move
+/// applies); a failed handler moves nothing; a duplicate runs nothing and
+/// moves nothing.
+pub async fn a_record_processed_with_its_move_runs_once_the_position_moved<I: Positions>(inbox: I) {
+    migrated(&inbox).await;
+    let (ran, entered) = advancing(&inbox, "r-0", 0, None, 1, false).await;
+    assert!(ran && processed(&entered), "a first record: {entered:?}");
+    assert_eq!(positions(&inbox, "c", "t").await, HashMap::from([(0, 1)]));
+
+    let (ran, entered) = advancing(&inbox, "r-1", 0, Some(5), 6, false).await;
+    assert!(!ran, "fenced: the handler does not run");
+    assert!(lost(&entered), "fenced: PartitionLost, got {entered:?}");
+    assert_eq!(positions(&inbox, "c", "t").await, HashMap::from([(0, 1)]));
+
+    let (ran, entered) = advancing(&inbox, "r-1", 0, Some(1), 2, false).await;
+    assert!(
+        ran && processed(&entered),
+        "the fenced record's entry was not kept: it runs, got {entered:?}"
+    );
+    assert_eq!(positions(&inbox, "c", "t").await, HashMap::from([(0, 2)]));
+
+    let (ran, entered) = advancing(&inbox, "r-2", 0, Some(2), 3, true).await;
+    assert!(ran, "the handler ran, and failed");
+    assert!(
+        matches!(entered, Entered::Failed { .. }) && !lost(&entered),
+        "a failed handler, not a fence: {entered:?}"
+    );
+    assert_eq!(
+        positions(&inbox, "c", "t").await,
+        HashMap::from([(0, 2)]),
+        "a failed handler moves nothing"
+    );
+
+    let (ran, entered) = advancing(&inbox, "r-1", 0, Some(2), 3, false).await;
+    assert!(!ran, "a duplicate runs nothing");
+    assert!(matches!(entered, Entered::Duplicate), "got {entered:?}");
+    assert_eq!(
+        positions(&inbox, "c", "t").await,
+        HashMap::from([(0, 2)]),
+        "a duplicate moves nothing here"
+    );
+}
+
 /// Writes one test per case of the positions' suite, each on a
 /// multi-threaded runtime with 2 workers, from an async function answering a
 /// fresh inbox that implements [`Positions`](crate::consume::Positions).
@@ -292,6 +402,7 @@ macro_rules! positions_conformance_tests {
             a_move_repeated_after_it_landed_answers_true,
             a_rolled_back_transaction_moves_nothing,
             positions_are_kept_per_consumer_and_topic,
+            a_record_processed_with_its_move_runs_once_the_position_moved,
         );
     };
     (@cases $fresh:path; $($case:ident),* $(,)?) => {
@@ -315,6 +426,7 @@ pub const CASES: &[&str] = &[
     "a_move_repeated_after_it_landed_answers_true",
     "a_rolled_back_transaction_moves_nothing",
     "positions_are_kept_per_consumer_and_topic",
+    "a_record_processed_with_its_move_runs_once_the_position_moved",
 ];
 
 /// Runs the case named `name` (one of [`CASES`]) against `inbox`.
@@ -332,6 +444,9 @@ pub async fn run_case<I: Positions>(name: &str, inbox: I) {
         }
         "positions_are_kept_per_consumer_and_topic" => {
             positions_are_kept_per_consumer_and_topic(inbox).await
+        }
+        "a_record_processed_with_its_move_runs_once_the_position_moved" => {
+            a_record_processed_with_its_move_runs_once_the_position_moved(inbox).await
         }
         other => panic!("no positions conformance case is named {other}"),
     }
