@@ -19,8 +19,8 @@ use std::sync::{Mutex, PoisonError};
 
 pub use idem_core::consume::PartitionLost;
 use idem_core::consume::{
-    Advance, Counted, DeadLetter, Entered, Entry, Failure, Handler, Inbox, InboxError,
-    InboxFuture, Message, Positions,
+    Advance, Counted, DeadLetter, Entered, Entry, Failure, Handler, Inbox, InboxError, InboxFuture,
+    Message, Positions,
 };
 
 /// An inbox whose fenced attempts are not counted.
