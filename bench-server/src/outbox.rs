@@ -238,6 +238,7 @@ pub(crate) fn drain(options: DrainOptions) -> Result<(), BoxError> {
             serde_json::json!({
                 "events": options.events,
                 "published": relayed.published,
+                "retried": relayed.retried,
                 "seconds": measured.seconds,
                 "cpu_seconds": measured.cpu_seconds,
                 "database_cpu_seconds": measured.database_cpu_seconds,

@@ -182,11 +182,17 @@ fn relay(
         )
         .without_latency(),
     );
-    report.ratios.push(Ratio::new(
-        format!("one relay's events/s to {to} / 10,000 events/s, the relay's target"),
-        drained.rps() / RELAY_TARGET,
-        Target::AtLeast(1.0),
-    ));
+    report.ratios.push(
+        Ratio::new(
+            format!("one relay's events/s to {to} / 10,000 events/s, the relay's target"),
+            drained.rps() / RELAY_TARGET,
+            Target::AtLeast(1.0),
+        )
+        .note(format!(
+            "{} publish(es) retried (each waits for its backoff, and its key with it)",
+            json["retried"]
+        )),
+    );
     if charges.is_finite() {
         report.ratios.push(Ratio::new(
             format!(
