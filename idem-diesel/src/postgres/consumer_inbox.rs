@@ -496,13 +496,16 @@ impl PgInbox {
                         .set_in_error();
                     return Err(error.into());
                 }
+                // The entry's own error first: a move behind a failed entry
+                // only reports the aborted transaction.
+                let row = row?;
                 if let Some(advanced) = advanced {
                     moved = advanced? == 1;
                 }
                 row
             } else {
-                enter.await
-            }?;
+                enter.await?
+            };
             match row {
                 Some(row) if row.entered || row.dead.is_some() || row.fingerprint.is_some() => {
                     return Ok((row, moved));
