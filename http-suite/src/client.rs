@@ -9,16 +9,6 @@ use reqwest::header::{HeaderName, HeaderValue};
 
 use crate::Target;
 
-/// Header fields the HTTP server writes per connection or per message, never
-/// part of a stored answer: a replay may differ in them.
-const FRAMING_HEADERS: [&str; 5] = [
-    "date",
-    "content-length",
-    "transfer-encoding",
-    "connection",
-    "keep-alive",
-];
-
 /// How long a case waits for the app to reach a state it polls for before it
 /// gives up. Generous: it bounds a loop, it asserts nothing about speed.
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -276,7 +266,7 @@ impl Answer {
     pub(crate) fn own_headers(&self) -> Vec<(String, Vec<u8>)> {
         self.headers
             .iter()
-            .filter(|(name, _)| !FRAMING_HEADERS.contains(&name.as_str()))
+            .filter(|(name, _)| !idem_testkit::is_framing_header(name))
             .cloned()
             .collect()
     }

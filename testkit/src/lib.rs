@@ -70,6 +70,17 @@ pub use sqs::TestSqs;
 /// the condition comes sooner (it is polled, not slept on).
 pub const READY_LIMIT: Duration = Duration::from_secs(120);
 
+/// Whether `name` (lowercase) is a header field an HTTP server writes per
+/// connection or per message: never part of a stored answer, so a replay may
+/// differ in it. The HTTP suite and the e2e harness compare answers without
+/// them.
+pub fn is_framing_header(name: &str) -> bool {
+    matches!(
+        name,
+        "date" | "content-length" | "transfer-encoding" | "connection" | "keep-alive"
+    )
+}
+
 /// Why a test server could not be started or used.
 #[derive(Debug)]
 #[non_exhaustive]

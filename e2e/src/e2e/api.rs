@@ -16,15 +16,6 @@ pub(crate) const KEY_HEADER: &str = "idempotency-key";
 pub(crate) const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// The media type of every problem answer (RFC 9457).
 const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
-/// Headers the HTTP server writes per connection or per message: never part
-/// of a stored answer, so a replay may differ in them.
-const FRAMING_HEADERS: [&str; 5] = [
-    "date",
-    "content-length",
-    "transfer-encoding",
-    "connection",
-    "keep-alive",
-];
 
 /// A client of one running example.
 #[derive(Clone, Debug)]
@@ -420,9 +411,7 @@ impl Answer {
         let mut headers: Vec<_> = self
             .headers
             .iter()
-            .filter(|(name, _)| {
-                name != REPLAYED_HEADER && !FRAMING_HEADERS.contains(&name.as_str())
-            })
+            .filter(|(name, _)| name != REPLAYED_HEADER && !idem_testkit::is_framing_header(name))
             .cloned()
             .collect();
         headers.sort_by(|a, b| a.0.cmp(&b.0));
