@@ -11,8 +11,8 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem_core::consume::conformance::{Subject, SubjectFuture};
 use idem_core::consume::{
-    Attempt, ConsumerPolicy, Decision, Handler, HandlerError, HandlerFuture, Inbox, Message,
-    Protocol,
+    Advance, Attempt, ConsumerPolicy, Decision, Handler, HandlerError, HandlerFuture, Inbox,
+    Message, Positions, Protocol,
 };
 use idem_core::retry::Backoff;
 use idem_diesel::{
@@ -491,7 +491,9 @@ async fn postgres_cleanup_deletes_expired_rows_and_keeps_dead_letters(databases:
 /// What a processed message and a duplicate cost on PostgreSQL: the statements
 /// the inbox sends (the handler's own aside), as diesel's instrumentation sees
 /// them. `BEGIN` goes out with the entry, the failures' cleanup with `COMMIT`:
-/// two round trips.
+/// two round trips. A partition's record (`Protocol::decide_advancing`) sends
+/// its position's move with the entry, before the entry's answer is known: a
+/// duplicate's transaction has it too, and rolls it back.
 async fn postgres_a_processed_message_takes_four_statements(databases: Arc<Databases>) {
     use diesel::connection::InstrumentationEvent;
     use diesel_async::AsyncConnection;
@@ -556,6 +558,51 @@ async fn postgres_a_processed_message_takes_four_statements(databases: Arc<Datab
     ));
     let duplicate = std::mem::take(&mut *sent.lock().unwrap());
     assert_eq!(duplicate, vec!["BEGIN", "WITH dead", "ROLLBACK"]);
+
+    protocol
+        .inbox()
+        .migrate_positions()
+        .await
+        .expect("positions");
+    let record = Message::new("{}").id("m-2");
+    let advance = Advance {
+        consumer: "ledger",
+        topic: "payments",
+        partition: 0,
+        from: None,
+        to: 1,
+    };
+    sent.lock().unwrap().clear();
+    assert!(matches!(
+        protocol.decide_advancing(&record, &advance, &nothing).await,
+        Decision::Ack(_)
+    ));
+    let processed = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(
+        processed,
+        vec!["BEGIN", "WITH dead", "INSERT INTO", "DELETE FROM", "COMMIT"],
+        "a partition's record: its move sent with BEGIN and the entry"
+    );
+    assert!(matches!(
+        protocol.decide_advancing(&record, &advance, &nothing).await,
+        Decision::Ack(_)
+    ));
+    let duplicate = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(
+        duplicate,
+        vec!["BEGIN", "WITH dead", "INSERT INTO", "ROLLBACK"],
+        "the move went out before the entry answered"
+    );
+    let positions = protocol
+        .inbox()
+        .positions("ledger", "payments")
+        .await
+        .expect("positions");
+    assert_eq!(
+        positions,
+        std::collections::HashMap::from([(0, 1)]),
+        "the record's move committed once"
+    );
 }
 
 /// A `SqliteInbox` on a fresh file, and an `effects` table its handlers write.
