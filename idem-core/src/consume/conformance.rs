@@ -4,8 +4,10 @@
 //! every inbox: one application per message id under any concurrency, a
 //! failed attempt rolled back (for a transactional inbox) and counted, the
 //! count that buries, dead letters skipped and published once, re-drives, a
-//! reused id, isolated consumers, and concurrent buries that each see a
-//! different count (so each crossing of the alert's threshold alerts once).
+//! reused id, isolated consumers, concurrent buries that each see a
+//! different count (so each crossing of the alert's threshold alerts once),
+//! and batches ([`Inbox::process_batch`]): each new message applied once, a
+//! poison message alone after exactly its attempts, overlapping batches.
 //!
 //! # Running it against an inbox
 //!
@@ -489,6 +491,293 @@ pub async fn concurrent_buries_count_distinctly<S: Subject>(subject: S) {
     assert_eq!(listed.map(|l| l.len()), Some(12));
 }
 
+/// The subject's inbox, lent to a [`Protocol`](super::Protocol) (which owns
+/// its inbox) for the batch cases.
+struct Lent<S>(Arc<S>);
+
+impl<S: Subject> Inbox for Lent<S> {
+    type Tx = <S::Inbox as Inbox>::Tx;
+    const TRANSACTIONAL: bool = <S::Inbox as Inbox>::TRANSACTIONAL;
+
+    fn process<'a>(
+        &'a self,
+        entry: &'a Entry<'a>,
+        message: &'a Message,
+        handler: &'a (dyn Handler<Self::Tx> + 'a),
+    ) -> super::InboxFuture<'a, Entered> {
+        self.0.inbox().process(entry, message, handler)
+    }
+
+    fn process_batch<'a>(
+        &'a self,
+        batch: &'a [super::BatchEntry<'a>],
+        handler: &'a (dyn super::BatchHandler<Self::Tx> + 'a),
+    ) -> super::InboxFuture<'a, super::Batched> {
+        self.0.inbox().process_batch(batch, handler)
+    }
+
+    fn fail<'a>(
+        &'a self,
+        entry: &'a Entry<'a>,
+        failure: &'a Failure<'a>,
+    ) -> super::InboxFuture<'a, super::Counted> {
+        self.0.inbox().fail(entry, failure)
+    }
+
+    fn published<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a str,
+    ) -> super::InboxFuture<'a, ()> {
+        self.0.inbox().published(consumer, message_id)
+    }
+
+    fn dead_letter<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a str,
+    ) -> super::InboxFuture<'a, Option<super::DeadLetter>> {
+        self.0.inbox().dead_letter(consumer, message_id)
+    }
+
+    fn dead_letters<'a>(
+        &'a self,
+        consumer: &'a str,
+    ) -> super::InboxFuture<'a, Vec<super::DeadLetter>> {
+        self.0.inbox().dead_letters(consumer)
+    }
+
+    fn redrive<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a str,
+    ) -> super::InboxFuture<'a, Option<super::DeadLetter>> {
+        self.0.inbox().redrive(consumer, message_id)
+    }
+}
+
+/// The protocol of consumer `c` over the subject's inbox: 3 attempts, no
+/// pause between them.
+fn protocol<S: Subject>(subject: &Arc<S>) -> super::Protocol<Lent<S>> {
+    let policy = super::ConsumerPolicy::new()
+        .max_attempts(3)
+        .backoff(crate::retry::Backoff::new(Duration::ZERO, Duration::ZERO));
+    super::Protocol::new("c", Lent(Arc::clone(subject)), policy)
+}
+
+/// Writes one effect per message of its batch (named after its key), then
+/// fails the batch if one of them is the poison; records each batch it saw
+/// as its keys and attempt numbers.
+struct Effects<'s, S> {
+    subject: &'s S,
+    poison: Option<&'static str>,
+    batches: Mutex<Vec<Vec<(String, u32)>>>,
+}
+
+impl<'s, S: Subject> Effects<'s, S> {
+    fn new(subject: &'s S, poison: Option<&'static str>) -> Self {
+        Self {
+            subject,
+            poison,
+            batches: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn batches(&self) -> Vec<Vec<(String, u32)>> {
+        self.batches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl<S: Subject> super::BatchHandler<<S::Inbox as Inbox>::Tx> for Effects<'_, S> {
+    fn handle<'a>(
+        &'a self,
+        batch: &'a [Attempt<'a>],
+        tx: &'a mut <S::Inbox as Inbox>::Tx,
+    ) -> super::HandlerFuture<'a> {
+        Box::pin(async move {
+            self.batches.lock().unwrap_or_else(|p| p.into_inner()).push(
+                batch
+                    .iter()
+                    .map(|a| (a.key().to_owned(), a.number()))
+                    .collect(),
+            );
+            for attempt in batch {
+                self.subject
+                    .write(&mut *tx, attempt.key())
+                    .await
+                    .map_err(HandlerError::transient)?;
+            }
+            if let Some(poison) = self.poison
+                && batch.iter().any(|attempt| attempt.key() == poison)
+            {
+                return Err(HandlerError::transient("the poison failed its batch"));
+            }
+            Ok(())
+        })
+    }
+}
+
+fn processed(attempt: u32) -> super::Decision {
+    super::Decision::Ack(super::Acked::Processed { attempt })
+}
+
+const DUPLICATE: super::Decision = super::Decision::Ack(super::Acked::Duplicate);
+
+/// A batch applies each new message once, with its attempt number; the
+/// messages applied before are duplicates; an id twice in one batch is
+/// applied once (the second copy a duplicate, or a reused id when its body
+/// differs); the same batch again runs nothing.
+pub async fn a_batch_applies_its_new_messages_once<S: Subject>(subject: S) {
+    let subject = Arc::new(subject);
+    let protocol = protocol(&subject);
+    let before = Effect::new(&*subject);
+    let _ = process(&*subject, "c", &Message::new("body").id("b-2"), &before).await;
+    fail(&*subject, "c", "b-4", 3).await;
+    let batch = [
+        Message::new("body").id("b-1"),
+        Message::new("body").id("b-2"),
+        Message::new("body").id("b-3"),
+        Message::new("body").id("b-1"),
+        Message::new("body").id("b-4"),
+        Message::new("another body").id("b-3"),
+    ];
+    let handler = Effects::new(&*subject, None);
+    let decisions = protocol.decide_batch(&batch, &handler).await;
+    assert_eq!(
+        decisions[..5],
+        [
+            processed(1),
+            DUPLICATE,
+            processed(1),
+            DUPLICATE,
+            processed(2)
+        ]
+    );
+    assert!(
+        matches!(&decisions[5], super::Decision::DeadLetter(letter) if letter.reason == super::MESSAGE_ID_REUSED),
+        "{:?}",
+        decisions[5]
+    );
+    for (id, n) in [("b-1", 1), ("b-2", 1), ("b-3", 1), ("b-4", 1)] {
+        assert_eq!(count(&*subject, id).await, n, "{id}");
+    }
+    let ran: Vec<(String, u32)> = handler.batches().concat();
+    assert_eq!(
+        ran,
+        [("b-1", 1), ("b-3", 1), ("b-4", 2)].map(|(k, n)| (k.to_owned(), n)),
+        "only the new messages ran, in the batch's order"
+    );
+
+    // (b-3's key is a dead letter now: the reused id was recorded there.)
+    let again = Effects::new(&*subject, None);
+    let repeated = [0, 1, 3, 4].map(|i| batch[i].clone());
+    let decisions = protocol.decide_batch(&repeated, &again).await;
+    assert_eq!(decisions, [DUPLICATE; 4]);
+    assert!(
+        again.batches().is_empty(),
+        "nothing new: the handler did not run"
+    );
+}
+
+/// A message that fails its batch ends alone: the others are applied once,
+/// and it is retried, then dead-lettered after exactly its attempts, in its
+/// own steps; nothing of a failed batch is counted.
+pub async fn a_poison_message_ends_alone_after_exactly_its_attempts<S: Subject>(subject: S) {
+    let subject = Arc::new(subject);
+    let protocol = protocol(&subject);
+    let ids: Vec<String> = (0..8).map(|i| format!("p-{i}")).collect();
+    let batch: Vec<Message> = ids.iter().map(|id| Message::new("body").id(id)).collect();
+    let handler = Effects::new(&*subject, Some("p-5"));
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        rounds.push(protocol.decide_batch(&batch, &handler).await);
+    }
+    for (round, decisions) in rounds.iter().enumerate() {
+        for (i, decision) in decisions.iter().enumerate() {
+            if i == 5 {
+                continue;
+            }
+            let expected = if round == 0 { processed(1) } else { DUPLICATE };
+            assert_eq!(decision, &expected, "round {round}, message {i}");
+        }
+    }
+    for (round, attempts) in [(0, 1), (1, 2)] {
+        assert!(
+            matches!(&rounds[round][5], super::Decision::Retry(retry) if retry.attempts == attempts),
+            "round {round}: {:?}",
+            rounds[round][5]
+        );
+    }
+    let super::Decision::DeadLetter(letter) = &rounds[2][5] else {
+        panic!("the third failure dead-letters it: {:?}", rounds[2][5]);
+    };
+    assert_eq!(letter.attempted_at.len(), 3);
+    assert_eq!(letter.reason, "the poison failed its batch");
+    // An inbox without a transaction keeps what a failed handler wrote.
+    let poison_effects = if <S::Inbox as Inbox>::TRANSACTIONAL {
+        0
+    } else {
+        3
+    };
+    for (i, id) in ids.iter().enumerate() {
+        let expected = if i == 5 { poison_effects } else { 1 };
+        assert_eq!(count(&*subject, id).await, expected, "{id}");
+    }
+    let alone: Vec<u32> = handler
+        .batches()
+        .iter()
+        .filter(|batch| batch.len() == 1 && batch[0].0 == "p-5")
+        .map(|batch| batch[0].1)
+        .collect();
+    assert_eq!(alone, [1, 2, 3], "alone, it ran once per attempt, numbered");
+    let letters = protocol.dead_letters().await.ok();
+    assert_eq!(letters.map(|l| l.len()), Some(1));
+}
+
+/// Concurrent batches that share messages, in opposite orders, apply each
+/// message once, and neither waits on the other forever.
+pub async fn concurrent_batches_that_overlap_apply_each_once<S: Subject>(subject: S) {
+    let subject = Arc::new(subject);
+    let protocol = protocol(&subject);
+    let ids: Vec<String> = (0..24).map(|i| format!("o-{i:02}")).collect();
+    let forward: Vec<Message> = ids[..16]
+        .iter()
+        .map(|id| Message::new("body").id(id))
+        .collect();
+    let backward: Vec<Message> = ids[8..]
+        .iter()
+        .rev()
+        .map(|id| Message::new("body").id(id))
+        .collect();
+    let (one, two) = (Effects::new(&*subject, None), Effects::new(&*subject, None));
+    let (a, b) = tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(
+            protocol.decide_batch(&forward, &one),
+            protocol.decide_batch(&backward, &two)
+        )
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the overlapping batches did not finish within 30 s"));
+    let applied = a
+        .iter()
+        .chain(&b)
+        .filter(|decision| **decision == processed(1))
+        .count();
+    assert!(
+        a.iter()
+            .chain(&b)
+            .all(|d| *d == processed(1) || *d == DUPLICATE),
+        "{a:?} {b:?}"
+    );
+    assert_eq!(applied, 24, "each message applied by one batch");
+    for id in &ids {
+        assert_eq!(count(&*subject, id).await, 1, "{id}");
+    }
+}
+
 /// Writes one test per case of the inbox suite, each on a multi-threaded
 /// runtime with 2 workers, from an async function answering a fresh
 /// [`Subject`](crate::consume::conformance::Subject).
@@ -506,6 +795,9 @@ macro_rules! inbox_conformance_tests {
             a_redriven_dead_letter_runs_again_from_attempt_one,
             consumers_are_isolated,
             concurrent_buries_count_distinctly,
+            a_batch_applies_its_new_messages_once,
+            a_poison_message_ends_alone_after_exactly_its_attempts,
+            concurrent_batches_that_overlap_apply_each_once,
         );
     };
     (@cases $fresh:path; $($case:ident),* $(,)?) => {
@@ -534,6 +826,9 @@ pub const CASES: &[&str] = &[
     "a_redriven_dead_letter_runs_again_from_attempt_one",
     "consumers_are_isolated",
     "concurrent_buries_count_distinctly",
+    "a_batch_applies_its_new_messages_once",
+    "a_poison_message_ends_alone_after_exactly_its_attempts",
+    "concurrent_batches_that_overlap_apply_each_once",
 ];
 
 /// Runs the case named `name` (one of [`CASES`]) against `subject`.
@@ -557,6 +852,15 @@ pub async fn run_case<S: Subject>(name: &str, subject: S) {
         }
         "consumers_are_isolated" => consumers_are_isolated(subject).await,
         "concurrent_buries_count_distinctly" => concurrent_buries_count_distinctly(subject).await,
+        "a_batch_applies_its_new_messages_once" => {
+            a_batch_applies_its_new_messages_once(subject).await
+        }
+        "a_poison_message_ends_alone_after_exactly_its_attempts" => {
+            a_poison_message_ends_alone_after_exactly_its_attempts(subject).await
+        }
+        "concurrent_batches_that_overlap_apply_each_once" => {
+            concurrent_batches_that_overlap_apply_each_once(subject).await
+        }
         other => panic!("no inbox conformance case is named {other}"),
     }
 }

@@ -178,8 +178,22 @@ pub(crate) fn guard<'a, Tx: ?Sized, H: Handler<Tx> + ?Sized>(
     attempt: Attempt<'a>,
     tx: &'a mut Tx,
 ) -> HandlerFuture<'a> {
+    caught(handler.handle(attempt, tx))
+}
+
+/// Runs a batch handler with panics caught and its time measured.
+pub(crate) fn guard_batch<'a, Tx: ?Sized>(
+    handler: &'a (dyn super::BatchHandler<Tx> + 'a),
+    batch: &'a [Attempt<'a>],
+    tx: &'a mut Tx,
+) -> HandlerFuture<'a> {
+    caught(handler.handle(batch, tx))
+}
+
+/// `handled`, its panic a [`ErrorKind::Panicked`] error, its time measured
+/// from now.
+fn caught(handled: HandlerFuture<'_>) -> HandlerFuture<'_> {
     let timer = crate::metrics::Timer::start();
-    let handled = handler.handle(attempt, tx);
     Box::pin(async move {
         let ran = AssertUnwindSafe(handled).catch_unwind().await;
         super::metrics::handler_time(timer);

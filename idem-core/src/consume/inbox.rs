@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::SystemTime;
 
-use super::{Handler, HandlerError, Message};
+use super::{BatchEntry, BatchHandler, Batched, Handler, HandlerError, Message};
 use crate::Fingerprint;
 use crate::store::{BoxError, NotReady};
 
@@ -57,6 +57,26 @@ pub trait Inbox: Send + Sync + 'static {
         message: &'a Message,
         handler: &'a (dyn Handler<Self::Tx> + 'a),
     ) -> InboxFuture<'a, Entered>;
+
+    /// Applies a batch of messages (their keys distinct) in one
+    /// transaction: each entered as [`process`](Self::process) enters one,
+    /// and `handler` run once on the new ones, in the batch's order, with
+    /// their attempt numbers; then one commit. A handler that fails rolls
+    /// everything back: with one new message, its slot answers
+    /// [`Entered::Failed`] (the others what they found); with more,
+    /// [`Batched::Failed`], and the protocol splits the batch.
+    ///
+    /// The default applies each message alone, in order ([`process`](Self::process)
+    /// with `handler` run on a batch of one): correct on any inbox, one
+    /// transaction each. idem-diesel's inboxes enter the batch with one
+    /// statement and commit once.
+    fn process_batch<'a>(
+        &'a self,
+        batch: &'a [BatchEntry<'a>],
+        handler: &'a (dyn BatchHandler<Self::Tx> + 'a),
+    ) -> InboxFuture<'a, Batched> {
+        Box::pin(super::batch::one_by_one(self, batch, handler))
+    }
 
     /// Counts a failed attempt (`failure.at`, `failure.reason`) and answers
     /// the message's attempts so far. The count that reaches

@@ -78,6 +78,7 @@
 //! | `idem_dead_letters` | gauge | `consumer` | the consumer's dead letters |
 //! | `idem_dead_letter_alerts_total` | counter | `consumer` | crossings of the alert threshold |
 
+mod batch;
 mod handler;
 mod inbox;
 mod memory;
@@ -92,6 +93,7 @@ mod store_inbox;
 #[cfg(feature = "test-util")]
 pub mod conformance;
 
+pub use batch::{BatchEntry, BatchHandler, Batched, Each, batch_handler, each};
 pub use handler::{ErrorKind, Handler, HandlerError, HandlerFuture, handler};
 pub use inbox::{
     Buried, Counted, DeadLetter, Entered, Entry, Failure, Inbox, InboxError, InboxFuture,
@@ -307,27 +309,35 @@ impl<I: Inbox> Protocol<I> {
             .enter(self.inbox(), entry, message, &Guarded(handler))
             .await;
         match entered {
-            Ok(Entered::Processed { attempt }) => {
+            Ok(entered) => self.settle(entry, entered).await,
+            Err(error) => self.unavailable(Some(error)),
+        }
+    }
+
+    /// Decides what the inbox answered for a message.
+    async fn settle(&self, entry: &Entry<'_>, entered: Entered) -> Decision {
+        match entered {
+            Entered::Processed { attempt } => {
                 tracing::debug!(target: "idem", outcome = "processed", attempt);
                 metrics::outcome(Outcome::Processed);
                 Decision::Ack(Acked::Processed { attempt })
             }
-            Ok(Entered::Duplicate) => {
+            Entered::Duplicate => {
                 tracing::debug!(target: "idem", outcome = "duplicate");
                 metrics::outcome(Outcome::Duplicate);
                 Decision::Ack(Acked::Duplicate)
             }
-            Ok(Entered::Reused) => {
+            Entered::Reused => {
                 tracing::warn!(target: "idem", reason = MESSAGE_ID_REUSED, "a different message under an id already applied: dead-lettered, not applied");
                 self.bury(entry, MESSAGE_ID_REUSED, 1).await
             }
-            Ok(Entered::Dead { published: true }) => {
+            Entered::Dead { published: true } => {
                 tracing::info!(target: "idem", outcome = "dead_letter_skipped", "a dead letter arrived again; it is in the dead-letter queue already");
                 metrics::outcome(Outcome::DeadLetterSkipped);
                 Decision::Ack(Acked::DeadLetter)
             }
-            Ok(Entered::Dead { published: false }) => self.republish(entry).await,
-            Ok(Entered::Failed { attempt, error }) => {
+            Entered::Dead { published: false } => self.republish(entry).await,
+            Entered::Failed { attempt, error } => {
                 let permanent = self.is_permanent(&error);
                 let reason = error.reason();
                 let bury_at = if permanent {
@@ -338,7 +348,6 @@ impl<I: Inbox> Protocol<I> {
                 tracing::info!(target: "idem", attempt, permanent, error = %bounded(&reason), "the handler failed; its writes were rolled back");
                 self.failed(entry, &reason, bury_at).await
             }
-            Err(error) => self.unavailable(Some(error)),
         }
     }
 
