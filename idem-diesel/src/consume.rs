@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use idem_core::StoreError;
-use idem_core::consume::InboxError;
+use idem_core::consume::{Batched, Entered, HandlerError, InboxError};
 
 use crate::SetupError;
 use crate::row::{duration_micros, time_from_micros};
@@ -61,6 +61,30 @@ pub(crate) fn check_inbox_columns(found: &[Vec<ColumnRow>]) -> Result<(), SetupE
 #[derive(Debug, thiserror::Error)]
 #[error("the handler left {0} nested transaction(s) open; its writes were rolled back")]
 pub(crate) struct NestedOpen(pub(crate) u32);
+
+/// A batch's messages were not all one consumer's.
+#[derive(Debug, thiserror::Error)]
+#[error("a batch holds the messages of more than one consumer")]
+pub(crate) struct MixedConsumers;
+
+/// What a batch came to: `outcomes` as entered (the new ones `Processed`),
+/// unless the handler or the commit `failed` on the `new` messages (their
+/// index and attempt): then the one new message's own failure, or, with
+/// more, the batch's.
+pub(crate) fn batched(
+    mut outcomes: Vec<Entered>,
+    new: &[(usize, u32)],
+    failed: Option<HandlerError>,
+) -> Batched {
+    match (failed, new) {
+        (None, _) => Batched::Entered(outcomes),
+        (Some(error), &[(i, attempt)]) => {
+            outcomes[i] = Entered::Failed { attempt, error };
+            Batched::Entered(outcomes)
+        }
+        (Some(error), _) => Batched::Failed(error),
+    }
+}
 
 /// Whether `error`, or an error in its `source()` chain, is a diesel error that
 /// can never succeed on a retry: see the crate's README ("Permanent errors").

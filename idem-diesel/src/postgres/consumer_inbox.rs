@@ -12,14 +12,15 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, Trans
 use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 use idem_core::cleanup::{Cleanup, ExpiredRows, SweepGuard, SweepLock};
 use idem_core::consume::{
-    Advance, Attempt, Buried, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError,
-    Inbox, InboxError, InboxFuture, Message, PartitionLost,
+    Advance, Attempt, BatchEntry, BatchHandler, Batched, Buried, Counted, DeadLetter, Entered,
+    Entry, Failure, Handler, HandlerError, Inbox, InboxError, InboxFuture, Message, PartitionLost,
 };
 use idem_core::store::{BoxError, StoreFuture};
 use idem_core::{Redacted, StoreError};
 
 use super::statements::{
-    self, Commit, InboxAdvance, InboxBury, InboxCount, InboxEnter, InboxFinish, Statement,
+    self, Commit, InboxAdvance, InboxBury, InboxCount, InboxEnter, InboxEnterBatch, InboxFinish,
+    InboxFinishBatch, Statement,
 };
 use super::transactional::{begin, mark_begun};
 use super::{BURY_LOCK_CLASS, PgPool, roll_back, transaction_depth};
@@ -67,6 +68,45 @@ const ENTER: &str = "WITH dead AS (
                       WHERE i.consumer = $1 AND i.message_id = $2) END AS fingerprint,
            COALESCE((SELECT cardinality(f.attempted_at) FROM idem_consumer_failures AS f
                      WHERE f.consumer = $1 AND f.message_id = $2), 0) AS failures";
+
+/// Enters a batch of messages: `$1` consumer, `$2` their ids (distinct),
+/// `$3` their fingerprints, in the batch's order.
+///
+/// [`ENTER`] for many rows at once: answers, per message and in its order
+/// (`n`, from 1), the same columns. The rows are inserted in the order of
+/// their ids, so two batches that share messages wait on each other in one
+/// order and never deadlock; a message whose concurrent entry committed
+/// after this statement's snapshot answers nothing decisive, and is entered
+/// again.
+const ENTER_BATCH: &str = "WITH input AS (
+        SELECT i.message_id, i.fingerprint, i.n
+        FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS i(message_id, fingerprint, n)
+    ), dead AS (
+        SELECT d.message_id, d.published FROM idem_consumer_dead_letters AS d
+        WHERE d.consumer = $1 AND d.message_id = ANY($2)
+    ), entered AS (
+        INSERT INTO idem_consumer_inbox (consumer, message_id, fingerprint, processed_at)
+        SELECT $1, i.message_id, i.fingerprint, now() FROM input AS i
+        WHERE NOT EXISTS (SELECT 1 FROM dead WHERE dead.message_id = i.message_id)
+        ORDER BY i.message_id
+        ON CONFLICT (consumer, message_id) DO NOTHING
+        RETURNING message_id
+    )
+    SELECT i.n, e.message_id IS NOT NULL AS entered, d.published AS dead,
+           CASE WHEN e.message_id IS NOT NULL THEN NULL
+                ELSE (SELECT x.fingerprint FROM idem_consumer_inbox AS x
+                      WHERE x.consumer = $1 AND x.message_id = i.message_id) END AS fingerprint,
+           COALESCE((SELECT cardinality(f.attempted_at) FROM idem_consumer_failures AS f
+                     WHERE f.consumer = $1 AND f.message_id = i.message_id), 0) AS failures
+    FROM input AS i
+    LEFT JOIN entered AS e ON e.message_id = i.message_id
+    LEFT JOIN dead AS d ON d.message_id = i.message_id
+    ORDER BY i.n";
+
+/// A batch's processed messages' failures are history: `$1` consumer, `$2`
+/// their ids. Sent with the `COMMIT`, as [`FINISH`] is.
+const FINISH_BATCH: &str =
+    "DELETE FROM idem_consumer_failures WHERE consumer = $1 AND message_id = ANY($2)";
 
 /// A processed message's failures are history: `$1` consumer, `$2` message
 /// id. Sent with the `COMMIT`; it also fails, and so rolls the transaction
@@ -210,6 +250,8 @@ struct Statements {
     count: Statement<InboxCount>,
     bury: Statement<InboxBury>,
     advance: Statement<InboxAdvance>,
+    enter_batch: Statement<InboxEnterBatch>,
+    finish_batch: Statement<InboxFinishBatch>,
     commit: Statement<Commit>,
 }
 
@@ -242,6 +284,14 @@ struct EnterRow {
     fingerprint: Option<Vec<u8>>,
     #[diesel(sql_type = Integer)]
     failures: i32,
+}
+
+#[derive(QueryableByName)]
+struct EnterBatchRow {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+    #[diesel(embed)]
+    row: EnterRow,
 }
 
 #[derive(QueryableByName)]
@@ -326,6 +376,8 @@ impl PgInbox {
                     count: Statement::new(true, COUNT.to_owned()),
                     bury: Statement::new(true, BURY.to_owned()),
                     advance: Statement::new(true, crate::positions::ADVANCE.to_owned()),
+                    enter_batch: Statement::new(true, ENTER_BATCH.to_owned()),
+                    finish_batch: Statement::new(true, FINISH_BATCH.to_owned()),
                     commit: Statement::new(true, "COMMIT".to_owned()),
                 },
             }),
@@ -446,6 +498,179 @@ impl PgInbox {
                 error: HandlerError::from(error),
             }),
         }
+    }
+
+    /// [`Inbox::process_batch`]: enters the batch with one statement, runs
+    /// the handler once on the new messages, and commits, on one pooled
+    /// connection: three round trips and the handler's, whatever the
+    /// batch's size.
+    async fn process_batch_on(
+        &self,
+        batch: &[BatchEntry<'_>],
+        handler: &(dyn BatchHandler<AsyncPgConnection> + '_),
+    ) -> Result<Batched, InboxError> {
+        let Some(first) = batch.first() else {
+            return Ok(Batched::Entered(Vec::new()));
+        };
+        let consumer = first.entry.consumer;
+        if batch.iter().any(|item| item.entry.consumer != consumer) {
+            return Err(InboxError::unavailable(consume::MixedConsumers));
+        }
+        let mut pooled = self.connection().await?;
+        let connection: &mut AsyncPgConnection = &mut pooled;
+        let rows = match self.enter_batch(connection, batch).await {
+            Ok(rows) => rows,
+            Err(error) => {
+                roll_back(connection).await;
+                return Err(InboxError::Unavailable(error));
+            }
+        };
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut new = Vec::new();
+        for (i, (item, row)) in batch.iter().zip(rows).enumerate() {
+            outcomes.push(if let Some(published) = row.dead {
+                Entered::Dead { published }
+            } else if !row.entered {
+                let same =
+                    row.fingerprint.as_deref() == Some(&item.entry.fingerprint.as_bytes()[..]);
+                if same {
+                    Entered::Duplicate
+                } else {
+                    Entered::Reused
+                }
+            } else {
+                let attempt = u32::try_from(row.failures).unwrap_or(0).saturating_add(1);
+                new.push((i, attempt));
+                Entered::Processed { attempt }
+            });
+        }
+        if new.is_empty() {
+            roll_back(connection).await;
+            return Ok(Batched::Entered(outcomes));
+        }
+        let attempts: Vec<Attempt<'_>> = new
+            .iter()
+            .map(|&(i, attempt)| Attempt::new(batch[i].message, batch[i].entry.message_id, attempt))
+            .collect();
+        let failed = match handler.handle(&attempts, connection).await {
+            Err(error) => Some(error),
+            Ok(()) => match transaction_depth(connection) {
+                1 => None,
+                depth => Some(HandlerError::from(NestedOpen(depth.saturating_sub(1)))),
+            },
+        };
+        let failed = match failed {
+            Some(error) => {
+                roll_back(connection).await;
+                Some(error)
+            }
+            None => {
+                let ids: Vec<&str> = new
+                    .iter()
+                    .map(|&(i, _)| batch[i].entry.message_id)
+                    .collect();
+                match self.finish_batch(connection, consumer, &ids).await {
+                    Ok(()) => None,
+                    // Whether the commit landed is unknown: nothing is
+                    // counted, the redeliveries find out.
+                    Err(error) if is_connection_error(&error) => {
+                        return Err(InboxError::unavailable(error));
+                    }
+                    Err(error) => Some(HandlerError::from(error)),
+                }
+            }
+        };
+        Ok(consume::batched(outcomes, &new, failed))
+    }
+
+    /// `BEGIN` and the batch's entry statement, sent together (one round
+    /// trip), then the entry again for the messages a concurrent entry kept
+    /// from settling. Leaves the transaction open. Answers a row per
+    /// message, in the batch's order.
+    async fn enter_batch(
+        &self,
+        connection: &mut AsyncPgConnection,
+        batch: &[BatchEntry<'_>],
+    ) -> Result<Vec<EnterRow>, BoxError> {
+        mark_begun(connection)?;
+        let statement = &self.inner.statements.enter_batch;
+        let consumer = batch.first().map_or("", |item| item.entry.consumer);
+        let mut rows: Vec<Option<EnterRow>> = batch.iter().map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..batch.len()).collect();
+        for attempt in 0..ENTER_ATTEMPTS {
+            let ids: Vec<&str> = pending.iter().map(|&i| batch[i].entry.message_id).collect();
+            let fingerprints: Vec<&[u8]> = pending
+                .iter()
+                .map(|&i| &batch[i].entry.fingerprint.as_bytes()[..])
+                .collect();
+            let binds = statements::binds()
+                .bind::<Text, _>(consumer)
+                .bind::<Array<Text>, _>(&ids)
+                .bind::<Array<Binary>, _>(&fingerprints);
+            let enter = statement.rows::<_, EnterBatchRow>(connection, binds);
+            let answered = if attempt == 0 {
+                let (begun, answered) = tokio::join!(biased; begin(connection), enter);
+                if let Err(error) = begun {
+                    AnsiTransactionManager::transaction_manager_status_mut(connection)
+                        .set_in_error();
+                    return Err(error.into());
+                }
+                answered?
+            } else {
+                enter.await?
+            };
+            let mut unsettled = Vec::new();
+            for answer in answered {
+                let Some(&i) = usize::try_from(answer.n - 1)
+                    .ok()
+                    .and_then(|k| pending.get(k))
+                else {
+                    return Err(Box::new(NoRow));
+                };
+                let row = answer.row;
+                if row.entered || row.dead.is_some() || row.fingerprint.is_some() {
+                    rows[i] = Some(row);
+                } else {
+                    unsettled.push(i);
+                }
+            }
+            if !unsettled.is_empty() {
+                tracing::debug!(target: "idem", unsettled = unsettled.len(), "concurrent entries of a batch's messages committed; entering them again");
+            }
+            pending = unsettled;
+            if pending.is_empty() {
+                break;
+            }
+        }
+        if !pending.is_empty() {
+            return Err(Box::new(EnterContended));
+        }
+        rows.into_iter()
+            .map(|row| row.ok_or_else(|| Box::new(NoRow) as BoxError))
+            .collect()
+    }
+
+    /// Clears the batch's processed messages' failures and commits, sent
+    /// together (one round trip). The transaction is over either way.
+    async fn finish_batch(
+        &self,
+        connection: &mut AsyncPgConnection,
+        consumer: &str,
+        ids: &[&str],
+    ) -> Result<(), DieselError> {
+        let statements = &self.inner.statements;
+        let binds = statements::binds()
+            .bind::<Text, _>(consumer)
+            .bind::<Array<Text>, _>(ids);
+        let (finished, committed) = tokio::join!(
+            biased;
+            statements.finish_batch.run(connection, binds),
+            statements.commit.run(connection, statements::binds()),
+        );
+        ended(connection);
+        finished?;
+        committed?;
+        Ok(())
     }
 
     /// `BEGIN` and the entry statement, sent together (one round trip) with
@@ -682,6 +907,14 @@ impl Inbox for PgInbox {
         handler: &'a (dyn Handler<AsyncPgConnection> + 'a),
     ) -> InboxFuture<'a, Entered> {
         Box::pin(self.process_on(entry, message, None, handler))
+    }
+
+    fn process_batch<'a>(
+        &'a self,
+        batch: &'a [BatchEntry<'a>],
+        handler: &'a (dyn BatchHandler<AsyncPgConnection> + 'a),
+    ) -> InboxFuture<'a, Batched> {
+        Box::pin(self.process_batch_on(batch, handler))
     }
 
     fn fail<'a>(

@@ -272,6 +272,10 @@ statement_keys!(
     InboxBury,
     /// A partition's position, moved with a consumer inbox's entry.
     InboxAdvance,
+    /// The consumer inbox's entry of a batch.
+    InboxEnterBatch,
+    /// The consumer inbox's last statement of a batch before `COMMIT`.
+    InboxFinishBatch,
     /// The outbox's stage of an event (see `outbox`).
     OutboxStage,
     /// The outbox's stage of an event, without `NOTIFY`.

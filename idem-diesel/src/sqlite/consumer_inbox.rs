@@ -11,8 +11,8 @@ use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 use idem_core::Redacted;
 use idem_core::cleanup::{Cleanup, ExpiredRows};
 use idem_core::consume::{
-    Attempt, Buried, Counted, DeadLetter, Entered, Entry, Failure, Handler, HandlerError, Inbox,
-    InboxError, InboxFuture, Message,
+    Attempt, BatchEntry, BatchHandler, Batched, Buried, Counted, DeadLetter, Entered, Entry,
+    Failure, Handler, HandlerError, Inbox, InboxError, InboxFuture, Message,
 };
 use idem_core::store::StoreFuture;
 
@@ -299,7 +299,7 @@ impl SqliteInbox {
         }
         let (consumer, message_id) = (entry.consumer.to_owned(), entry.message_id.to_owned());
         let finished = connection
-            .spawn_blocking(move |c| finish(c, &consumer, &message_id))
+            .spawn_blocking(move |c| finish(c, &consumer, &[message_id]))
             .await;
         match finished {
             Ok(Finish::Committed) => Ok(Entered::Processed { attempt }),
@@ -318,6 +318,85 @@ impl SqliteInbox {
                 })
             }
         }
+    }
+
+    /// [`Inbox::process_batch`]: enters the batch and runs the handler once
+    /// on the new messages, in one `BEGIN IMMEDIATE` transaction, one commit.
+    async fn process_batch_on(
+        &self,
+        batch: &[BatchEntry<'_>],
+        handler: &(dyn BatchHandler<AsyncSqliteConnection> + '_),
+    ) -> Result<Batched, InboxError> {
+        let Some(first) = batch.first() else {
+            return Ok(Batched::Entered(Vec::new()));
+        };
+        let consumer = first.entry.consumer.to_owned();
+        if batch.iter().any(|item| item.entry.consumer != consumer) {
+            return Err(InboxError::unavailable(consume::MixedConsumers));
+        }
+        let mut pooled = self.connection().await?;
+        let connection: &mut AsyncSqliteConnection = &mut pooled;
+        let keys: Vec<(String, [u8; 32])> = batch
+            .iter()
+            .map(|item| {
+                (
+                    item.entry.message_id.to_owned(),
+                    *item.entry.fingerprint.as_bytes(),
+                )
+            })
+            .collect();
+        let entering = consumer.clone();
+        let entered = connection
+            .spawn_blocking(move |c| enter_batch(c, &entering, &keys))
+            .await
+            .map_err(InboxError::unavailable)?;
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut new = Vec::new();
+        for (i, (item, entered)) in batch.iter().zip(entered).enumerate() {
+            outcomes.push(match entered {
+                Enter::Dead { published } => Entered::Dead { published },
+                Enter::Found(found) if found[..] == item.entry.fingerprint.as_bytes()[..] => {
+                    Entered::Duplicate
+                }
+                Enter::Found(_) => Entered::Reused,
+                Enter::Entered { failures } => {
+                    let attempt = u32::try_from(failures).unwrap_or(0).saturating_add(1);
+                    new.push((i, attempt));
+                    Entered::Processed { attempt }
+                }
+            });
+        }
+        if new.is_empty() {
+            return Ok(Batched::Entered(outcomes));
+        }
+        let attempts: Vec<Attempt<'_>> = new
+            .iter()
+            .map(|&(i, attempt)| Attempt::new(batch[i].message, batch[i].entry.message_id, attempt))
+            .collect();
+        let failed = match handler.handle(&attempts, connection).await {
+            Err(error) => {
+                roll_back(connection).await;
+                Some(error)
+            }
+            Ok(()) => {
+                let ids: Vec<String> = new
+                    .iter()
+                    .map(|&(i, _)| batch[i].entry.message_id.to_owned())
+                    .collect();
+                let finished = connection
+                    .spawn_blocking(move |c| finish(c, &consumer, &ids))
+                    .await;
+                match finished {
+                    Ok(Finish::Committed) => None,
+                    Ok(Finish::NestedOpen(depth)) => Some(HandlerError::from(NestedOpen(depth))),
+                    Err(error) => {
+                        tracing::debug!(target: "idem", error = %idem_core::log::error_chain(&error), "the inbox's batch transaction did not commit");
+                        Some(HandlerError::from(error))
+                    }
+                }
+            }
+        };
+        Ok(consume::batched(outcomes, &new, failed))
     }
 
     async fn letters(
@@ -377,6 +456,14 @@ impl Inbox for SqliteInbox {
         handler: &'a (dyn Handler<AsyncSqliteConnection> + 'a),
     ) -> InboxFuture<'a, Entered> {
         Box::pin(self.process_on(entry, message, handler))
+    }
+
+    fn process_batch<'a>(
+        &'a self,
+        batch: &'a [BatchEntry<'a>],
+        handler: &'a (dyn BatchHandler<AsyncSqliteConnection> + 'a),
+    ) -> InboxFuture<'a, Batched> {
+        Box::pin(self.process_batch_on(batch, handler))
     }
 
     fn fail<'a>(
@@ -580,6 +667,32 @@ fn enter(
     }
 }
 
+/// Enters a batch's messages (`(id, fingerprint)`) in one `BEGIN
+/// IMMEDIATE` transaction, left open when one of them entered (rolled back
+/// otherwise): what each came to, in order.
+fn enter_batch(
+    c: &mut SqliteConnection,
+    consumer: &str,
+    batch: &[(String, [u8; 32])],
+) -> QueryResult<Vec<Enter>> {
+    AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE")?;
+    let entered = batch
+        .iter()
+        .map(|(message_id, fingerprint)| look_and_insert(c, consumer, message_id, fingerprint))
+        .collect::<QueryResult<Vec<Enter>>>();
+    match entered {
+        Ok(entered) if entered.iter().any(|e| matches!(e, Enter::Entered { .. })) => Ok(entered),
+        Ok(found) => {
+            AnsiTransactionManager::rollback_transaction(c)?;
+            Ok(found)
+        }
+        Err(error) => {
+            let _ = AnsiTransactionManager::rollback_transaction(c);
+            Err(error)
+        }
+    }
+}
+
 fn look_and_insert(
     c: &mut SqliteConnection,
     consumer: &str,
@@ -611,22 +724,27 @@ fn look_and_insert(
     })
 }
 
-/// Clears the processed message's failures and commits; rolls back instead
+/// Clears the processed messages' failures and commits; rolls back instead
 /// when the handler left savepoints open or a statement fails.
-fn finish(c: &mut SqliteConnection, consumer: &str, message_id: &str) -> QueryResult<Finish> {
+fn finish(c: &mut SqliteConnection, consumer: &str, message_ids: &[String]) -> QueryResult<Finish> {
     let depth = depth(c);
     if depth != 1 {
         roll_back_all(c)?;
         return Ok(Finish::NestedOpen(depth.saturating_sub(1)));
     }
-    let cleared = diesel::sql_query(
-        "DELETE FROM idem_consumer_failures WHERE consumer = ?1 AND message_id = ?2",
-    )
-    .bind::<Text, _>(consumer)
-    .bind::<Text, _>(message_id)
-    .prepared()
-    .execute(c)
-    .and_then(|_| AnsiTransactionManager::commit_transaction(c));
+    let cleared = message_ids
+        .iter()
+        .try_for_each(|message_id| {
+            diesel::sql_query(
+                "DELETE FROM idem_consumer_failures WHERE consumer = ?1 AND message_id = ?2",
+            )
+            .bind::<Text, _>(consumer)
+            .bind::<Text, _>(message_id)
+            .prepared()
+            .execute(c)
+            .map(drop)
+        })
+        .and_then(|()| AnsiTransactionManager::commit_transaction(c));
     if let Err(error) = cleared {
         let _ = roll_back_all(c);
         return Err(error);

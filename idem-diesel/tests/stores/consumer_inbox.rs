@@ -603,6 +603,40 @@ async fn postgres_a_processed_message_takes_four_statements(databases: Arc<Datab
         std::collections::HashMap::from([(0, 1)]),
         "the record's move committed once"
     );
+
+    // A batch of 32, one applied before: the same four statements, once.
+    let batch: Vec<Message> = (0..32)
+        .map(|i| Message::new("{}").id(format!("b-{i}")))
+        .chain([message.clone()])
+        .collect();
+    let each = idem_core::consume::each(&nothing);
+    sent.lock().unwrap().clear();
+    let decisions = protocol.decide_batch(&batch, &each).await;
+    assert_eq!(
+        decisions
+            .iter()
+            .filter(|d| **d == Decision::Ack(idem_core::consume::Acked::Processed { attempt: 1 }))
+            .count(),
+        32
+    );
+    assert_eq!(
+        decisions[32],
+        Decision::Ack(idem_core::consume::Acked::Duplicate)
+    );
+    let processed = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(
+        processed,
+        vec!["BEGIN", "WITH input", "DELETE FROM", "COMMIT"],
+        "a batch: BEGIN with the batch's entry, the cleanup with COMMIT"
+    );
+    let decisions = protocol.decide_batch(&batch, &each).await;
+    assert!(
+        decisions
+            .iter()
+            .all(|d| *d == Decision::Ack(idem_core::consume::Acked::Duplicate))
+    );
+    let duplicate = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(duplicate, vec!["BEGIN", "WITH input", "ROLLBACK"]);
 }
 
 /// A `SqliteInbox` on a fresh file, and an `effects` table its handlers write.
