@@ -67,8 +67,9 @@ pub use topology::{
 
 pub use idem_core;
 pub use idem_core::consume::{
-    Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler, HandlerError, HandlerFuture,
-    Inbox, MemoryInbox, Message, MissingId, Protocol, handler, rfc3339,
+    Attempt, Batch, BatchHandler, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler,
+    HandlerError, HandlerFuture, Inbox, MemoryInbox, Message, MissingId, Protocol, batch_handler,
+    each, handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;
 pub use lapin;

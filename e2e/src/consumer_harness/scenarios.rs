@@ -87,7 +87,29 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         alone: false,
         long: false,
         postgres_only: false,
-        run: |case| sigkill_and_restarts_leave_every_balance_exact(case).boxed(),
+        run: |case| sigkill_and_restarts_leave_every_balance_exact(case, &[]).boxed(),
+    },
+    Scenario {
+        name: "consumer_batch_sigkill",
+        check: "consumer: --batch 32, SIGKILL x5 over 500 messages, every balance exact",
+        alone: false,
+        long: false,
+        postgres_only: false,
+        run: |case| {
+            sigkill_and_restarts_leave_every_balance_exact(
+                case,
+                &["--batch", "32", "--concurrency", "2"],
+            )
+            .boxed()
+        },
+    },
+    Scenario {
+        name: "consumer_batch_poison",
+        check: "consumer: --batch 64, 3 failing among 300 messages: each dead-lettered alone after exactly 3 attempts, the rest applied once",
+        alone: false,
+        long: false,
+        postgres_only: false,
+        run: |case| a_failing_message_fails_no_batch_but_its_own(case).boxed(),
     },
     Scenario {
         name: "consumer_sigterm",
@@ -541,7 +563,10 @@ async fn invalid_payments_are_dead_lettered_at_once(case: Case) -> Result<String
 
 /// 500 messages, 100 of them duplicates, while the consumer is killed with
 /// `SIGKILL` 5 times at random points and restarted: every balance is exact.
-async fn sigkill_and_restarts_leave_every_balance_exact(case: Case) -> Result<String, String> {
+async fn sigkill_and_restarts_leave_every_balance_exact(
+    case: Case,
+    flags: &'static [&'static str],
+) -> Result<String, String> {
     const KILLS: usize = 5;
     let (mut rng, seed) = seeded();
     let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
@@ -557,14 +582,14 @@ async fn sigkill_and_restarts_leave_every_balance_exact(case: Case) -> Result<St
     targets.sort_unstable();
     let mut at_kills = Vec::new();
     for target in targets {
-        let consumer = case.consumer(&[]).await?;
+        let consumer = case.consumer(flags).await?;
         wait_processed(&case, &database, target)
             .await
             .map_err(failed)?;
         consumer.kill().await;
         at_kills.push(processed(&database, &consumer_name).await?);
     }
-    let consumer = case.consumer(&[]).await?;
+    let consumer = case.consumer(flags).await?;
     drained(&case, &database, stream.unique)
         .await
         .map_err(failed)?;
@@ -574,6 +599,70 @@ async fn sigkill_and_restarts_leave_every_balance_exact(case: Case) -> Result<St
         "{} messages (100 duplicates), {KILLS} kills at {at_kills:?} processed, {effects} \
          effects, {} balances exact",
         stream.messages.len(),
+        stream.expected.len()
+    ))
+}
+
+/// 300 messages through `--batch 64`, 3 of them to the account of
+/// `--fail-account`: each of the 3 fails every batch it is in until it is
+/// alone, then is retried and dead-lettered after exactly 3 attempts; the
+/// other 297 are applied once (every balance exact), none dead-lettered.
+async fn a_failing_message_fails_no_batch_but_its_own(case: Case) -> Result<String, String> {
+    let (mut rng, seed) = seeded();
+    let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
+    let mut stream = stream(&mut rng, "b", 297, 0, 10);
+    let poison: Vec<String> = (0..3).map(|i| format!("pay-b-poison-{i}")).collect();
+    for (i, id) in poison.iter().enumerate() {
+        let at = rng.random_range(0..=stream.messages.len());
+        stream
+            .messages
+            .insert(at, (id.clone(), payment("acct-b-broken", 10 + i as i64)));
+    }
+    let client = Client::connect(&case).await?;
+    stream.publish(&client).await?;
+    let database = case.database().await?;
+    let consumer = case
+        .consumer(&[
+            "--batch",
+            "64",
+            "--fail-account",
+            "acct-b-broken",
+            "--max-attempts",
+            "3",
+            "--retry-base-ms",
+            "50",
+        ])
+        .await?;
+    let dlq = client.topology.dead_letter_queue();
+    client.wait_ready(&dlq, 3).await?;
+    wait_processed(&case, &database, 297)
+        .await
+        .map_err(failed)?;
+    client.wait_ready(&case.queue, 0).await?;
+    consumer.terminate().await?;
+    let effects = stream.exact(&database).await.map_err(failed)?;
+    let letters = case.dead_letters().await?;
+    let mut ids: Vec<&str> = letters
+        .iter()
+        .filter_map(|letter| letter["message_id"].as_str())
+        .collect();
+    ids.sort_unstable();
+    ensure!(ids == poison, "dead letters {ids:?}, expected {poison:?}");
+    for letter in &letters {
+        let attempts = letter["attempts"].as_array().map_or(0, Vec::len);
+        ensure!(
+            attempts == 3,
+            "{}: {attempts} attempts, expected exactly 3",
+            letter["message_id"]
+        );
+    }
+    ensure!(
+        client.ready(&dlq).await? == 3,
+        "the dead-letter queue holds {} messages, expected 3",
+        client.ready(&dlq).await?
+    );
+    Ok(format!(
+        "{effects} effects of 297, 3 dead letters of 3 attempts each, {} balances exact",
         stream.expected.len()
     ))
 }

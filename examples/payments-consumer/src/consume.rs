@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
 use idem_rabbitmq::{
-    Attempt, Backoff, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture, Inbox,
+    Attempt, Backoff, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture, Inbox, each,
 };
 
 use crate::ConsumerError;
@@ -46,6 +46,9 @@ pub struct Settings {
     /// Each effect waits this long inside its transaction (to show a slow
     /// handler); zero by default.
     pub handler_latency: Duration,
+    /// RabbitMQ: up to this many messages already delivered are applied in
+    /// one transaction, one commit (1: one at a time, the default).
+    pub batch: usize,
 }
 
 impl Settings {
@@ -107,13 +110,34 @@ where
 {
     let stop = stop_signal()?;
     let settings = &options.settings;
-    let consumer = Consumer::builder(&options.amqp, &options.queue)
+    let builder = Consumer::builder(&options.amqp, &options.queue)
         .name(inbox_name(&options.queue))
         .inbox(inbox)
         .policy(settings.policy())
-        .concurrency(settings.concurrency)
-        .handler(settings.handler())
-        .build()?;
+        .concurrency(settings.concurrency);
+    if settings.batch > 1 {
+        // Each payment in turn, all on the batch's one transaction.
+        let consumer = builder
+            .batch_handler(each(settings.handler()), settings.batch)
+            .build()?;
+        serve(consumer, cleanup, stop, subscribed).await
+    } else {
+        let consumer = builder.handler(settings.handler()).build()?;
+        serve(consumer, cleanup, stop, subscribed).await
+    }
+}
+
+/// Runs `consumer` until `stop`, its inbox's `cleanup` beside it.
+async fn serve<I, H>(
+    consumer: Consumer<I, H>,
+    cleanup: Cleanup<I>,
+    stop: impl Future<Output = ()>,
+    subscribed: impl FnOnce(&str),
+) -> Result<(), ConsumerError>
+where
+    I: Inbox + ExpiredRows,
+    H: Handler<I::Tx> + 'static,
+{
     let mut subscribed = Some(subscribed);
     let consumed = beside_cleanup(
         cleanup,

@@ -84,6 +84,10 @@ enum Command {
         /// (a slow handler).
         #[arg(long, default_value_t = 0)]
         handler_latency_ms: u64,
+        /// RabbitMQ: apply up to this many messages already delivered in one
+        /// transaction (1: one at a time).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        batch: u16,
     },
     /// Prints each dead letter as one JSON line, without removing it.
     DeadLetters {
@@ -165,6 +169,7 @@ async fn execute(command: Command) -> Result<(), ConsumerError> {
             concurrency,
             fail_account,
             handler_latency_ms,
+            batch,
         } => {
             let settings = Settings {
                 database,
@@ -174,6 +179,7 @@ async fn execute(command: Command) -> Result<(), ConsumerError> {
                 concurrency: usize::from(concurrency),
                 fail_account,
                 handler_latency: Duration::from_millis(handler_latency_ms),
+                batch: usize::from(batch),
             };
             let subscribed = |name: &str| println!("consuming from {name}");
             match broker.broker() {

@@ -16,6 +16,7 @@
 use std::collections::HashSet;
 use std::time::SystemTime;
 
+use futures_util::FutureExt;
 use tracing::Instrument;
 
 use super::handler::guard_batch;
@@ -337,5 +338,79 @@ impl<I: Inbox> Protocol<I> {
                 decisions[i] = decision;
             }
         }
+    }
+}
+
+/// A [`BatchHandler`] and the most messages it takes at once: what a broker
+/// crate's `ConsumerBuilder::batch_handler` sets.
+#[derive(Clone, Debug)]
+pub struct Batch<B> {
+    handler: B,
+    size: usize,
+}
+
+impl<B> Batch<B> {
+    /// `handler`, given up to `size` messages at once (at least 1).
+    pub fn new(handler: B, size: usize) -> Self {
+        Self {
+            handler,
+            size: size.max(1),
+        }
+    }
+
+    /// The most messages a batch holds.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The handler.
+    pub fn handler(&self) -> &B {
+        &self.handler
+    }
+}
+
+impl<Tx: ?Sized + Send, B: BatchHandler<Tx>> Handler<Tx> for Batch<B> {
+    /// One message: the batch handler on a batch of one.
+    fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            self.handler
+                .handle(std::slice::from_ref(&attempt), tx)
+                .await
+        })
+    }
+
+    fn as_batch(&self) -> Option<(&dyn BatchHandler<Tx>, usize)> {
+        Some((&self.handler, self.size))
+    }
+}
+
+impl<I: Inbox> Protocol<I> {
+    /// Decides a unit of deliveries with `handler`, as a broker crate's
+    /// consumer does: a [`Batch`] decides them together
+    /// ([`decide_batch_holding`](Self::decide_batch_holding)), any other
+    /// handler one after the other ([`decide_holding`](Self::decide_holding)).
+    /// One decision per message, in order.
+    pub async fn decide_all_holding(
+        &self,
+        messages: &[Message],
+        handler: &(dyn Handler<I::Tx> + '_),
+        outage: &super::Outage,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Vec<Decision> {
+        if let Some((batch, _)) = handler.as_batch() {
+            return self
+                .decide_batch_holding(messages, batch, outage, stop)
+                .await;
+        }
+        let stop = std::pin::pin!(stop);
+        let stop = stop.shared();
+        let mut decisions = Vec::with_capacity(messages.len());
+        for message in messages {
+            let decided = self
+                .decide_holding(message, handler, outage, stop.clone())
+                .await;
+            decisions.push(decided);
+        }
+        decisions
     }
 }

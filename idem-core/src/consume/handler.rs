@@ -45,6 +45,14 @@ pub trait Handler<Tx: ?Sized>: Send + Sync {
     /// back; whether it is retried is the [`ConsumerPolicy`](super::ConsumerPolicy)'s
     /// decision ([`HandlerError`]).
     fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut Tx) -> HandlerFuture<'a>;
+
+    /// The batch handler and the most messages it takes at once, when this
+    /// handler applies batches ([`Batch`](super::Batch)): a broker crate's
+    /// consumer then hands it what it takes in units of that many. `None`
+    /// (one at a time) by default.
+    fn as_batch(&self) -> Option<(&dyn super::BatchHandler<Tx>, usize)> {
+        None
+    }
 }
 
 impl<Tx, F> Handler<Tx> for F

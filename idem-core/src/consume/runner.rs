@@ -61,8 +61,9 @@ pub fn default_broker_backoff() -> Backoff {
 /// gone): it ends the run.
 pub type Work<E> = Pin<Box<dyn Future<Output = Result<(), E>> + Send>>;
 
-/// What a take answers: units of work, each with how many deliveries it
-/// holds, or the error that ends the run.
+/// What a take answers: units of work, each with the room it takes (how
+/// many deliveries it holds, or a whole batch's room for a batch), or the
+/// error that ends the run.
 pub type Taken<E> = Result<Vec<(usize, Work<E>)>, E>;
 
 /// How a broker crate takes deliveries, for [`Runner::run`].
@@ -71,9 +72,10 @@ pub trait Intake: Send {
     type Error: std::error::Error + Send + 'static;
 
     /// Waits for what the broker has, up to `room` deliveries (at least 1),
-    /// and answers it as units of work, each with how many deliveries it
-    /// holds (one per delivery; an SQS FIFO group's messages together, in
-    /// their order). An empty answer (a long poll that found nothing, a
+    /// and answers it as units of work, each with the room it takes: how
+    /// many deliveries it holds (one per delivery; an SQS FIFO group's
+    /// messages together, in their order), or, for a batch, the batch's
+    /// whole size, so that the next batch fills while one runs. An empty answer (a long poll that found nothing, a
     /// failure that polling again can help, after its pause) is no error:
     /// the runner looks at its room and the outage again before the next
     /// take, so that nothing is received while a delivery is held. An error

@@ -14,67 +14,98 @@ use crate::Error;
 use crate::broker::publish_confirmed;
 use crate::message;
 
-/// Decides `delivery` and carries the decision out. An error is the
-/// broker's (the connection or the channel is gone): the session ends and
-/// the delivery comes back.
+/// Decides a unit of deliveries (one, or a batch's: see
+/// [`ConsumerBuilder::batch_handler`](super::ConsumerBuilder::batch_handler))
+/// and carries each decision out. An error is the broker's (the connection
+/// or the channel is gone): the session ends and the deliveries not yet
+/// acknowledged come back.
 pub(super) async fn carry_out<I: Inbox, H: Handler<I::Tx> + 'static>(
     shared: Arc<Shared<I, H>>,
     channel: Channel,
-    delivery: lapin::message::Delivery,
+    deliveries: Vec<lapin::message::Delivery>,
 ) -> Result<(), Error> {
-    let lapin::message::Delivery {
-        properties,
-        data,
-        redelivered,
-        acker,
-        ..
-    } = delivery;
     let topology = &shared.topology;
-    let message = message::translate(&properties, data, redelivered, topology.kind());
-    let decision = shared
+    let mut settling = Vec::with_capacity(deliveries.len());
+    let mut messages = Vec::with_capacity(deliveries.len());
+    for delivery in deliveries {
+        let lapin::message::Delivery {
+            properties,
+            data,
+            redelivered,
+            acker,
+            ..
+        } = delivery;
+        messages.push(message::translate(
+            &properties,
+            data,
+            redelivered,
+            topology.kind(),
+        ));
+        settling.push((properties, acker));
+    }
+    let decisions = shared
         .protocol
-        .decide_holding(
-            &message,
+        .decide_all_holding(
+            &messages,
             &shared.handler,
             &shared.outage,
             shared.stop.stopped(),
         )
         .await;
+    for ((decision, message), (properties, acker)) in
+        decisions.into_iter().zip(&messages).zip(settling)
+    {
+        settle(&shared, &channel, decision, message, &properties, &acker).await?;
+    }
+    Ok(())
+}
+
+/// Carries out one delivery's decision, then acknowledges it (or hands it
+/// back).
+async fn settle<I: Inbox, H>(
+    shared: &Shared<I, H>,
+    channel: &Channel,
+    decision: Decision,
+    message: &Message,
+    properties: &BasicProperties,
+    acker: &Acker,
+) -> Result<(), Error> {
+    let topology = &shared.topology;
     // A copy the broker refused: handed back after the policy's pause, as
     // when the inbox is unavailable.
     let pause = shared.protocol.policy().get_unavailable_pause();
     match decision {
-        Decision::Ack(_) => ack(&acker).await,
+        Decision::Ack(_) => ack(acker).await,
         Decision::Retry(retry) => {
             let (queue, delay) = topology.delay_queue(retry.delay);
-            shared.declare_delay_queue(&channel, &queue).await?;
-            let properties = message::hop(&properties, topology.queue(), &retry.reason, None)
+            shared.declare_delay_queue(channel, &queue).await?;
+            let properties = message::hop(properties, topology.queue(), &retry.reason, None)
                 .with_expiration(delay.as_millis().to_string().into());
-            match hop(&channel, &queue, &message, properties).await? {
+            match hop(channel, &queue, message, properties).await? {
                 Hopped::Confirmed => {
-                    tracing::debug!(message_id = %redacted(&message), delay_queue = %queue, delay_ms = delay.as_millis() as u64, "the retry's copy waits in its delay queue");
-                    ack(&acker).await
+                    tracing::debug!(message_id = %redacted(message), delay_queue = %queue, delay_ms = delay.as_millis() as u64, "the retry's copy waits in its delay queue");
+                    ack(acker).await
                 }
-                Hopped::Refused => hand_back(&acker, pause).await,
+                Hopped::Refused => hand_back(acker, pause).await,
             }
         }
         Decision::DeadLetter(letter) => {
             let properties = message::hop(
-                &properties,
+                properties,
                 topology.queue(),
                 &letter.reason,
                 Some(&letter.attempted_at),
             );
-            match hop(&channel, &topology.dead_letter_hop(), &message, properties).await? {
+            match hop(channel, &topology.dead_letter_hop(), message, properties).await? {
                 Hopped::Confirmed => {
-                    tracing::debug!(message_id = %redacted(&message), dead_letter_queue = %topology.dead_letter_queue(), "the dead letter is in the dead-letter queue");
+                    tracing::debug!(message_id = %redacted(message), dead_letter_queue = %topology.dead_letter_queue(), "the dead letter is in the dead-letter queue");
                     shared.protocol.published(&letter).await;
-                    ack(&acker).await
+                    ack(acker).await
                 }
-                Hopped::Refused => hand_back(&acker, pause).await,
+                Hopped::Refused => hand_back(acker, pause).await,
             }
         }
-        Decision::Requeue { after } => hand_back(&acker, after).await,
+        Decision::Requeue { after } => hand_back(acker, after).await,
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures_util::{FutureExt, StreamExt};
 use idem_core::consume::runner::{Intake, Runner, Taken, Work, default_broker_backoff};
 use idem_core::consume::{
-    ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
+    Batch, ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
 };
 use idem_core::retry::Backoff;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
@@ -65,7 +65,10 @@ pub struct Consumer<I: Inbox, H> {
     shared: Arc<Shared<I, H>>,
     address: Address,
     prefetch: u16,
+    /// The most deliveries in hand at once: the concurrency times the batch.
     concurrency: usize,
+    /// The most deliveries decided together (1 one at a time).
+    batch: usize,
     shutdown_timeout: Duration,
     reconnect: Backoff,
 }
@@ -235,6 +238,20 @@ impl<I, H> ConsumerBuilder<I, H> {
     }
 }
 
+impl<I, H> ConsumerBuilder<I, H> {
+    /// What applies messages in batches, instead of [`handler`](Self::handler):
+    /// each take of what the broker already sent (never waiting to fill a
+    /// batch) is split in batches of up to `size` deliveries, entered in
+    /// the inbox together and handed to `handler` on one transaction, one
+    /// commit ([`Protocol::decide_batch`](idem_core::consume::Protocol::decide_batch)):
+    /// a message that fails its batch is tried again alone, so it alone is
+    /// retried and dead-lettered. [`concurrency`](Self::concurrency) is then
+    /// the number of batches at once; the prefetch is raised to hold them.
+    pub fn batch_handler<B>(self, handler: B, size: usize) -> ConsumerBuilder<I, Batch<B>> {
+        self.handler(Batch::new(handler, size))
+    }
+}
+
 impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
     /// The consumer. Fails on a URL that cannot be parsed or a queue name
     /// AMQP cannot carry; the broker is not contacted until
@@ -249,10 +266,12 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
         let topology = Topology::new(self.options.queue)
             .queue_type(self.options.queue_type)
             .delivery_limit(self.options.delivery_limit);
+        let batch = self.handler.as_batch().map_or(1, |(_, size)| size);
+        let in_hand = self.options.concurrency.saturating_mul(batch);
         let prefetch = self
             .options
             .prefetch
-            .max(u16::try_from(self.options.concurrency).unwrap_or(u16::MAX));
+            .max(u16::try_from(in_hand).unwrap_or(u16::MAX));
         Ok(Consumer {
             shared: Arc::new(Shared {
                 protocol: Protocol::new(name, self.inbox, self.options.policy),
@@ -264,7 +283,8 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
             }),
             address,
             prefetch,
-            concurrency: self.options.concurrency.min(usize::from(prefetch)),
+            concurrency: in_hand.min(usize::from(prefetch)),
+            batch,
             shutdown_timeout: self.options.shutdown_timeout,
             reconnect: self.options.reconnect,
         })
@@ -394,6 +414,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         };
         let intake = Deliveries {
             shared: Arc::clone(&self.shared),
+            batch: self.batch,
             channel: channel.clone(),
             tag,
             deliveries,
@@ -488,6 +509,8 @@ struct Opened {
 /// A session's deliveries, as the runner takes them.
 struct Deliveries<I: Inbox, H> {
     shared: Arc<Shared<I, H>>,
+    /// The most deliveries in a unit.
+    batch: usize,
     channel: Channel,
     tag: String,
     deliveries: lapin::Consumer,
@@ -497,9 +520,19 @@ struct Deliveries<I: Inbox, H> {
 }
 
 impl<I: Inbox, H: Handler<I::Tx> + 'static> Deliveries<I, H> {
-    fn unit(&self, delivery: lapin::message::Delivery) -> (usize, Work<Error>) {
-        let work = delivery::carry_out(Arc::clone(&self.shared), self.channel.clone(), delivery);
-        (1, Box::pin(work))
+    /// The deliveries taken, in units of up to the batch's size, in order.
+    /// Each unit takes a whole batch's room, however few it holds: at most
+    /// `concurrency` units run, and what arrives meanwhile waits to fill
+    /// the next.
+    fn units(&self, mut taken: Vec<lapin::message::Delivery>) -> Vec<(usize, Work<Error>)> {
+        let mut units = Vec::with_capacity(taken.len().div_ceil(self.batch));
+        while !taken.is_empty() {
+            let rest = taken.split_off(self.batch.min(taken.len()));
+            let work = delivery::carry_out(Arc::clone(&self.shared), self.channel.clone(), taken);
+            units.push((self.batch, Box::pin(work) as Work<Error>));
+            taken = rest;
+        }
+        units
     }
 }
 
@@ -532,20 +565,20 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Deliveries<I, H> {
             () = self.shared.outage.began() => return Ok(Vec::new()),
             next = self.deliveries.next() => next,
         };
-        let mut units = vec![self.unit(received(next)?)];
-        while units.len() < room && !self.shared.outage.is_on() {
+        let mut taken = vec![received(next)?];
+        while taken.len() < room && !self.shared.outage.is_on() {
             let Some(next) = self.deliveries.next().now_or_never() else {
                 break;
             };
             match received(next) {
-                Ok(delivery) => units.push(self.unit(delivery)),
+                Ok(delivery) => taken.push(delivery),
                 Err(error) => {
                     self.failed = Some(error);
                     break;
                 }
             }
         }
-        Ok(units)
+        Ok(self.units(taken))
     }
 
     /// A delivery's task that failed ends the session: its delivery comes
