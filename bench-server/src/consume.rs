@@ -58,8 +58,8 @@ use idem_rabbitmq::lapin::options::{
 use idem_rabbitmq::lapin::types::FieldTable;
 use idem_rabbitmq::lapin::{self, Channel, ConnectionProperties};
 use idem_rabbitmq::{
-    Attempt, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture, Inbox, Message,
-    Publisher, Topology,
+    Attempt, BatchHandler, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture, Inbox,
+    Message, Publisher, Topology,
 };
 use idem_testkit::cpu::{cpu_seconds, postgres_cpu_seconds};
 use tokio::sync::Notify;
@@ -83,6 +83,11 @@ pub(crate) struct Options {
     /// inbox's default of 4 on SQLite, whose writers take turns anyway).
     #[arg(long)]
     pool: Option<u32>,
+    /// idem's consumer: a batch handler deciding up to this many deliveries
+    /// together, in one transaction (`ConsumerBuilder::batch_handler`);
+    /// without it, the handler, one at a time. The bare consumer ignores it.
+    #[arg(long)]
+    batch: Option<usize>,
     /// What every consume command takes beside its broker.
     #[command(flatten)]
     drain: crate::consume::Drain,
@@ -235,6 +240,74 @@ macro_rules! ledger {
 ledger!(AsyncPgConnection);
 ledger!(AsyncSqliteConnection);
 
+/// The effect of a batch of payments, on a connection whose transaction is
+/// open: what a batch handler does with the batch it is given.
+pub(crate) trait BatchLedger: Ledger {
+    /// Every payment's balance change and `INSERT`; an unknown account is
+    /// `NotFound`.
+    fn apply_all<'a>(&'a mut self, payments: &'a [Payment]) -> BoxFuture<'a, QueryResult<()>>;
+}
+
+/// On PostgreSQL, two statements whatever the batch's size: the accounts'
+/// `UPDATE` from the batch's sums per account, and one multi-row `INSERT`.
+impl BatchLedger for AsyncPgConnection {
+    fn apply_all<'a>(&'a mut self, payments: &'a [Payment]) -> BoxFuture<'a, QueryResult<()>> {
+        Box::pin(async move {
+            use diesel::sql_types::{Array, BigInt, Text};
+            use diesel_async::RunQueryDsl;
+            let column = |f: fn(&Payment) -> &str| payments.iter().map(f).collect::<Vec<&str>>();
+            let accounts = column(|p| &p.account_id);
+            let amounts: Vec<i64> = payments.iter().map(|p| p.amount).collect();
+            let changes = diesel::sql_query(
+                "WITH sums AS (
+                     SELECT account_id, sum(amount)::bigint AS amount, count(*) AS n
+                     FROM unnest($1::text[], $2::bigint[]) AS p(account_id, amount)
+                     GROUP BY account_id)
+                 UPDATE bench_accounts AS a
+                 SET balance = a.balance + sums.amount, operations = a.operations + sums.n
+                 FROM sums WHERE a.account_id = sums.account_id",
+            )
+            .bind::<Array<Text>, _>(&accounts)
+            .bind::<Array<BigInt>, _>(&amounts);
+            let inserts = diesel::sql_query(
+                "INSERT INTO bench_payments (payment_id, account_id, amount, currency, reference)
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[])",
+            )
+            .bind::<Array<Text>, _>(column(|p| &p.payment_id))
+            .bind::<Array<Text>, _>(&accounts)
+            .bind::<Array<BigInt>, _>(&amounts)
+            .bind::<Array<Text>, _>(column(|p| &p.currency))
+            .bind::<Array<Text>, _>(column(|p| &p.reference));
+            let mut distinct = accounts.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            let connection: &AsyncPgConnection = self;
+            let (mut first, mut second) = (connection, connection);
+            // Both sent at once (one round trip): the connection pipelines
+            // the futures polled together.
+            let (updated, inserted) =
+                tokio::join!(changes.execute(&mut first), inserts.execute(&mut second));
+            if updated? != distinct.len() {
+                return Err(diesel::result::Error::NotFound);
+            }
+            inserted.map(drop)
+        })
+    }
+}
+
+/// On SQLite, each payment's statements in turn: in-process, a statement
+/// costs no round trip; the batch saves the commits.
+impl BatchLedger for AsyncSqliteConnection {
+    fn apply_all<'a>(&'a mut self, payments: &'a [Payment]) -> BoxFuture<'a, QueryResult<()>> {
+        Box::pin(async move {
+            for payment in payments {
+                self.apply(payment).await?;
+            }
+            Ok(())
+        })
+    }
+}
+
 /// The bare consumer's transaction on a pool of the database.
 pub(crate) trait BareTransaction: Clone + Send + Sync + 'static {
     /// Checks a connection out, begins, applies `payment`, commits.
@@ -300,6 +373,30 @@ impl<Tx: Ledger> Handler<Tx> for Apply {
             let payment: Payment = attempt.json().map_err(HandlerError::permanent)?;
             tx.apply(&payment).await?;
             self.progress.one();
+            Ok(())
+        })
+    }
+}
+
+/// idem's batch handler: the batch's effects on the inbox's transaction,
+/// counted.
+pub(crate) struct ApplyBatch {
+    pub(crate) progress: Arc<Progress>,
+}
+
+impl<Tx: BatchLedger> BatchHandler<Tx> for ApplyBatch {
+    fn handle<'a>(&'a self, batch: &'a [Attempt<'a>], tx: &'a mut Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            self.progress.begin();
+            let payments = batch
+                .iter()
+                .map(|attempt| attempt.json::<Payment>())
+                .collect::<Result<Vec<Payment>, _>>()
+                .map_err(HandlerError::permanent)?;
+            tx.apply_all(&payments).await?;
+            for _ in batch {
+                self.progress.one();
+            }
             Ok(())
         })
     }
@@ -637,19 +734,35 @@ async fn idem<I>(
 ) -> Result<usize, BoxError>
 where
     I: Inbox,
-    I::Tx: Ledger + Sized,
+    I::Tx: BatchLedger + Sized,
 {
     let progress = Progress::new(count);
-    let consumer = Consumer::builder(&options.amqp, queue)
+    let builder = Consumer::builder(&options.amqp, queue)
         .name(CONSUMER)
         .inbox(inbox)
         .policy(ConsumerPolicy::new())
         .prefetch(options.prefetch)
-        .concurrency(options.drain.concurrency)
-        .handler(Apply {
+        .concurrency(options.drain.concurrency);
+    if let Some(size) = options.batch {
+        let apply = ApplyBatch {
             progress: Arc::clone(&progress),
-        })
-        .build()?;
+        };
+        let consumer = builder.batch_handler(apply, size).build()?;
+        run_idem(consumer, &progress, window).await
+    } else {
+        let apply = Apply {
+            progress: Arc::clone(&progress),
+        };
+        run_idem(builder.handler(apply).build()?, &progress, window).await
+    }
+}
+
+/// Runs idem's `consumer` until its handler ran the drain's count.
+async fn run_idem<I: Inbox, H: Handler<I::Tx> + 'static>(
+    consumer: Consumer<I, H>,
+    progress: &Progress,
+    window: &mut Window,
+) -> Result<usize, BoxError> {
     let mut subscriptions = 0;
     consumer
         .run(progress.reached.notified(), |_| {

@@ -241,7 +241,7 @@ fn rows(
                     [Kind::Bare, Kind::Idem]
                 };
                 for kind in order {
-                    let drained = drain(bench, on, database, kind, c)?;
+                    let drained = drain(bench, on, database, kind, c, None)?;
                     match kind {
                         Kind::Idem => idem.push(drained),
                         Kind::Bare => bare.push(drained),
@@ -258,6 +258,101 @@ fn rows(
             );
         }
     }
+    if matches!(on, On::RabbitMq(_)) {
+        batch_rows(bench, report, on, databases)?;
+    }
+    Ok(())
+}
+
+/// The batch sizes of the batch rows.
+const BATCHES: [usize; 3] = [1, 16, 128];
+
+/// idem's consumer with a batch handler (`ConsumerBuilder::batch_handler`,
+/// one batch at a time) at each of [`BATCHES`], against the bare consumer
+/// one message at a time (c = 1): the rounds alternate as the other rows'
+/// do, the bare drain first in odd rounds.
+fn batch_rows(
+    bench: &Bench,
+    report: &mut Report,
+    on: &On,
+    databases: &[(Store, String)],
+) -> Result<(), String> {
+    let settings = &bench.settings;
+    report.notes.push(format!(
+        "consumer batch rows: idem-rabbitmq's batch handler, one batch at a time (the prefetch          raised to the batch), each batch's new messages applied with two statements on          PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and          statement by statement on SQLite, one commit; against the bare consumer at c=1;          targets at {}: 3x on PostgreSQL, 2x on SQLite",
+        BATCHES[BATCHES.len() - 1]
+    ));
+    for database in databases {
+        let mut idem: Vec<Vec<Drain>> = BATCHES.iter().map(|_| Vec::new()).collect();
+        let mut bare = Vec::new();
+        for round in 0..settings.consumer_rounds {
+            if round % 2 == 1 {
+                bare.push(drain(bench, on, database, Kind::Bare, 1, None)?);
+            }
+            for (i, &batch) in BATCHES.iter().enumerate() {
+                idem[i].push(drain(bench, on, database, Kind::Idem, 1, Some(batch))?);
+            }
+            if round % 2 == 0 {
+                bare.push(drain(bench, on, database, Kind::Bare, 1, None)?);
+            }
+        }
+        let (inbox, name) = (database.0.inbox(), database.0.name());
+        let bare = Rounds::of(bare);
+        for (drains, &batch) in idem.into_iter().zip(&BATCHES) {
+            let idem = Rounds::of(drains);
+            report.rows.push(
+                Row::from_load(
+                    on.section(),
+                    format!("{} + {inbox}, batch {batch}", on.idem()),
+                    1,
+                    &idem.median(),
+                )
+                .without_latency(),
+            );
+            let target = match (batch, database.0) {
+                (128, Store::Postgres) => Target::AtLeast(3.0),
+                (128, Store::Sqlite) => Target::AtLeast(2.0),
+                _ => Target::None,
+            };
+            let cpu = match (
+                idem.pooled.server_micros_per_request(),
+                idem.pooled.database_micros_per_request(),
+            ) {
+                (Some(consumer), Some(database)) => format!(
+                    "; CPU per message: consumer {consumer:.1} us, PostgreSQL {database:.1} us"
+                ),
+                (Some(consumer), None) => format!("; consumer CPU per message {consumer:.1} us"),
+                _ => String::new(),
+            };
+            report.ratios.push(
+                Ratio::new(
+                    format!(
+                        "{} + {inbox}, batch {batch} / {} one at a time (c=1), msgs/s",
+                        on.idem(),
+                        on.bare()
+                    ),
+                    median_ratio(&idem, &bare),
+                    target,
+                )
+                .note(format!(
+                    "median of {} rounds against the bare consumer and the same {name}                      transaction{cpu}",
+                    idem.drains.len()
+                )),
+            );
+        }
+        report.rows.push(
+            Row::from_load(
+                on.section(),
+                format!(
+                    "{} + the same {name} transaction (batch rows' reference)",
+                    on.bare()
+                ),
+                1,
+                &bare.median(),
+            )
+            .without_latency(),
+        );
+    }
     Ok(())
 }
 
@@ -272,18 +367,25 @@ fn drain(
     (store, database): &(Store, String),
     kind: Kind,
     c: usize,
+    batch: Option<usize>,
 ) -> Result<Drain, String> {
     let settings = &bench.settings;
     let store = match store {
         Store::Postgres => "postgres",
         Store::Sqlite => "sqlite",
     };
-    let queue = format!("bench-{}-{store}-{}-c{c}", short_id(), kind.flag());
+    let queue = format!(
+        "bench-{}-{store}-{}-c{c}-b{}",
+        short_id(),
+        kind.flag(),
+        batch.unwrap_or(0)
+    );
     let mut command = Command::new(&bench.binaries.server);
     match on {
         On::RabbitMq(amqp) => command
             .args(["consume", "--amqp", amqp, "--queue", &queue])
-            .args(["--prefetch", &PREFETCH.to_string()]),
+            .args(["--prefetch", &PREFETCH.to_string()])
+            .args(batch.map(|size| format!("--batch={size}"))),
         On::Kafka(servers) => {
             command.args(["kafka-consume", "--kafka", servers, "--topic", &queue])
         }
