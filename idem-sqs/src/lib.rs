@@ -79,7 +79,8 @@ pub use queue::{MAX_QUEUE_NAME_LEN, dead_letter_queue_name, queue_name};
 pub use aws_sdk_sqs;
 pub use idem_core;
 pub use idem_core::consume::{
-    Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler, HandlerError, HandlerFuture,
-    Inbox, MemoryInbox, Message, MissingId, Protocol, handler, rfc3339,
+    Attempt, Batch, BatchHandler, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler,
+    HandlerError, HandlerFuture, Inbox, MemoryInbox, Message, MissingId, Protocol, batch_handler,
+    each, handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;

@@ -279,7 +279,7 @@ fn batch_rows(
 ) -> Result<(), String> {
     let settings = &bench.settings;
     report.notes.push(format!(
-        "consumer batch rows: idem-rabbitmq's batch handler, one batch at a time (the prefetch          raised to the batch), each batch's new messages applied with two statements on          PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and          statement by statement on SQLite, one commit; against the bare consumer at c=1;          targets at {}: 3x on PostgreSQL, 2x on SQLite",
+        "consumer batch rows: idem-rabbitmq's batch handler, one batch at a time (the prefetch raised to the batch), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and statement by statement on SQLite, one commit; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
         BATCHES[BATCHES.len() - 1]
     ));
     for database in databases {
@@ -335,7 +335,7 @@ fn batch_rows(
                     target,
                 )
                 .note(format!(
-                    "median of {} rounds against the bare consumer and the same {name}                      transaction{cpu}",
+                    "median of {} rounds against the bare consumer and the same {name} transaction{cpu}",
                     idem.drains.len()
                 )),
             );

@@ -73,7 +73,23 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
         alone: false,
         long: true,
         postgres_only: false,
-        run: |case| sigkill_mid_stream(case).boxed(),
+        run: |case| sigkill_mid_stream(case, &[]).boxed(),
+    },
+    Scenario {
+        name: "sqs_batch_sigkill",
+        check: "consumer on SQS: --batch 10, SIGKILL x5 over 500 messages (100 duplicates), balances exact",
+        alone: false,
+        long: false,
+        postgres_only: false,
+        run: |case| sigkill_mid_stream(case, &["--batch", "10"]).boxed(),
+    },
+    Scenario {
+        name: "sqs_batch_dead_letter",
+        check: "consumer on SQS: --batch 10, a failing message among others dead-lettered alone after exactly 3 receives, the others applied once",
+        alone: false,
+        long: false,
+        postgres_only: false,
+        run: |case| dead_letter_then(case, false, &["--batch", "10"]).boxed(),
     },
     Scenario {
         name: "sqs_slow_handler",
@@ -461,7 +477,7 @@ async fn a_database_outage_spends_no_receive(mut case: Case) -> Result<String, S
 /// received and not deleted at a kill comes back after its timeout: the
 /// deliveries beyond the producer's 100 that the inbox absorbed are the
 /// ones committed and not yet deleted at a kill.
-async fn sigkill_mid_stream(case: Case) -> Result<String, String> {
+async fn sigkill_mid_stream(case: Case, flags: &'static [&'static str]) -> Result<String, String> {
     const KILLS: usize = 5;
     let (mut rng, seed) = seeded();
     let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
@@ -483,7 +499,7 @@ async fn sigkill_mid_stream(case: Case) -> Result<String, String> {
     let mut at_kills = Vec::new();
     let mut logs = Vec::new();
     for target in targets {
-        let consumer = consumer(&case, &[]).await?;
+        let consumer = consumer(&case, flags).await?;
         logs.push(consumer.log.clone());
         wait_processed(&case, &database, target)
             .await
@@ -491,7 +507,7 @@ async fn sigkill_mid_stream(case: Case) -> Result<String, String> {
         consumer.kill().await;
         at_kills.push(processed(&database, &inbox).await?);
     }
-    let consumer = consumer(&case, &[]).await?;
+    let consumer = consumer(&case, flags).await?;
     logs.push(consumer.log.clone());
     drained(&case, &client, &url, &database, stream.unique)
         .await
@@ -627,19 +643,23 @@ async fn a_handler_slower_than_the_visibility_timeout_runs_once(
 async fn a_failing_message_is_dead_lettered_after_three_receives(
     case: Case,
 ) -> Result<String, String> {
-    dead_letter_then(case, false).await
+    dead_letter_then(case, false, &[]).await
 }
 
 /// The dead letter above, re-driven after the fix (a consumer without
 /// `--fail-account`): applied once; a producer's later copy is a duplicate;
 /// a second redrive moves nothing, and the listing is empty.
 async fn a_redrive_is_applied_once(case: Case) -> Result<String, String> {
-    dead_letter_then(case, true).await
+    dead_letter_then(case, true, &[]).await
 }
 
 const REASON: &str = "payments to the account of --fail-account fail on purpose";
 
-async fn dead_letter_then(case: Case, redrive: bool) -> Result<String, String> {
+async fn dead_letter_then(
+    case: Case,
+    redrive: bool,
+    flags: &'static [&'static str],
+) -> Result<String, String> {
     let client = client(&case)?;
     let url = create_queue(&case, &client, &[]).await?;
     let ok = format!("acct-{}-ok", case.queue);
@@ -660,18 +680,16 @@ async fn dead_letter_then(case: Case, redrive: bool) -> Result<String, String> {
     send("m-1", &ok, 10).await?;
     send("m-2", &bad, 7).await?;
     send("m-3", &ok, 20).await?;
-    let buggy = consumer(
-        &case,
-        &[
-            "--fail-account",
-            &bad,
-            "--max-attempts",
-            "3",
-            "--retry-base-ms",
-            "50",
-        ],
-    )
-    .await?;
+    let mut buggy_flags = vec![
+        "--fail-account",
+        bad.as_str(),
+        "--max-attempts",
+        "3",
+        "--retry-base-ms",
+        "50",
+    ];
+    buggy_flags.extend_from_slice(flags);
+    let buggy = consumer(&case, &buggy_flags).await?;
     let dlq = dead_letter_queue(&case)?;
     wait_depth(&client, &dlq, 1).await?;
     wait_depth(&client, &url, 0).await?;

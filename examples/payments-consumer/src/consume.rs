@@ -46,8 +46,9 @@ pub struct Settings {
     /// Each effect waits this long inside its transaction (to show a slow
     /// handler); zero by default.
     pub handler_latency: Duration,
-    /// RabbitMQ: up to this many messages already delivered are applied in
-    /// one transaction, one commit (1: one at a time, the default).
+    /// RabbitMQ and SQS: up to this many messages already delivered are
+    /// applied in one transaction, one commit (1: one at a time, the
+    /// default; on SQS a batch is at most one receive's 10 messages).
     pub batch: usize,
 }
 

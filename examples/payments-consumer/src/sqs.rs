@@ -2,7 +2,7 @@
 //! on idem-sqs.
 
 use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
-use idem_sqs::{ClientConfig, Consumer, Inbox};
+use idem_sqs::{ClientConfig, Consumer, Handler, Inbox, each};
 
 use crate::ConsumerError;
 use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal};
@@ -62,13 +62,39 @@ where
     let stop = stop_signal()?;
     let settings = &options.settings;
     let queue = idem_sqs::queue_name(&options.queue_url)?.to_owned();
-    let consumer = Consumer::builder(client, &options.queue_url)
+    let builder = Consumer::builder(client, &options.queue_url)
         .name(inbox_name(&queue))
         .inbox(inbox)
         .policy(settings.policy())
-        .concurrency(settings.concurrency)
-        .handler(settings.handler())
-        .build()?;
+        .concurrency(settings.concurrency);
+    if settings.batch > 1 {
+        // Each payment in turn, all on the batch's one transaction.
+        let consumer = builder
+            .batch_handler(each(settings.handler()), settings.batch)
+            .build()?;
+        serve(consumer, cleanup, stop, subscribed).await
+    } else {
+        serve(
+            builder.handler(settings.handler()).build()?,
+            cleanup,
+            stop,
+            subscribed,
+        )
+        .await
+    }
+}
+
+/// Runs `consumer` until `stop`, its inbox's `cleanup` beside it.
+async fn serve<I, H>(
+    consumer: Consumer<I, H>,
+    cleanup: Cleanup<I>,
+    stop: impl Future<Output = ()>,
+    subscribed: impl FnOnce(&str),
+) -> Result<(), ConsumerError>
+where
+    I: Inbox + ExpiredRows,
+    H: Handler<I::Tx> + 'static,
+{
     let consumed = beside_cleanup(
         cleanup,
         consumer.run(stop, |polling| subscribed(&polling.queue)),

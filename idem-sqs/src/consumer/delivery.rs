@@ -60,6 +60,82 @@ pub(super) async fn settle<I: Inbox, H: Handler<I::Tx> + 'static>(
     }
 }
 
+/// Settles a batch of a standard queue's messages (one receive's, with a
+/// batch handler: see [`ConsumerBuilder::batch_handler`](super::ConsumerBuilder::batch_handler)):
+/// decided together under their leases, the acknowledged ones deleted with
+/// one `DeleteMessageBatch`, the others carried out one by one.
+pub(super) async fn settle_batch<I: Inbox, H: Handler<I::Tx> + 'static>(
+    shared: Arc<Shared<I, H>>,
+    target: Arc<Target>,
+    batch: Vec<Received>,
+    received_at: Instant,
+) {
+    let receipts: Vec<&str> = batch.iter().map(|m| m.receipt.as_str()).collect();
+    let messages: Vec<idem_core::consume::Message> =
+        batch.iter().map(|m| m.message.clone()).collect();
+    let decisions = target
+        .lease
+        .hold(
+            &receipts,
+            received_at,
+            shared.protocol.decide_all_holding(
+                &messages,
+                &shared.handler,
+                &shared.outage,
+                shared.stop.stopped(),
+            ),
+        )
+        .await;
+    let mut acknowledged = Vec::with_capacity(batch.len());
+    for (received, decision) in batch.iter().zip(decisions) {
+        if matches!(decision, Decision::Ack(_)) {
+            acknowledged.push(received);
+            continue;
+        }
+        if let Err(error) = carry_out(&shared, &target, received, decision).await {
+            tracing::warn!(message_id = %redacted(received), error = %error_chain(&error), "a decision could not be carried out on SQS: the message comes back after its lease");
+        }
+    }
+    for chunk in acknowledged.chunks(crate::consumer::MAX_BATCH) {
+        if let Err(error) = delete_batch(&target, chunk).await {
+            tracing::warn!(messages = chunk.len(), error = %error_chain(&error), "applied messages could not be deleted: they come back after their lease, as duplicates");
+        }
+    }
+}
+
+/// Deletes up to 10 messages in one call; a message SQS did not delete comes
+/// back after its lease (a duplicate to the inbox).
+async fn delete_batch(target: &Target, received: &[&Received]) -> Result<(), Error> {
+    use aws_sdk_sqs::types::DeleteMessageBatchRequestEntry;
+    let entries = received
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            DeleteMessageBatchRequestEntry::builder()
+                .id(i.to_string())
+                .receipt_handle(&m.receipt)
+                .build()
+                .map_err(|error| Error::Unexpected(format!("a delete entry: {error}")))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    let deleted = target
+        .lease
+        .client
+        .delete_message_batch()
+        .queue_url(&target.queue.url)
+        .set_entries(Some(entries))
+        .send()
+        .await
+        .map_err(Error::sqs("delete a batch of messages"))?;
+    if !deleted.failed().is_empty() {
+        tracing::warn!(
+            failed = deleted.failed().len(),
+            "SQS did not delete every applied message of a batch: those come back after their lease, as duplicates"
+        );
+    }
+    Ok(())
+}
+
 /// Carries `decision` out; answers whether the message is settled for good
 /// (deleted), so that the next of its FIFO group may go.
 async fn carry_out<I: Inbox, H>(

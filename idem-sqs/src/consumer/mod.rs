@@ -12,7 +12,7 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
 use idem_core::consume::runner::{Intake, Runner, Taken, Work, default_broker_backoff};
 use idem_core::consume::{
-    ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
+    Batch, ConsumerPolicy, Handler, Inbox, MemoryInbox, Outage, Protocol, StopSignal,
 };
 use idem_core::log::error_chain;
 use idem_core::retry::Backoff;
@@ -239,6 +239,22 @@ impl<I, H> ConsumerBuilder<I, H> {
     }
 }
 
+impl<I, H> ConsumerBuilder<I, H> {
+    /// What applies messages in batches, instead of [`handler`](Self::handler),
+    /// on a standard queue: the messages of one receive (up to
+    /// [`batch_size`](Self::batch_size), and up to `size`) are entered in the
+    /// inbox together and handed to `handler` on one transaction, one
+    /// commit ([`Protocol::decide_batch`](idem_core::consume::Protocol::decide_batch)),
+    /// and those applied are deleted with one `DeleteMessageBatch`. A
+    /// message that fails its batch is tried again alone, so it alone is
+    /// retried and dead-lettered. [`concurrency`](Self::concurrency) is then
+    /// the number of batches at once. On a FIFO queue, whose groups are
+    /// applied in order, each message is still decided alone.
+    pub fn batch_handler<B>(self, handler: B, size: usize) -> ConsumerBuilder<I, Batch<B>> {
+        self.handler(Batch::new(handler, size))
+    }
+}
+
 impl<I: Inbox, H: Handler<I::Tx> + 'static> ConsumerBuilder<I, H> {
     /// The consumer. Fails on a queue URL without a queue name; SQS is not
     /// contacted until [`run`](Consumer::run).
@@ -280,6 +296,15 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
     /// The protocol: the inbox, the policy, the inbox's dead letters.
     pub fn protocol(&self) -> &Protocol<I> {
         &self.shared.protocol
+    }
+
+    /// The messages a unit of work holds at most: a batch's (a batch
+    /// handler, on a standard queue: up to a receive), or 1.
+    fn unit(&self, target: &Target) -> usize {
+        match self.shared.handler.as_batch() {
+            Some((_, size)) if !target.queue.fifo => size.min(self.batch).max(1),
+            _ => 1,
+        }
     }
 
     /// Reads the queue, finds or creates its dead-letter queue, calls
@@ -330,7 +355,7 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Consumer<I, H> {
         });
 
         let runner = Runner {
-            concurrency: self.concurrency,
+            concurrency: self.concurrency.saturating_mul(self.unit(&target)),
             shutdown_timeout: self.shutdown_timeout,
             outage: &self.shared.outage,
             stop: &self.shared.stop,
@@ -449,10 +474,30 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Polls<'_, I, H> {
     async fn take(&mut self, room: usize) -> Taken<Error> {
         let consumer = self.consumer;
         let queue = self.target.queue.name.as_str();
+        let unit = consumer.unit(&self.target);
         match consumer
-            .receive(&self.target, room.min(consumer.batch))
+            .receive(&self.target, room.min(consumer.batch).min(unit.max(1)))
             .await
         {
+            Ok((messages, received_at)) if unit > 1 => {
+                self.failures = 0;
+                if messages.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let work = delivery::settle_batch(
+                    Arc::clone(&consumer.shared),
+                    Arc::clone(&self.target),
+                    messages,
+                    received_at,
+                );
+                let work: Work<Error> = Box::pin(async move {
+                    work.await;
+                    Ok(())
+                });
+                // A batch takes a whole batch's room: the next receive waits
+                // for a free one.
+                Ok(vec![(unit, work)])
+            }
             Ok((messages, received_at)) => {
                 self.failures = 0;
                 Ok(groups(messages, self.target.queue.fifo)
