@@ -414,3 +414,205 @@ impl<I: Inbox> Protocol<I> {
         decisions
     }
 }
+
+/// What [`Protocol::decide_batch_advancing`] came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Advanced {
+    /// The first `n` records are applied, their position moved past them
+    /// (committed with their effects). When `n` is short of the batch, the
+    /// record at `n` is for the one-at-a-time path
+    /// ([`Protocol::decide_advancing`]): it failed alone, or it is not new
+    /// (a duplicate, a dead letter, a reused id), or it cannot be batched
+    /// (no readable id, re-driven, its id earlier in the batch); the records
+    /// after it wait for it, in order.
+    Applied(usize),
+    /// The partition has another owner: its stored position moved. Nothing
+    /// of the step that met the fence committed.
+    Fenced,
+    /// The inbox is unavailable: nothing of the step that met it committed;
+    /// decide the rest again after `after`.
+    Unavailable {
+        /// The pause before deciding again.
+        after: std::time::Duration,
+    },
+}
+
+/// The batch's moves of one partition: the consumer, the topic, the
+/// partition, and where its position was before the batch.
+#[derive(Clone, Debug)]
+pub struct PartitionBatch<'a> {
+    /// The consumer's name (the inbox's).
+    pub consumer: &'a str,
+    /// The topic.
+    pub topic: &'a str,
+    /// The partition.
+    pub partition: i32,
+    /// The next offset the position held before the batch (`None`: none).
+    pub from: Option<i64>,
+    /// Each record's offset, in order (as many as the messages).
+    pub offsets: &'a [i64],
+}
+
+/// A batch handler run after the partition's position moved over the whole
+/// batch on its transaction; fails the batch (so that nothing commits)
+/// when the batch holds a message that is not new, and notes a fence.
+struct MoveFirst<'a, P: super::Positions> {
+    positions: &'a P,
+    advance: &'a super::Advance<'a>,
+    handler: &'a (dyn BatchHandler<P::Tx> + 'a),
+    size: usize,
+    fenced: std::sync::atomic::AtomicBool,
+}
+
+/// The batch holds messages that are not new: it is applied one by one.
+#[derive(Debug, thiserror::Error)]
+#[error("the batch holds messages applied before or dead: they go one at a time")]
+struct NotAllNew;
+
+impl<P: super::Positions> BatchHandler<P::Tx> for MoveFirst<'_, P> {
+    fn handle<'a>(&'a self, batch: &'a [Attempt<'a>], tx: &'a mut P::Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            if batch.len() != self.size {
+                return Err(HandlerError::transient(NotAllNew));
+            }
+            match self.positions.advance_in(tx, self.advance).await {
+                Ok(true) => self.handler.handle(batch, tx).await,
+                Ok(false) => {
+                    self.fenced.store(true, std::sync::atomic::Ordering::SeqCst);
+                    Err(HandlerError::transient(super::PartitionLost))
+                }
+                Err(error) => Err(HandlerError::transient(error)),
+            }
+        })
+    }
+}
+
+impl<I: super::Positions> Protocol<I> {
+    /// Applies a partition's records in order, in batches, each with the
+    /// partition's move past it on the same transaction
+    /// ([`Positions::advance_in`](super::Positions::advance_in)): the
+    /// batch's effects, its inbox rows and the position commit together,
+    /// fenced as one record's are.
+    ///
+    /// Only batches whose every message is new are applied together; a
+    /// batch that fails is split in two and the earlier half tried first,
+    /// so the records stay in order. A record that would be decided alone
+    /// (see [`Advanced::Applied`]) ends the step: its caller applies it one
+    /// at a time, then goes on with the rest. Nothing a batch ran is
+    /// counted as an attempt.
+    pub async fn decide_batch_advancing(
+        &self,
+        messages: &[Message],
+        partition: &PartitionBatch<'_>,
+        handler: &(dyn BatchHandler<I::Tx> + '_),
+    ) -> Advanced {
+        let span = tracing::info_span!(
+            target: "idem",
+            "idem.batch",
+            consumer = %bounded(self.consumer()),
+            size = messages.len(),
+        );
+        self.decide_batch_advancing_in(messages, partition, handler)
+            .instrument(span)
+            .await
+    }
+
+    async fn decide_batch_advancing_in(
+        &self,
+        messages: &[Message],
+        partition: &PartitionBatch<'_>,
+        handler: &(dyn BatchHandler<I::Tx> + '_),
+    ) -> Advanced {
+        let at = SystemTime::now();
+        let keys: Vec<String> = messages.iter().map(Self::key_of).collect();
+        // The batch ends before the first message that cannot be batched.
+        let mut seen = HashSet::with_capacity(messages.len());
+        let end = messages
+            .iter()
+            .zip(&keys)
+            .position(|(message, key)| {
+                message.get_id_problem().is_some()
+                    || (message.message_id().is_none()
+                        && self.policy().get_missing_id() == MissingId::Refuse)
+                    || message.is_redriven()
+                    || !seen.insert(key.as_str())
+            })
+            .unwrap_or(messages.len())
+            .min(partition.offsets.len());
+        let entries: Vec<BatchEntry<'_>> = keys[..end]
+            .iter()
+            .zip(messages)
+            .map(|(key, message)| BatchEntry {
+                entry: Entry {
+                    consumer: self.consumer(),
+                    message_id: key,
+                    fingerprint: message.fingerprint(),
+                    at,
+                },
+                message,
+            })
+            .collect();
+        let mut from = partition.from;
+        let mut applied = 0;
+        // Ranges still to apply, the earliest on top.
+        let mut ranges = vec![0..end];
+        while let Some(range) = ranges.pop() {
+            if range.len() < 2 {
+                break;
+            }
+            let advance = super::Advance {
+                consumer: partition.consumer,
+                topic: partition.topic,
+                partition: partition.partition,
+                from,
+                to: partition.offsets[range.end - 1] + 1,
+            };
+            let first = MoveFirst {
+                positions: self.inbox(),
+                advance: &advance,
+                handler,
+                size: range.len(),
+                fenced: std::sync::atomic::AtomicBool::new(false),
+            };
+            let outcome = self
+                .inbox()
+                .process_batch(&entries[range.clone()], &BatchGuarded(&first))
+                .await;
+            if first.fenced.load(std::sync::atomic::Ordering::SeqCst) {
+                return Advanced::Fenced;
+            }
+            match outcome {
+                Ok(Batched::Entered(entered))
+                    if entered.len() == range.len()
+                        && entered
+                            .iter()
+                            .all(|e| matches!(e, Entered::Processed { .. })) =>
+                {
+                    for _ in &entered {
+                        super::metrics::outcome(super::metrics::Outcome::Processed);
+                    }
+                    tracing::debug!(target: "idem", outcome = "processed", records = range.len(), "a batch of records applied, its position moved");
+                    applied = range.end;
+                    from = Some(advance.to);
+                }
+                Ok(_) => {
+                    let half = range.start + range.len() / 2;
+                    tracing::debug!(target: "idem", size = range.len(), "the batch did not apply as one: each half is tried alone, in order");
+                    ranges.push(half..range.end);
+                    ranges.push(range.start..half);
+                }
+                Err(error) => {
+                    tracing::error!(target: "idem", outcome = "requeued", size = range.len(), error = %crate::log::error_chain(&error), "the inbox is unavailable: the batch is decided again after a pause, uncounted");
+                    if applied > 0 {
+                        return Advanced::Applied(applied);
+                    }
+                    return Advanced::Unavailable {
+                        after: self.policy().get_unavailable_pause(),
+                    };
+                }
+            }
+        }
+        Advanced::Applied(applied)
+    }
+}

@@ -93,7 +93,9 @@ mod store_inbox;
 #[cfg(feature = "test-util")]
 pub mod conformance;
 
-pub use batch::{Batch, BatchEntry, BatchHandler, Batched, Each, batch_handler, each};
+pub use batch::{
+    Advanced, Batch, BatchEntry, BatchHandler, Batched, Each, PartitionBatch, batch_handler, each,
+};
 pub use handler::{ErrorKind, Handler, HandlerError, HandlerFuture, handler};
 pub use inbox::{
     Buried, Counted, DeadLetter, Entered, Entry, Failure, Inbox, InboxError, InboxFuture,

@@ -637,6 +637,43 @@ async fn postgres_a_processed_message_takes_four_statements(databases: Arc<Datab
     );
     let duplicate = std::mem::take(&mut *sent.lock().unwrap());
     assert_eq!(duplicate, vec!["BEGIN", "WITH input", "ROLLBACK"]);
+
+    // A partition's 8 records in one batch: its move in the batch's
+    // transaction, once.
+    let records: Vec<Message> = (0..8)
+        .map(|i| Message::new("{}").id(format!("k-{i}")))
+        .collect();
+    let offsets: Vec<i64> = (1..9).collect();
+    let partition = idem_core::consume::PartitionBatch {
+        consumer: "ledger",
+        topic: "payments",
+        partition: 0,
+        from: Some(1),
+        offsets: &offsets,
+    };
+    let batch = idem_core::consume::Batch::new(each, 8);
+    let advanced = protocol
+        .decide_batch_advancing(&records, &partition, batch.handler())
+        .await;
+    assert_eq!(advanced, idem_core::consume::Advanced::Applied(8));
+    let moved = std::mem::take(&mut *sent.lock().unwrap());
+    assert_eq!(
+        moved,
+        vec![
+            "BEGIN",
+            "WITH input",
+            "INSERT INTO",
+            "DELETE FROM",
+            "COMMIT"
+        ],
+        "a batch of records: one entry, one move, one commit"
+    );
+    let positions = protocol
+        .inbox()
+        .positions("ledger", "payments")
+        .await
+        .expect("positions");
+    assert_eq!(positions, std::collections::HashMap::from([(0, 9)]));
 }
 
 /// A `SqliteInbox` on a fresh file, and an `effects` table its handlers write.

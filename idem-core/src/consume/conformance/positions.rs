@@ -4,7 +4,9 @@
 //! answers `true`, a rolled-back transaction moves nothing, the positions
 //! read back are what committed, per consumer and topic, and a record
 //! processed with its move ([`Positions::process_advancing`]) runs its
-//! handler only once the position moved.
+//! handler only once the position moved, and records applied in batches
+//! ([`Protocol::decide_batch_advancing`](crate::consume::Protocol::decide_batch_advancing))
+//! move it in order, a poison record alone.
 //!
 //! # Running it against an inbox
 //!
@@ -390,6 +392,180 @@ pub async fn a_record_processed_with_its_move_runs_once_the_position_moved<I: Po
     );
 }
 
+/// How a partition's records went through [`drive`].
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Driven {
+    /// The partition's next offset at the end.
+    next: Option<i64>,
+    /// The records applied in a batch, and one at a time.
+    batched: usize,
+    alone: usize,
+    /// Attempts that failed alone, and the records dead-lettered.
+    retried: usize,
+    dead: Vec<String>,
+    /// Whether a fence stopped it.
+    fenced: bool,
+}
+
+/// Applies `ids` (offsets from `first`) in order as a partition's worker
+/// does: batches while they apply, the record a batch stops at one at a
+/// time (retried in place, dead-lettered after its attempts), then batches
+/// again.
+async fn drive<I: Positions>(
+    protocol: &crate::consume::Protocol<I>,
+    ids: &[String],
+    first: i64,
+    from: Option<i64>,
+    handler: &crate::consume::Batch<Poisoned>,
+) -> Driven {
+    use crate::consume::{Acked, Advanced, Decision, PartitionBatch};
+    let messages: Vec<Message> = ids.iter().map(|id| Message::new("body").id(id)).collect();
+    let offsets: Vec<i64> = (first..).take(ids.len()).collect();
+    let mut driven = Driven {
+        next: from,
+        ..Driven::default()
+    };
+    let mut i = 0;
+    while i < messages.len() {
+        let partition = PartitionBatch {
+            consumer: "c",
+            topic: "t",
+            partition: 0,
+            from: driven.next,
+            offsets: &offsets[i..],
+        };
+        match protocol
+            .decide_batch_advancing(&messages[i..], &partition, handler.handler())
+            .await
+        {
+            Advanced::Applied(n) => {
+                if n > 0 {
+                    i += n;
+                    driven.batched += n;
+                    driven.next = Some(offsets[i - 1] + 1);
+                }
+            }
+            Advanced::Fenced => {
+                driven.fenced = true;
+                return driven;
+            }
+            Advanced::Unavailable { .. } => panic!("the inbox is unavailable"),
+        }
+        if i == messages.len() {
+            break;
+        }
+        let advance = Advance {
+            consumer: "c",
+            topic: "t",
+            partition: 0,
+            from: driven.next,
+            to: offsets[i] + 1,
+        };
+        match protocol
+            .decide_advancing(&messages[i], &advance, handler)
+            .await
+        {
+            Decision::Ack(Acked::Processed { .. }) => {}
+            Decision::Ack(_) => {
+                assert!(alone(protocol.inbox(), ("c", "t", 0), advance.from, advance.to).await)
+            }
+            Decision::Retry(retry) if retry.reason.contains("another owner") => {
+                driven.fenced = true;
+                return driven;
+            }
+            Decision::Retry(_) => {
+                driven.retried += 1;
+                continue;
+            }
+            Decision::DeadLetter(letter) => {
+                protocol.published(&letter).await;
+                driven.dead.push(letter.message_id);
+                assert!(alone(protocol.inbox(), ("c", "t", 0), advance.from, advance.to).await);
+            }
+            Decision::Requeue { .. } => panic!("the inbox is unavailable"),
+        }
+        driven.alone += 1;
+        driven.next = Some(advance.to);
+        i += 1;
+    }
+    driven
+}
+
+/// A batch handler that fails every batch holding the poison.
+struct Poisoned(Option<&'static str>);
+
+impl<Tx: ?Sized + Send> crate::consume::BatchHandler<Tx> for Poisoned {
+    fn handle<'a>(&'a self, batch: &'a [Attempt<'a>], _tx: &'a mut Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            match self.0 {
+                Some(poison) if batch.iter().any(|attempt| attempt.key() == poison) => {
+                    Err(HandlerError::transient("the poison failed its batch"))
+                }
+                _ => Ok(()),
+            }
+        })
+    }
+}
+
+/// A partition's records applied in batches, in order, each batch with its
+/// move: a poison record ends alone, retried and dead-lettered after exactly
+/// its attempts, the records around it applied once and the position past
+/// all of them; the same records again are duplicates that move nothing
+/// back; a stale owner's batch is fenced and keeps nothing.
+pub async fn records_applied_in_batches_move_the_position_in_order<I: Positions>(inbox: I) {
+    migrated(&inbox).await;
+    let policy = crate::consume::ConsumerPolicy::new()
+        .max_attempts(3)
+        .backoff(crate::retry::Backoff::new(
+            std::time::Duration::ZERO,
+            std::time::Duration::ZERO,
+        ));
+    let protocol = crate::consume::Protocol::new("c", inbox, policy);
+    let ids: Vec<String> = (0..20).map(|i| format!("r-{i}")).collect();
+    let handler = crate::consume::Batch::new(Poisoned(Some("r-13")), 64);
+    let driven = drive(&protocol, &ids, 0, None, &handler).await;
+    assert_eq!(driven.next, Some(20), "{driven:?}");
+    assert_eq!(driven.dead, ["r-13"], "{driven:?}");
+    assert_eq!(
+        driven.retried, 2,
+        "two retries, then the dead letter: {driven:?}"
+    );
+    assert_eq!(driven.batched + driven.alone, 20, "{driven:?}");
+    assert_eq!(
+        positions(protocol.inbox(), "c", "t").await,
+        HashMap::from([(0, 20)])
+    );
+    let letter = match protocol.inbox().dead_letter("c", "r-13").await {
+        Ok(Some(letter)) => letter,
+        other => panic!("r-13 is a dead letter: {other:?}"),
+    };
+    assert_eq!(letter.attempts, 3);
+
+    // The same records again (a consumer whose broker position was behind):
+    // each a duplicate, the position where it was.
+    let again = drive(&protocol, &ids, 0, Some(20), &handler).await;
+    assert_eq!((again.batched, again.dead.len()), (0, 0), "{again:?}");
+    assert_eq!(
+        positions(protocol.inbox(), "c", "t").await,
+        HashMap::from([(0, 20)])
+    );
+
+    // A stale owner, which saw the position at 5: fenced, nothing kept.
+    let more: Vec<String> = (20..24).map(|i| format!("r-{i}")).collect();
+    let stale = drive(&protocol, &more, 20, Some(5), &handler).await;
+    assert!(stale.fenced, "{stale:?}");
+    assert_eq!(
+        positions(protocol.inbox(), "c", "t").await,
+        HashMap::from([(0, 20)])
+    );
+    let owner = drive(&protocol, &more, 20, Some(20), &handler).await;
+    assert_eq!(
+        (owner.next, owner.fenced, owner.batched + owner.alone),
+        (Some(24), false, 4),
+        "the fenced records were not kept: the owner applies them, {owner:?}"
+    );
+}
+
 /// Writes one test per case of the positions' suite, each on a
 /// multi-threaded runtime with 2 workers, from an async function answering a
 /// fresh inbox that implements [`Positions`](crate::consume::Positions).
@@ -403,6 +579,7 @@ macro_rules! positions_conformance_tests {
             a_rolled_back_transaction_moves_nothing,
             positions_are_kept_per_consumer_and_topic,
             a_record_processed_with_its_move_runs_once_the_position_moved,
+            records_applied_in_batches_move_the_position_in_order,
         );
     };
     (@cases $fresh:path; $($case:ident),* $(,)?) => {
@@ -427,6 +604,7 @@ pub const CASES: &[&str] = &[
     "a_rolled_back_transaction_moves_nothing",
     "positions_are_kept_per_consumer_and_topic",
     "a_record_processed_with_its_move_runs_once_the_position_moved",
+    "records_applied_in_batches_move_the_position_in_order",
 ];
 
 /// Runs the case named `name` (one of [`CASES`]) against `inbox`.
@@ -447,6 +625,9 @@ pub async fn run_case<I: Positions>(name: &str, inbox: I) {
         }
         "a_record_processed_with_its_move_runs_once_the_position_moved" => {
             a_record_processed_with_its_move_runs_once_the_position_moved(inbox).await
+        }
+        "records_applied_in_batches_move_the_position_in_order" => {
+            records_applied_in_batches_move_the_position_in_order(inbox).await
         }
         other => panic!("no positions conformance case is named {other}"),
     }
