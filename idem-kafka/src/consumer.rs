@@ -48,7 +48,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak, mpsc as std
 use std::time::Duration;
 
 use idem_core::consume::{
-    Acked, Advance, ConsumerPolicy, Decision, Handler, Letter, Positions, Protocol, held_wait,
+    Acked, Advance, Advanced, Batch, BatchHandler, ConsumerPolicy, Decision, Handler, Letter,
+    Message, PartitionBatch, Positions, Protocol, held_wait,
 };
 use idem_core::log::{bounded, error_chain};
 use idem_core::retry::Backoff;
@@ -252,6 +253,18 @@ impl<I, H> ConsumerBuilder<I, H> {
             handler,
             options: self.options,
         }
+    }
+
+    /// What applies records in batches, instead of [`handler`](Self::handler):
+    /// each partition's worker takes the records already waiting for it
+    /// (never waiting to fill a batch), up to `size`, and applies them
+    /// together, in order, on one transaction with one move of the
+    /// partition's position past them ([`Protocol::decide_batch_advancing`](idem_core::consume::Protocol::decide_batch_advancing)).
+    /// A batch that fails is split, the earlier half first; a record that
+    /// fails alone is retried in place and dead-lettered as one at a time,
+    /// the records after it waiting for it.
+    pub fn batch_handler<B>(self, handler: B, size: usize) -> ConsumerBuilder<I, Batch<B>> {
+        self.handler(Batch::new(handler, size))
     }
 }
 
@@ -818,6 +831,8 @@ async fn work<I: Positions, H: Handler<I::Tx>>(
     mut records: mpsc::Receiver<OwnedMessage>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let batch = shared.handler.as_batch().map_or(1, |(_, size)| size);
+    let mut taken: Vec<OwnedMessage> = Vec::with_capacity(batch);
     loop {
         let record = tokio::select! {
             biased;
@@ -827,21 +842,101 @@ async fn work<I: Positions, H: Handler<I::Tx>>(
                 None => return,
             },
         };
-        if next.is_some_and(|next| record.offset() < next) {
-            // Applied before (the broker's position was behind the database's).
-            // Its room in the queue is free again.
-            let _ = shared.commands.send(Command::Wake);
-            continue;
-        }
-        match apply(&shared, partition, next, &record, &mut stop).await {
-            Some(applied) => {
-                next = Some(applied);
-                let _ = shared.commands.send(Command::Applied {
-                    partition,
-                    next: applied,
-                });
+        taken.push(record);
+        // The records already there, up to a batch: none is waited for.
+        while taken.len() < batch {
+            match records.try_recv() {
+                Ok(record) => taken.push(record),
+                Err(_) => break,
             }
-            None => return,
+        }
+        let before = taken.len();
+        // Applied before (the broker's position was behind the database's).
+        taken.retain(|record| next.is_none_or(|next| record.offset() >= next));
+        if taken.len() < before {
+            // Their room in the queue is free again.
+            let _ = shared.commands.send(Command::Wake);
+        }
+        let mut rest = taken.as_slice();
+        while !rest.is_empty() {
+            if let Some((handler, _)) = shared.handler.as_batch().filter(|_| rest.len() > 1) {
+                let Some(applied) =
+                    apply_batch(&shared, partition, next, rest, handler, &mut stop).await
+                else {
+                    return;
+                };
+                if applied > 0 {
+                    next = Some(rest[applied - 1].offset() + 1);
+                    applied_up_to(&shared, partition, next);
+                }
+                rest = &rest[applied..];
+            }
+            // One at a time: the record a batch stopped at, or a lone one.
+            let Some((record, after)) = rest.split_first() else {
+                break;
+            };
+            let Some(applied) = apply(&shared, partition, next, record, &mut stop).await else {
+                return;
+            };
+            next = Some(applied);
+            applied_up_to(&shared, partition, next);
+            rest = after;
+        }
+        taken.clear();
+    }
+}
+
+/// Tells the polling thread the partition's next offset, to store.
+fn applied_up_to<I: Positions, H>(shared: &Shared<I, H>, partition: i32, next: Option<i64>) {
+    if let Some(next) = next {
+        let _ = shared.commands.send(Command::Applied { partition, next });
+    }
+}
+
+/// Applies `records` (two or more, in order) in batches
+/// ([`Protocol::decide_batch_advancing`](idem_core::consume::Protocol::decide_batch_advancing)),
+/// waiting out an unavailable inbox; answers how many were applied from the
+/// first (the one after them, if any, goes one at a time), or `None` when
+/// the worker must stop (stopped, or fenced).
+async fn apply_batch<I: Positions, H>(
+    shared: &Shared<I, H>,
+    partition: i32,
+    from: Option<i64>,
+    records: &[OwnedMessage],
+    handler: &(dyn BatchHandler<I::Tx> + '_),
+    stop: &mut watch::Receiver<bool>,
+) -> Option<usize> {
+    let protocol = &shared.protocol;
+    let messages: Vec<Message> = records.iter().map(message_of).collect();
+    let offsets: Vec<i64> = records.iter().map(OwnedMessage::offset).collect();
+    let batch = PartitionBatch {
+        consumer: protocol.consumer(),
+        topic: &shared.topic,
+        partition,
+        from,
+        offsets: &offsets,
+    };
+    let mut waited = None;
+    loop {
+        if *stop.borrow() {
+            return None;
+        }
+        match protocol
+            .decide_batch_advancing(&messages, &batch, handler)
+            .await
+        {
+            Advanced::Applied(applied) => return Some(applied),
+            Advanced::Fenced => {
+                fenced(shared, partition);
+                return None;
+            }
+            Advanced::Unavailable { after } => {
+                let next = held_wait(waited, after);
+                waited = Some(next);
+                if !sleep_or_stop(next, stop).await {
+                    return None;
+                }
+            }
         }
     }
 }

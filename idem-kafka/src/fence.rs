@@ -19,8 +19,8 @@ use std::sync::{Mutex, PoisonError};
 
 pub use idem_core::consume::PartitionLost;
 use idem_core::consume::{
-    Advance, Counted, DeadLetter, Entered, Entry, Failure, Handler, Inbox, InboxError, InboxFuture,
-    Message, Positions,
+    Advance, BatchEntry, BatchHandler, Batched, Counted, DeadLetter, Entered, Entry, Failure,
+    Handler, Inbox, InboxError, InboxFuture, Message, Positions,
 };
 
 /// An inbox whose fenced attempts are not counted.
@@ -75,6 +75,17 @@ impl<I: Positions> Inbox for Fenced<I> {
         handler: &'a (dyn Handler<Self::Tx> + 'a),
     ) -> InboxFuture<'a, Entered> {
         Box::pin(async move { uncounted(self.inner.process(entry, message, handler).await?) })
+    }
+
+    /// The inner inbox's batch, as it is: a batch's fence is noted by the
+    /// protocol ([`Advanced::Fenced`](idem_core::consume::Advanced::Fenced)),
+    /// and a failed batch is never counted.
+    fn process_batch<'a>(
+        &'a self,
+        batch: &'a [BatchEntry<'a>],
+        handler: &'a (dyn BatchHandler<Self::Tx> + 'a),
+    ) -> InboxFuture<'a, Batched> {
+        self.inner.process_batch(batch, handler)
     }
 
     fn fail<'a>(

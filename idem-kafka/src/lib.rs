@@ -60,9 +60,9 @@ pub use topics::{create_topic, dead_letter_topic};
 
 pub use idem_core;
 pub use idem_core::consume::{
-    AMBIGUOUS_MESSAGE_ID, Advance, Attempt, ConsumerPolicy, DeadLetterAlert, ErrorKind, Handler,
-    HandlerError, HandlerFuture, Inbox, MemoryInbox, Message, MissingId, Positions, Protocol,
-    UNREADABLE_MESSAGE_ID, handler, rfc3339,
+    AMBIGUOUS_MESSAGE_ID, Advance, Attempt, Batch, BatchHandler, ConsumerPolicy, DeadLetterAlert,
+    ErrorKind, Handler, HandlerError, HandlerFuture, Inbox, MemoryInbox, Message, MissingId,
+    Positions, Protocol, UNREADABLE_MESSAGE_ID, batch_handler, each, handler, rfc3339,
 };
 pub use idem_core::retry::Backoff;
 pub use rdkafka;

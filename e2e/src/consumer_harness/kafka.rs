@@ -71,7 +71,23 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
         alone: false,
         long: false,
         postgres_only: false,
-        run: |case| sigkill_after_commits(case).boxed(),
+        run: |case| sigkill_after_commits(case, &[]).boxed(),
+    },
+    Scenario {
+        name: "kafka_batch_sigkill",
+        check: "consumer on Kafka: --batch 32, SIGKILL x5 after commits, 500 records (100 duplicates), balances exact",
+        alone: false,
+        long: false,
+        postgres_only: false,
+        run: |case| sigkill_after_commits(case, &["--batch", "32"]).boxed(),
+    },
+    Scenario {
+        name: "kafka_batch_dead_letter",
+        check: "consumer on Kafka: --batch 32, a failing record dead-lettered alone after exactly 3 attempts, in order",
+        alone: false,
+        long: false,
+        postgres_only: false,
+        run: |case| dead_letter_then(case, false, &["--batch", "32"]).boxed(),
     },
     Scenario {
         name: "kafka_join_leave",
@@ -541,7 +557,10 @@ async fn an_oversized_dead_letter(case: Case) -> Result<String, String> {
 /// (its commits just made, the broker's offsets committed every 5 s at
 /// best) and restarted each time; every balance exact, and how far behind
 /// the database the broker's offsets were at each kill.
-async fn sigkill_after_commits(case: Case) -> Result<String, String> {
+async fn sigkill_after_commits(
+    case: Case,
+    flags: &'static [&'static str],
+) -> Result<String, String> {
     const KILLS: usize = 5;
     const PARTITIONS: i32 = 3;
     let (mut rng, seed) = seeded();
@@ -562,7 +581,9 @@ async fn sigkill_after_commits(case: Case) -> Result<String, String> {
     // all, so only the positions in the database keep it from starting over.
     for (n, target) in targets.into_iter().enumerate() {
         let group = format!("{}-{n}", case.queue);
-        let consumer = case.consumer(&["--group", &group]).await?;
+        let consumer = case
+            .consumer(&[&["--group", group.as_str()], flags].concat())
+            .await?;
         wait_processed(&case, &database, target)
             .await
             .map_err(failed)?;
@@ -572,7 +593,9 @@ async fn sigkill_after_commits(case: Case) -> Result<String, String> {
         behind.push(in_database - at_broker);
     }
     let group = format!("{}-{KILLS}", case.queue);
-    let consumer = case.consumer(&["--group", &group]).await?;
+    let consumer = case
+        .consumer(&[&["--group", group.as_str()], flags].concat())
+        .await?;
     consumed(&database, &case.queue, stream.messages.len())
         .await
         .map_err(failed)?;
@@ -637,17 +660,21 @@ async fn a_member_joins_and_one_leaves(case: Case) -> Result<String, String> {
 /// reason, its attempts and its origin; the payments behind it are applied
 /// after it.
 async fn a_failing_record_is_dead_lettered_in_order(case: Case) -> Result<String, String> {
-    dead_letter_then(case, false).await
+    dead_letter_then(case, false, &[]).await
 }
 
 /// The dead letter of the scenario above, re-driven after the fix (a
 /// consumer without `--fail-account`): applied once; a second redrive moves
 /// nothing, and the listing is empty.
 async fn a_redrive_is_applied_once(case: Case) -> Result<String, String> {
-    dead_letter_then(case, true).await
+    dead_letter_then(case, true, &[]).await
 }
 
-async fn dead_letter_then(case: Case, redrive: bool) -> Result<String, String> {
+async fn dead_letter_then(
+    case: Case,
+    redrive: bool,
+    flags: &'static [&'static str],
+) -> Result<String, String> {
     create_topic(&case, 1).await?;
     let producer = producer(&case)?;
     let topic = case.queue.clone();
@@ -675,7 +702,9 @@ async fn dead_letter_then(case: Case, redrive: bool) -> Result<String, String> {
             .map_err(|(e, _)| e.to_string())?;
     }
     let database = case.database().await?;
-    let consumer = case.consumer(&["--fail-account", &bad]).await?;
+    let consumer = case
+        .consumer(&[&["--fail-account", bad.as_str()], flags].concat())
+        .await?;
     consumed(&database, &topic, records.len()).await?;
     let balance = case.balance(&ok).await?;
     ensure!(

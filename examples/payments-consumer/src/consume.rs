@@ -46,9 +46,10 @@ pub struct Settings {
     /// Each effect waits this long inside its transaction (to show a slow
     /// handler); zero by default.
     pub handler_latency: Duration,
-    /// RabbitMQ and SQS: up to this many messages already delivered are
-    /// applied in one transaction, one commit (1: one at a time, the
-    /// default; on SQS a batch is at most one receive's 10 messages).
+    /// Up to this many messages already delivered are applied in one
+    /// transaction, one commit (1: one at a time, the default; on SQS a
+    /// batch is at most one receive's 10 messages; on Kafka, a partition's
+    /// records, in order).
     pub batch: usize,
 }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
-use idem_kafka::{Consumer, Positions};
+use idem_kafka::{Consumer, Handler, Positions, each};
 
 use crate::ConsumerError;
 use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal};
@@ -62,7 +62,7 @@ where
 {
     let stop = stop_signal()?;
     let settings = &options.settings;
-    let consumer = Consumer::builder(&options.servers, &options.topic)
+    let builder = Consumer::builder(&options.servers, &options.topic)
         .create_topic(TOPIC_PARTITIONS)
         .group(&options.group)
         .name(inbox_name(&options.topic))
@@ -71,9 +71,35 @@ where
         .config(
             "session.timeout.ms",
             SESSION_TIMEOUT.as_millis().to_string(),
+        );
+    if settings.batch > 1 {
+        // Each payment in turn, all on the batch's one transaction.
+        let consumer = builder
+            .batch_handler(each(settings.handler()), settings.batch)
+            .build()?;
+        serve(consumer, cleanup, stop, subscribed).await
+    } else {
+        serve(
+            builder.handler(settings.handler()).build()?,
+            cleanup,
+            stop,
+            subscribed,
         )
-        .handler(settings.handler())
-        .build()?;
+        .await
+    }
+}
+
+/// Runs `consumer` until `stop`, its inbox's `cleanup` beside it.
+async fn serve<I, H>(
+    consumer: Consumer<I, H>,
+    cleanup: Cleanup<I>,
+    stop: impl Future<Output = ()>,
+    subscribed: impl FnOnce(&str),
+) -> Result<(), ConsumerError>
+where
+    I: Positions + ExpiredRows,
+    H: Handler<I::Tx> + Send + Sync + 'static,
+{
     let consumed = beside_cleanup(
         cleanup,
         consumer.run(stop, |subscription| subscribed(&subscription.topic)),

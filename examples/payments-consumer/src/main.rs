@@ -84,8 +84,9 @@ enum Command {
         /// (a slow handler).
         #[arg(long, default_value_t = 0)]
         handler_latency_ms: u64,
-        /// RabbitMQ and SQS: apply up to this many messages already delivered
-        /// in one transaction (1: one at a time; on SQS, up to a receive's 10).
+        /// Apply up to this many messages already delivered in one transaction
+        /// (1: one at a time; on SQS, up to a receive's 10; on Kafka, a
+        /// partition's records in order).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
         batch: u16,
     },
