@@ -83,11 +83,6 @@ pub(crate) struct Options {
     /// inbox's default of 4 on SQLite, whose writers take turns anyway).
     #[arg(long)]
     pool: Option<u32>,
-    /// idem's consumer: a batch handler deciding up to this many deliveries
-    /// together, in one transaction (`ConsumerBuilder::batch_handler`);
-    /// without it, the handler, one at a time. The bare consumer ignores it.
-    #[arg(long)]
-    batch: Option<usize>,
     /// What every consume command takes beside its broker.
     #[command(flatten)]
     drain: crate::consume::Drain,
@@ -120,6 +115,11 @@ pub(crate) struct Drain {
     /// Tokio worker threads.
     #[arg(long, default_value_t = 2)]
     pub(crate) workers: usize,
+    /// idem's consumer: a batch handler deciding up to this many deliveries
+    /// together, in one transaction (`ConsumerBuilder::batch_handler`);
+    /// without it, the handler, one at a time. The bare consumer ignores it.
+    #[arg(long)]
+    pub(crate) batch: Option<usize>,
 }
 
 /// Which consumer a run drains with.
@@ -743,7 +743,7 @@ where
         .policy(ConsumerPolicy::new())
         .prefetch(options.prefetch)
         .concurrency(options.drain.concurrency);
-    if let Some(size) = options.batch {
+    if let Some(size) = options.drain.batch {
         let apply = ApplyBatch {
             progress: Arc::clone(&progress),
         };

@@ -258,7 +258,7 @@ fn rows(
             );
         }
     }
-    if matches!(on, On::RabbitMq(_)) {
+    if matches!(on, On::RabbitMq(_) | On::Kafka(_)) {
         batch_rows(bench, report, on, databases)?;
     }
     Ok(())
@@ -279,7 +279,9 @@ fn batch_rows(
 ) -> Result<(), String> {
     let settings = &bench.settings;
     report.notes.push(format!(
-        "consumer batch rows: idem-rabbitmq's batch handler, one batch at a time (the prefetch raised to the batch), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and statement by statement on SQLite, one commit; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
+        "{} batch rows: {}'s batch handler, one batch at a time (on Kafka, one partition), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and statement by statement on SQLite, one commit; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
+        on.section(),
+        on.idem(),
         BATCHES[BATCHES.len() - 1]
     ));
     for database in databases {
@@ -384,8 +386,7 @@ fn drain(
     match on {
         On::RabbitMq(amqp) => command
             .args(["consume", "--amqp", amqp, "--queue", &queue])
-            .args(["--prefetch", &PREFETCH.to_string()])
-            .args(batch.map(|size| format!("--batch={size}"))),
+            .args(["--prefetch", &PREFETCH.to_string()]),
         On::Kafka(servers) => {
             command.args(["kafka-consume", "--kafka", servers, "--topic", &queue])
         }
@@ -398,7 +399,8 @@ fn drain(
         .args(["--database", database, "--consumer", kind.flag()])
         .args(["--concurrency", &c.to_string()])
         .args(["--messages", &messages.to_string()])
-        .args(["--warmup", &warmup.to_string()]);
+        .args(["--warmup", &warmup.to_string()])
+        .args(batch.map(|size| format!("--batch={size}")));
     let json = helper_json(command, Duration::from_secs(600))?;
     if let (On::Sqs(_, calls), Some(ms)) = (on, json["sqs_call_ms"].as_f64()) {
         calls.borrow_mut().push(ms);
