@@ -295,15 +295,63 @@ impl BatchLedger for AsyncPgConnection {
     }
 }
 
-/// On SQLite, each payment's statements in turn: in-process, a statement
-/// costs no round trip; the batch saves the commits.
+/// On SQLite, on the connection's thread at once (one hop, not one a
+/// statement): each account's `UPDATE` with its sums, one multi-row
+/// `INSERT`.
 impl BatchLedger for AsyncSqliteConnection {
     fn apply_all<'a>(&'a mut self, payments: &'a [Payment]) -> BoxFuture<'a, QueryResult<()>> {
         Box::pin(async move {
+            let mut sums: std::collections::BTreeMap<String, (i64, i64)> = Default::default();
             for payment in payments {
-                self.apply(payment).await?;
+                let sum = sums.entry(payment.account_id.clone()).or_default();
+                sum.0 += payment.amount;
+                sum.1 += 1;
             }
-            Ok(())
+            let rows: Vec<(String, String, i64, String, String)> = payments
+                .iter()
+                .map(|p| {
+                    (
+                        p.payment_id.clone(),
+                        p.account_id.clone(),
+                        p.amount,
+                        p.currency.clone(),
+                        p.reference.clone(),
+                    )
+                })
+                .collect();
+            self.spawn_blocking(move |c| {
+                use bench_accounts::dsl as accounts;
+                use bench_payments::dsl as payments;
+                use diesel::RunQueryDsl;
+                for (account, (amount, n)) in &sums {
+                    let updated = diesel::update(accounts::bench_accounts.find(account))
+                        .set((
+                            accounts::balance.eq(accounts::balance + amount),
+                            accounts::operations.eq(accounts::operations + n),
+                        ))
+                        .execute(c)?;
+                    if updated != 1 {
+                        return Err(diesel::result::Error::NotFound);
+                    }
+                }
+                let values: Vec<_> = rows
+                    .iter()
+                    .map(|(id, account, amount, currency, reference)| {
+                        (
+                            payments::payment_id.eq(id),
+                            payments::account_id.eq(account),
+                            payments::amount.eq(amount),
+                            payments::currency.eq(currency),
+                            payments::reference.eq(reference),
+                        )
+                    })
+                    .collect();
+                diesel::insert_into(payments::bench_payments)
+                    .values(values)
+                    .execute(c)
+                    .map(drop)
+            })
+            .await
         })
     }
 }

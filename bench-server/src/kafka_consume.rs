@@ -170,7 +170,12 @@ where
         let apply = ApplyBatch {
             progress: Arc::clone(&progress),
         };
-        let consumer = builder.batch_handler(apply, size).build()?;
+        // Room for a few batches in each partition's worker's queue (and
+        // librdkafka's): a batch drained does not wait for the next fetch.
+        let consumer = builder
+            .prefetch(size.saturating_mul(8).max(idem_kafka::DEFAULT_PREFETCH))
+            .batch_handler(apply, size)
+            .build()?;
         run_idem(consumer, &progress, window).await
     } else {
         let apply = Apply {

@@ -279,7 +279,7 @@ fn batch_rows(
 ) -> Result<(), String> {
     let settings = &bench.settings;
     report.notes.push(format!(
-        "{} batch rows: {}'s batch handler, one batch at a time (on Kafka, one partition), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and statement by statement on SQLite, one commit; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
+        "{} batch rows: {}'s batch handler, one batch at a time (on Kafka, one partition), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and on SQLite each account's UPDATE and one multi-row INSERT on the connection's thread at once, one commit; on Kafka the worker's queue holds 8 batches; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
         on.section(),
         on.idem(),
         BATCHES[BATCHES.len() - 1]

@@ -58,6 +58,17 @@
 //! crate says only how it takes deliveries ([`runner::Intake`]) and how it
 //! settles one.
 //!
+//! # Batches
+//!
+//! A [`BatchHandler`] applies several messages on one transaction, one
+//! commit ([`Protocol::decide_batch`], [`Inbox::process_batch`]; the broker
+//! crates' `ConsumerBuilder::batch_handler`). A failure inside a batch is
+//! nobody's until it is alone: the batch is rolled back uncounted, split in
+//! two and each half decided, the earlier first, so a poison message ends
+//! alone and is retried and dead-lettered after exactly its attempts, and
+//! its neighbours are applied once. A partition's records go in order, each
+//! batch with one move of the position ([`Protocol::decide_batch_advancing`]).
+//!
 //! # Positions
 //!
 //! A partitioned broker (Kafka) reads from a position per partition. An inbox
