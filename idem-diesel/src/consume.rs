@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use idem_core::StoreError;
-use idem_core::consume::{Batched, Entered, HandlerError, InboxError};
+use idem_core::consume::{Attempt, BatchEntry, Batched, Entered, HandlerError, InboxError};
 
 use crate::SetupError;
 use crate::row::{duration_micros, time_from_micros};
@@ -66,6 +66,65 @@ pub(crate) struct NestedOpen(pub(crate) u32);
 #[derive(Debug, thiserror::Error)]
 #[error("a batch holds the messages of more than one consumer")]
 pub(crate) struct MixedConsumers;
+
+/// What an inbox's entry found for one message, on either backend.
+pub(crate) enum Found {
+    /// Entered now, after this many failed attempts: the transaction stays
+    /// open for the handler.
+    Entered { failures: i32 },
+    /// Applied before, with this fingerprint.
+    Applied(Vec<u8>),
+    /// A dead letter.
+    Dead { published: bool },
+}
+
+/// The consumer of a batch's messages (`None`: an empty batch), refused when
+/// they are not all one consumer's.
+pub(crate) fn consumer_of<'a>(batch: &[BatchEntry<'a>]) -> Result<Option<&'a str>, InboxError> {
+    let Some(first) = batch.first() else {
+        return Ok(None);
+    };
+    let consumer = first.entry.consumer;
+    if batch.iter().any(|item| item.entry.consumer != consumer) {
+        return Err(InboxError::unavailable(MixedConsumers));
+    }
+    Ok(Some(consumer))
+}
+
+/// What each message of `batch` came to as its entry `found` it (a new one
+/// `Processed`, unless the handler or the commit fail), and the new ones:
+/// their index and attempt.
+pub(crate) fn entered(
+    batch: &[BatchEntry<'_>],
+    found: impl IntoIterator<Item = Found>,
+) -> (Vec<Entered>, Vec<(usize, u32)>) {
+    let mut outcomes = Vec::with_capacity(batch.len());
+    let mut new = Vec::new();
+    for (i, (item, found)) in batch.iter().zip(found).enumerate() {
+        outcomes.push(match found {
+            Found::Dead { published } => Entered::Dead { published },
+            Found::Applied(fingerprint)
+                if fingerprint[..] == item.entry.fingerprint.as_bytes()[..] =>
+            {
+                Entered::Duplicate
+            }
+            Found::Applied(_) => Entered::Reused,
+            Found::Entered { failures } => {
+                let attempt = u32::try_from(failures).unwrap_or(0).saturating_add(1);
+                new.push((i, attempt));
+                Entered::Processed { attempt }
+            }
+        });
+    }
+    (outcomes, new)
+}
+
+/// The attempts of a batch's `new` messages, for its handler.
+pub(crate) fn attempts<'a>(batch: &'a [BatchEntry<'a>], new: &[(usize, u32)]) -> Vec<Attempt<'a>> {
+    new.iter()
+        .map(|&(i, attempt)| Attempt::new(batch[i].message, batch[i].entry.message_id, attempt))
+        .collect()
+}
 
 /// What a batch came to: `outcomes` as entered (the new ones `Processed`),
 /// unless the handler or the commit `failed` on the `new` messages (their

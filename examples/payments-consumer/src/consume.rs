@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
 use idem_rabbitmq::{
-    Attempt, Backoff, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture, Inbox, each,
+    Attempt, Backoff, Consumer, ConsumerPolicy, Handler, HandlerError, HandlerFuture, Inbox,
 };
 
 use crate::ConsumerError;
@@ -99,6 +99,24 @@ pub async fn run(options: RunOptions, subscribed: impl FnOnce(&str)) -> Result<(
     })
 }
 
+/// Builds the consumer `builder` is about to make with the handler the flags
+/// ask for, one payment at a time or `--batch`'s batches of them (each
+/// payment in turn, all on the batch's one transaction), and runs `body`
+/// with it as `consumer`: the two are consumers of different types.
+macro_rules! with_handler {
+    ($settings:expr, $builder:expr, $consumer:ident => $body:expr) => {
+        if $settings.batch > 1 {
+            let handler = idem_diesel::idem_core::consume::each($settings.handler());
+            let $consumer = $builder.batch_handler(handler, $settings.batch).build()?;
+            $body
+        } else {
+            let $consumer = $builder.handler($settings.handler()).build()?;
+            $body
+        }
+    };
+}
+pub(crate) use with_handler;
+
 /// The consumer on `inbox`, with the inbox's cleanup job beside it.
 async fn consume<I>(
     inbox: I,
@@ -117,40 +135,19 @@ where
         .inbox(inbox)
         .policy(settings.policy())
         .concurrency(settings.concurrency);
-    if settings.batch > 1 {
-        // Each payment in turn, all on the batch's one transaction.
-        let consumer = builder
-            .batch_handler(each(settings.handler()), settings.batch)
-            .build()?;
-        serve(consumer, cleanup, stop, subscribed).await
-    } else {
-        let consumer = builder.handler(settings.handler()).build()?;
-        serve(consumer, cleanup, stop, subscribed).await
-    }
-}
-
-/// Runs `consumer` until `stop`, its inbox's `cleanup` beside it.
-async fn serve<I, H>(
-    consumer: Consumer<I, H>,
-    cleanup: Cleanup<I>,
-    stop: impl Future<Output = ()>,
-    subscribed: impl FnOnce(&str),
-) -> Result<(), ConsumerError>
-where
-    I: Inbox + ExpiredRows,
-    H: Handler<I::Tx> + 'static,
-{
-    let mut subscribed = Some(subscribed);
-    let consumed = beside_cleanup(
-        cleanup,
-        consumer.run(stop, |subscription| {
-            if let Some(subscribed) = subscribed.take() {
-                subscribed(&subscription.queue);
-            }
-        }),
-    )
-    .await;
-    Ok(consumed?)
+    with_handler!(settings, builder, consumer => {
+        let mut subscribed = Some(subscribed);
+        let consumed = beside_cleanup(
+            cleanup,
+            consumer.run(stop, |subscription| {
+                if let Some(subscribed) = subscribed.take() {
+                    subscribed(&subscription.queue);
+                }
+            }),
+        )
+        .await;
+        Ok(consumed?)
+    })
 }
 
 /// Runs `consumer` with the inbox's `cleanup` job beside it; the job stops

@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
-use idem_kafka::{Consumer, Handler, Positions, each};
+use idem_kafka::{Consumer, Positions};
 
 use crate::ConsumerError;
-use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal};
+use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal, with_handler};
 use crate::database::with_inbox;
 use crate::dead_letters::{DeadLetterLine, Source};
 use crate::ledger::Ledger;
@@ -72,40 +72,14 @@ where
             "session.timeout.ms",
             SESSION_TIMEOUT.as_millis().to_string(),
         );
-    if settings.batch > 1 {
-        // Each payment in turn, all on the batch's one transaction.
-        let consumer = builder
-            .batch_handler(each(settings.handler()), settings.batch)
-            .build()?;
-        serve(consumer, cleanup, stop, subscribed).await
-    } else {
-        serve(
-            builder.handler(settings.handler()).build()?,
+    with_handler!(settings, builder, consumer => {
+        let consumed = beside_cleanup(
             cleanup,
-            stop,
-            subscribed,
+            consumer.run(stop, |subscription| subscribed(&subscription.topic)),
         )
-        .await
-    }
-}
-
-/// Runs `consumer` until `stop`, its inbox's `cleanup` beside it.
-async fn serve<I, H>(
-    consumer: Consumer<I, H>,
-    cleanup: Cleanup<I>,
-    stop: impl Future<Output = ()>,
-    subscribed: impl FnOnce(&str),
-) -> Result<(), ConsumerError>
-where
-    I: Positions + ExpiredRows,
-    H: Handler<I::Tx> + Send + Sync + 'static,
-{
-    let consumed = beside_cleanup(
-        cleanup,
-        consumer.run(stop, |subscription| subscribed(&subscription.topic)),
-    )
-    .await;
-    Ok(consumed?)
+        .await;
+        Ok(consumed?)
+    })
 }
 
 /// The topic's dead letters (in `<topic>.dlq`), not re-driven yet; nothing

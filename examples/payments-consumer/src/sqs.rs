@@ -2,10 +2,10 @@
 //! on idem-sqs.
 
 use idem_diesel::idem_core::cleanup::{Cleanup, ExpiredRows};
-use idem_sqs::{ClientConfig, Consumer, Handler, Inbox, each};
+use idem_sqs::{ClientConfig, Consumer, Inbox};
 
 use crate::ConsumerError;
-use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal};
+use crate::consume::{Settings, beside_cleanup, inbox_name, stop_signal, with_handler};
 use crate::database::Database;
 use crate::dead_letters::{DeadLetterLine, Source};
 use crate::ledger::Ledger;
@@ -67,40 +67,14 @@ where
         .inbox(inbox)
         .policy(settings.policy())
         .concurrency(settings.concurrency);
-    if settings.batch > 1 {
-        // Each payment in turn, all on the batch's one transaction.
-        let consumer = builder
-            .batch_handler(each(settings.handler()), settings.batch)
-            .build()?;
-        serve(consumer, cleanup, stop, subscribed).await
-    } else {
-        serve(
-            builder.handler(settings.handler()).build()?,
+    with_handler!(settings, builder, consumer => {
+        let consumed = beside_cleanup(
             cleanup,
-            stop,
-            subscribed,
+            consumer.run(stop, |polling| subscribed(&polling.queue)),
         )
-        .await
-    }
-}
-
-/// Runs `consumer` until `stop`, its inbox's `cleanup` beside it.
-async fn serve<I, H>(
-    consumer: Consumer<I, H>,
-    cleanup: Cleanup<I>,
-    stop: impl Future<Output = ()>,
-    subscribed: impl FnOnce(&str),
-) -> Result<(), ConsumerError>
-where
-    I: Inbox + ExpiredRows,
-    H: Handler<I::Tx> + 'static,
-{
-    let consumed = beside_cleanup(
-        cleanup,
-        consumer.run(stop, |polling| subscribed(&polling.queue)),
-    )
-    .await;
-    Ok(consumed?)
+        .await;
+        Ok(consumed?)
+    })
 }
 
 /// The queue's dead letters, without removing them.

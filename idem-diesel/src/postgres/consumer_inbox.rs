@@ -26,7 +26,7 @@ use super::transactional::{begin, mark_begun};
 use super::{BURY_LOCK_CLASS, PgPool, roll_back, transaction_depth};
 use crate::SetupError;
 use crate::builder::InboxBuilder;
-use crate::consume::{self, INBOX_TABLES, NestedOpen, check_inbox_columns, micros, time};
+use crate::consume::{self, Found, INBOX_TABLES, NestedOpen, check_inbox_columns, micros, time};
 use crate::database::{Database, Pooled};
 use crate::outbox::Postgres;
 use crate::prepared::PreparedExt;
@@ -336,6 +336,19 @@ struct CountedRows {
     n: i64,
 }
 
+impl EnterRow {
+    /// What the entry found.
+    fn found(self) -> Found {
+        match self.dead {
+            Some(published) => Found::Dead { published },
+            None if self.entered => Found::Entered {
+                failures: self.failures,
+            },
+            None => Found::Applied(self.fingerprint.unwrap_or_default()),
+        }
+    }
+}
+
 /// The entry statement kept meeting concurrent entries of the message.
 #[derive(Debug, thiserror::Error)]
 #[error("the inbox entry kept meeting concurrent changes ({ENTER_ATTEMPTS} attempts)")]
@@ -509,13 +522,9 @@ impl PgInbox {
         batch: &[BatchEntry<'_>],
         handler: &(dyn BatchHandler<AsyncPgConnection> + '_),
     ) -> Result<Batched, InboxError> {
-        let Some(first) = batch.first() else {
+        let Some(consumer) = consume::consumer_of(batch)? else {
             return Ok(Batched::Entered(Vec::new()));
         };
-        let consumer = first.entry.consumer;
-        if batch.iter().any(|item| item.entry.consumer != consumer) {
-            return Err(InboxError::unavailable(consume::MixedConsumers));
-        }
         let mut pooled = self.connection().await?;
         let connection: &mut AsyncPgConnection = &mut pooled;
         let rows = match self.enter_batch(connection, batch).await {
@@ -525,33 +534,12 @@ impl PgInbox {
                 return Err(InboxError::Unavailable(error));
             }
         };
-        let mut outcomes = Vec::with_capacity(batch.len());
-        let mut new = Vec::new();
-        for (i, (item, row)) in batch.iter().zip(rows).enumerate() {
-            outcomes.push(if let Some(published) = row.dead {
-                Entered::Dead { published }
-            } else if !row.entered {
-                let same =
-                    row.fingerprint.as_deref() == Some(&item.entry.fingerprint.as_bytes()[..]);
-                if same {
-                    Entered::Duplicate
-                } else {
-                    Entered::Reused
-                }
-            } else {
-                let attempt = u32::try_from(row.failures).unwrap_or(0).saturating_add(1);
-                new.push((i, attempt));
-                Entered::Processed { attempt }
-            });
-        }
+        let (outcomes, new) = consume::entered(batch, rows.into_iter().map(EnterRow::found));
         if new.is_empty() {
             roll_back(connection).await;
             return Ok(Batched::Entered(outcomes));
         }
-        let attempts: Vec<Attempt<'_>> = new
-            .iter()
-            .map(|&(i, attempt)| Attempt::new(batch[i].message, batch[i].entry.message_id, attempt))
-            .collect();
+        let attempts = consume::attempts(batch, &new);
         let failed = match handler.handle(&attempts, connection).await {
             Err(error) => Some(error),
             Ok(()) => match transaction_depth(connection) {

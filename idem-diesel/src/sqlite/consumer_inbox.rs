@@ -20,7 +20,7 @@ use super::statements::NOW;
 use super::{AsyncSqliteConnection, SqlitePool};
 use crate::SetupError;
 use crate::builder::InboxBuilder;
-use crate::consume::{self, INBOX_TABLES, NestedOpen, check_inbox_columns, micros, time};
+use crate::consume::{self, Found, INBOX_TABLES, NestedOpen, check_inbox_columns, micros, time};
 use crate::database::{Database, Pooled};
 use crate::outbox::Sqlite;
 use crate::prepared::PreparedExt;
@@ -159,16 +159,6 @@ struct DeadLetterRow {
     published: bool,
 }
 
-/// What the entry found, in its transaction.
-enum Enter {
-    /// Entered: the transaction stays open for the handler.
-    Entered { failures: i32 },
-    /// Applied before, with this fingerprint (rolled back).
-    Found(Vec<u8>),
-    /// A dead letter (rolled back).
-    Dead { published: bool },
-}
-
 /// What the count of a failed attempt did.
 struct Count {
     attempted_at: String,
@@ -282,12 +272,12 @@ impl SqliteInbox {
             .await
             .map_err(InboxError::unavailable)?;
         let failures = match entered {
-            Enter::Dead { published } => return Ok(Entered::Dead { published }),
-            Enter::Found(found) if found[..] == entry.fingerprint.as_bytes()[..] => {
+            Found::Dead { published } => return Ok(Entered::Dead { published }),
+            Found::Applied(found) if found[..] == entry.fingerprint.as_bytes()[..] => {
                 return Ok(Entered::Duplicate);
             }
-            Enter::Found(_) => return Ok(Entered::Reused),
-            Enter::Entered { failures } => failures,
+            Found::Applied(_) => return Ok(Entered::Reused),
+            Found::Entered { failures } => failures,
         };
         let attempt = u32::try_from(failures).unwrap_or(0).saturating_add(1);
         let ran = handler
@@ -327,13 +317,10 @@ impl SqliteInbox {
         batch: &[BatchEntry<'_>],
         handler: &(dyn BatchHandler<AsyncSqliteConnection> + '_),
     ) -> Result<Batched, InboxError> {
-        let Some(first) = batch.first() else {
+        let Some(consumer) = consume::consumer_of(batch)? else {
             return Ok(Batched::Entered(Vec::new()));
         };
-        let consumer = first.entry.consumer.to_owned();
-        if batch.iter().any(|item| item.entry.consumer != consumer) {
-            return Err(InboxError::unavailable(consume::MixedConsumers));
-        }
+        let consumer = consumer.to_owned();
         let mut pooled = self.connection().await?;
         let connection: &mut AsyncSqliteConnection = &mut pooled;
         let keys: Vec<(String, [u8; 32])> = batch
@@ -347,32 +334,16 @@ impl SqliteInbox {
             .collect();
         let entering = consumer.clone();
         let entered = connection
-            .spawn_blocking(move |c| enter_batch(c, &entering, &keys))
+            .spawn_blocking(move |c| {
+                enter_all(c, &entering, keys.iter().map(|(id, fp)| (id.as_str(), fp)))
+            })
             .await
             .map_err(InboxError::unavailable)?;
-        let mut outcomes = Vec::with_capacity(batch.len());
-        let mut new = Vec::new();
-        for (i, (item, entered)) in batch.iter().zip(entered).enumerate() {
-            outcomes.push(match entered {
-                Enter::Dead { published } => Entered::Dead { published },
-                Enter::Found(found) if found[..] == item.entry.fingerprint.as_bytes()[..] => {
-                    Entered::Duplicate
-                }
-                Enter::Found(_) => Entered::Reused,
-                Enter::Entered { failures } => {
-                    let attempt = u32::try_from(failures).unwrap_or(0).saturating_add(1);
-                    new.push((i, attempt));
-                    Entered::Processed { attempt }
-                }
-            });
-        }
+        let (outcomes, new) = consume::entered(batch, entered);
         if new.is_empty() {
             return Ok(Batched::Entered(outcomes));
         }
-        let attempts: Vec<Attempt<'_>> = new
-            .iter()
-            .map(|&(i, attempt)| Attempt::new(batch[i].message, batch[i].entry.message_id, attempt))
-            .collect();
+        let attempts = consume::attempts(batch, &new);
         let failed = match handler.handle(&attempts, connection).await {
             Err(error) => {
                 roll_back(connection).await;
@@ -652,36 +623,28 @@ fn enter(
     consumer: &str,
     message_id: &str,
     fingerprint: &[u8; 32],
-) -> QueryResult<Enter> {
-    AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE")?;
-    match look_and_insert(c, consumer, message_id, fingerprint) {
-        Ok(entered @ Enter::Entered { .. }) => Ok(entered),
-        Ok(found) => {
-            AnsiTransactionManager::rollback_transaction(c)?;
-            Ok(found)
-        }
-        Err(error) => {
-            let _ = AnsiTransactionManager::rollback_transaction(c);
-            Err(error)
-        }
-    }
+) -> QueryResult<Found> {
+    let mut found = enter_all(c, consumer, [(message_id, fingerprint)])?;
+    found
+        .pop()
+        .ok_or_else(|| diesel::result::Error::QueryBuilderError("no entry".into()))
 }
 
-/// Enters a batch's messages (`(id, fingerprint)`) in one `BEGIN
-/// IMMEDIATE` transaction, left open when one of them entered (rolled back
+/// Enters messages (`(id, fingerprint)`) in one `BEGIN IMMEDIATE`
+/// transaction, left open when one of them entered (rolled back
 /// otherwise): what each came to, in order.
-fn enter_batch(
+fn enter_all<'a>(
     c: &mut SqliteConnection,
     consumer: &str,
-    batch: &[(String, [u8; 32])],
-) -> QueryResult<Vec<Enter>> {
+    messages: impl IntoIterator<Item = (&'a str, &'a [u8; 32])>,
+) -> QueryResult<Vec<Found>> {
     AnsiTransactionManager::begin_transaction_sql(c, "BEGIN IMMEDIATE")?;
-    let entered = batch
-        .iter()
+    let found = messages
+        .into_iter()
         .map(|(message_id, fingerprint)| look_and_insert(c, consumer, message_id, fingerprint))
-        .collect::<QueryResult<Vec<Enter>>>();
-    match entered {
-        Ok(entered) if entered.iter().any(|e| matches!(e, Enter::Entered { .. })) => Ok(entered),
+        .collect::<QueryResult<Vec<Found>>>();
+    match found {
+        Ok(found) if found.iter().any(|f| matches!(f, Found::Entered { .. })) => Ok(found),
         Ok(found) => {
             AnsiTransactionManager::rollback_transaction(c)?;
             Ok(found)
@@ -698,17 +661,17 @@ fn look_and_insert(
     consumer: &str,
     message_id: &str,
     fingerprint: &[u8; 32],
-) -> QueryResult<Enter> {
+) -> QueryResult<Found> {
     let look = diesel::sql_query(LOOK)
         .bind::<Text, _>(consumer)
         .bind::<Text, _>(message_id)
         .prepared()
         .get_result::<LookRow>(c)?;
     if let Some(published) = look.dead {
-        return Ok(Enter::Dead { published });
+        return Ok(Found::Dead { published });
     }
     if let Some(found) = look.fingerprint {
-        return Ok(Enter::Found(found));
+        return Ok(Found::Applied(found));
     }
     diesel::sql_query(format!(
         "INSERT INTO idem_consumer_inbox (consumer, message_id, fingerprint, processed_at)
@@ -719,7 +682,7 @@ fn look_and_insert(
     .bind::<Binary, _>(&fingerprint[..])
     .prepared()
     .execute(c)?;
-    Ok(Enter::Entered {
+    Ok(Found::Entered {
         failures: look.failures,
     })
 }
