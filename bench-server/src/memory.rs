@@ -42,10 +42,20 @@ pub(crate) fn run(options: &Options) -> Result<(), BoxError> {
 
 /// This process's resident set (`VmRSS`), in bytes.
 pub(crate) fn resident_bytes() -> Result<u64, BoxError> {
+    status_bytes("VmRSS:")
+}
+
+/// This process's peak resident set so far (`VmHWM`), in bytes.
+pub(crate) fn peak_resident_bytes() -> Result<u64, BoxError> {
+    status_bytes("VmHWM:")
+}
+
+/// A size field of `/proc/self/status` (`VmRSS:`, `VmHWM:`), in bytes.
+fn status_bytes(field: &str) -> Result<u64, BoxError> {
     let status = std::fs::read_to_string("/proc/self/status")?;
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| {
             rest.trim()
                 .trim_end_matches("kB")
@@ -54,5 +64,5 @@ pub(crate) fn resident_bytes() -> Result<u64, BoxError> {
                 .ok()
         })
         .map(|kib| kib * 1024)
-        .ok_or_else(|| "no VmRSS in /proc/self/status".into())
+        .ok_or_else(|| format!("no {field} in /proc/self/status").into())
 }

@@ -162,6 +162,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
             "cpu_seconds": measured.cpu_seconds,
             "database_cpu_seconds": measured.database_cpu_seconds,
             "statements": after.statements_since(&before),
+            "peak_rss_bytes": crate::memory::peak_resident_bytes().ok(),
             "sqs_call_ms": sqs_call_ms,
         })
     );

@@ -326,6 +326,10 @@ fn batch_rows(
                 (Some(consumer), None) => format!("; consumer CPU per message {consumer:.1} us"),
                 _ => String::new(),
             };
+            let cpu = match idem.peak_rss_mib {
+                Some(rss) => format!("{cpu}; peak RSS {rss:.1} MiB"),
+                None => cpu,
+            };
             report.ratios.push(
                 Ratio::new(
                     format!(
@@ -422,6 +426,7 @@ fn drain(
             ..Measured::default()
         },
         statements: json["statements"].as_u64(),
+        peak_rss: json["peak_rss_bytes"].as_u64(),
     })
 }
 
@@ -430,6 +435,9 @@ struct Drain {
     measured: Measured,
     /// `None` on SQLite, or when `pg_stat_statements` could not be read.
     statements: Option<u64>,
+    /// The consumer process's peak resident set (`VmHWM`), its warm-up and
+    /// the drain of its pre-published backlog included.
+    peak_rss: Option<u64>,
 }
 
 /// One consumer's drains of a row, a round each.
@@ -439,6 +447,8 @@ struct Rounds {
     pooled: Measured,
     /// PostgreSQL's statements per message over every drain.
     statements: Option<f64>,
+    /// The highest peak resident set of the rounds' consumers, in MiB.
+    peak_rss_mib: Option<f64>,
 }
 
 impl Rounds {
@@ -447,6 +457,11 @@ impl Rounds {
             .iter()
             .map(|drain| drain.statements)
             .sum::<Option<u64>>();
+        let peak_rss_mib = drains
+            .iter()
+            .filter_map(|drain| drain.peak_rss)
+            .max()
+            .map(|bytes| bytes as f64 / (1024.0 * 1024.0));
         let drains: Vec<Measured> = drains.into_iter().map(|drain| drain.measured).collect();
         let pooled = drains
             .iter()
@@ -459,6 +474,7 @@ impl Rounds {
             drains,
             pooled,
             statements,
+            peak_rss_mib,
         }
     }
 
@@ -518,6 +534,8 @@ fn add(report: &mut Report, on: &On, store: Store, c: usize, idem: &Rounds, bare
             )),
         );
     }
+    let (idem_rss, bare_rss) = (idem.peak_rss_mib, bare.peak_rss_mib);
+    let messages = idem.pooled.answered / (rounds.max(1) as u64);
     let (idem, bare) = (&idem.pooled, &bare.pooled);
     let consumer_cpu = match (
         idem.server_micros_per_request(),
@@ -527,6 +545,12 @@ fn add(report: &mut Report, on: &On, store: Store, c: usize, idem: &Rounds, bare
             format!("consumer CPU per message: idem {idem:.1} us, bare {bare:.1} us")
         }
         _ => String::new(),
+    };
+    let consumer_cpu = match (idem_rss, bare_rss) {
+        (Some(idem), Some(bare)) => format!(
+            "{consumer_cpu}; peak RSS draining its backlog of {messages}: idem {idem:.1} MiB, bare {bare:.1} MiB"
+        ),
+        _ => consumer_cpu,
     };
     report.ratios.push(
         Ratio::new(
