@@ -241,7 +241,7 @@ fn rows(
                     [Kind::Bare, Kind::Idem]
                 };
                 for kind in order {
-                    let drained = drain(bench, on, database, kind, c, None)?;
+                    let drained = drain(bench, on, database, kind, c, None, 1)?;
                     match kind {
                         Kind::Idem => idem.push(drained),
                         Kind::Bare => bare.push(drained),
@@ -267,6 +267,11 @@ fn rows(
 /// The batch sizes of the batch rows.
 const BATCHES: [usize; 3] = [1, 16, 128];
 
+/// The batch rows drain this many times the other rows' messages (both
+/// sides): a batch drains a thousand messages in a fifth of a second, in
+/// which the consumer's start and stop would weigh as much as the drain.
+const BATCH_SCALE: usize = 4;
+
 /// idem's consumer with a batch handler (`ConsumerBuilder::batch_handler`,
 /// one batch at a time) at each of [`BATCHES`], against the bare consumer
 /// one message at a time (c = 1): the rounds alternate as the other rows'
@@ -279,7 +284,7 @@ fn batch_rows(
 ) -> Result<(), String> {
     let settings = &bench.settings;
     report.notes.push(format!(
-        "{} batch rows: {}'s batch handler, one batch at a time (on Kafka, one partition), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and on SQLite each account's UPDATE and one multi-row INSERT on the connection's thread at once, one commit; on Kafka the worker's queue holds 8 batches; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
+        "{} batch rows: {}'s batch handler, one batch at a time (on Kafka, one partition), draining {BATCH_SCALE} times the other rows' messages (both sides), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and on SQLite each account's UPDATE and one multi-row INSERT on the connection's thread at once, one commit; on Kafka the worker's queue holds 8 batches; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
         on.section(),
         on.idem(),
         BATCHES[BATCHES.len() - 1]
@@ -289,13 +294,37 @@ fn batch_rows(
         let mut bare = Vec::new();
         for round in 0..settings.consumer_rounds {
             if round % 2 == 1 {
-                bare.push(drain(bench, on, database, Kind::Bare, 1, None)?);
+                bare.push(drain(
+                    bench,
+                    on,
+                    database,
+                    Kind::Bare,
+                    1,
+                    None,
+                    BATCH_SCALE,
+                )?);
             }
             for (i, &batch) in BATCHES.iter().enumerate() {
-                idem[i].push(drain(bench, on, database, Kind::Idem, 1, Some(batch))?);
+                idem[i].push(drain(
+                    bench,
+                    on,
+                    database,
+                    Kind::Idem,
+                    1,
+                    Some(batch),
+                    BATCH_SCALE,
+                )?);
             }
             if round % 2 == 0 {
-                bare.push(drain(bench, on, database, Kind::Bare, 1, None)?);
+                bare.push(drain(
+                    bench,
+                    on,
+                    database,
+                    Kind::Bare,
+                    1,
+                    None,
+                    BATCH_SCALE,
+                )?);
             }
         }
         let (inbox, name) = (database.0.inbox(), database.0.name());
@@ -374,6 +403,7 @@ fn drain(
     kind: Kind,
     c: usize,
     batch: Option<usize>,
+    scale: usize,
 ) -> Result<Drain, String> {
     let settings = &bench.settings;
     let store = match store {
@@ -399,6 +429,7 @@ fn drain(
         }
     };
     let (messages, warmup) = on.messages(settings);
+    let messages = messages.saturating_mul(scale);
     command
         .args(["--database", database, "--consumer", kind.flag()])
         .args(["--concurrency", &c.to_string()])
