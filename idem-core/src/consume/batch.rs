@@ -22,7 +22,7 @@ use tracing::Instrument;
 use super::handler::guard_batch;
 use super::{
     Attempt, Decision, Entered, Entry, Handler, HandlerError, HandlerFuture, Inbox, InboxError,
-    Message, MissingId, NO_MESSAGE_ID, Plain, Protocol,
+    Message, Plain, Protocol,
 };
 use crate::log::bounded;
 
@@ -214,14 +214,8 @@ impl<I: Inbox> Protocol<I> {
         let mut seen = HashSet::with_capacity(messages.len());
         for (i, message) in messages.iter().enumerate() {
             let entry = &entries[i];
-            if let Some(reason) = message.get_id_problem() {
-                tracing::warn!(target: "idem", reason, "a message whose id cannot be read cannot be applied exactly once: dead-lettered");
-                decisions[i] = Some(self.bury(entry, reason, 1).await);
-            } else if message.message_id().is_none()
-                && self.policy().get_missing_id() == MissingId::Refuse
-            {
-                tracing::warn!(target: "idem", reason = NO_MESSAGE_ID, "a message without an id cannot be applied exactly once: dead-lettered");
-                decisions[i] = Some(self.bury(entry, NO_MESSAGE_ID, 1).await);
+            if let Some(reason) = self.refused(message) {
+                decisions[i] = Some(self.refuse(entry, reason).await);
             } else if message.is_redriven()
                 && let Err(error) = self.redrive(entry.message_id).await
             {
@@ -532,9 +526,7 @@ impl<I: super::Positions> Protocol<I> {
             .iter()
             .zip(&keys)
             .position(|(message, key)| {
-                message.get_id_problem().is_some()
-                    || (message.message_id().is_none()
-                        && self.policy().get_missing_id() == MissingId::Refuse)
+                self.refused(message).is_some()
                     || message.is_redriven()
                     || !seen.insert(key.as_str())
             })

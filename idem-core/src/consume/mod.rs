@@ -292,13 +292,8 @@ impl<I: Inbox> Protocol<I> {
             at: SystemTime::now(),
         };
         async {
-            if let Some(reason) = message.get_id_problem() {
-                tracing::warn!(target: "idem", reason, "a message whose id cannot be read cannot be applied exactly once: dead-lettered");
-                return self.bury(&entry, reason, 1).await;
-            }
-            if message.message_id().is_none() && self.policy().get_missing_id() == MissingId::Refuse {
-                tracing::warn!(target: "idem", reason = NO_MESSAGE_ID, "a message without an id cannot be applied exactly once: dead-lettered");
-                return self.bury(&entry, NO_MESSAGE_ID, 1).await;
+            if let Some(reason) = self.refused(message) {
+                return self.refuse(&entry, reason).await;
             }
             if message.is_redriven()
                 && let Err(error) = self.redrive(entry.message_id).await
@@ -362,6 +357,27 @@ impl<I: Inbox> Protocol<I> {
                 self.failed(entry, &reason, bury_at).await
             }
         }
+    }
+
+    /// Why `message` is dead-lettered before any handler runs, if it is: its
+    /// id cannot be read, or it has none and the policy does not key it by
+    /// its body.
+    fn refused(&self, message: &Message) -> Option<&'static str> {
+        if let Some(reason) = message.get_id_problem() {
+            return Some(reason);
+        }
+        (message.message_id().is_none() && self.policy().get_missing_id() == MissingId::Refuse)
+            .then_some(NO_MESSAGE_ID)
+    }
+
+    /// Dead-letters a message [`refused`](Self::refused) for `reason`.
+    async fn refuse(&self, entry: &Entry<'_>, reason: &'static str) -> Decision {
+        if reason == NO_MESSAGE_ID {
+            tracing::warn!(target: "idem", reason, "a message without an id cannot be applied exactly once: dead-lettered");
+        } else {
+            tracing::warn!(target: "idem", reason, "a message whose id cannot be read cannot be applied exactly once: dead-lettered");
+        }
+        self.bury(entry, reason, 1).await
     }
 
     /// Whether a failed attempt can never succeed.
@@ -820,6 +836,43 @@ mod tests {
         };
         assert_eq!(letter.reason, AMBIGUOUS_MESSAGE_ID);
         assert_eq!(handler.runs.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_batch_dead_letters_its_refusals_alone_and_applies_the_rest() {
+        let protocol = protocol(policy());
+        let runs = AtomicU32::new(0);
+        let each = super::each(handler(
+            |_attempt: Attempt<'_>, _tx: &mut ()| -> HandlerFuture<'_> {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(()) })
+            },
+        ));
+        let batch = [
+            Message::new("{}"),
+            Message::new("{}").id("b-1"),
+            Message::new("{\"n\": 2}").id_problem(AMBIGUOUS_MESSAGE_ID),
+            Message::new("{}").id("b-2"),
+        ];
+        let decisions = protocol.decide_batch(&batch, &each).await;
+        let reasons: Vec<Option<&str>> = decisions
+            .iter()
+            .map(|decision| match decision {
+                Decision::DeadLetter(letter) => Some(letter.reason.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            reasons,
+            [Some(NO_MESSAGE_ID), None, Some(AMBIGUOUS_MESSAGE_ID), None]
+        );
+        assert_eq!(decisions[1], Decision::Ack(Acked::Processed { attempt: 1 }));
+        assert_eq!(decisions[3], Decision::Ack(Acked::Processed { attempt: 1 }));
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            2,
+            "the refused never ran"
+        );
     }
 
     #[tokio::test]
