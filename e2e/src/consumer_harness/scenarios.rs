@@ -47,7 +47,15 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         alone: false,
         long: false,
         postgres_only: true,
-        run: |case| lost_commit_answers(case).boxed(),
+        run: |case| lost_commit_answers(case, &["--concurrency", "4"], 10).boxed(),
+    },
+    Scenario {
+        name: "consumer_batch_lost_commit_answers",
+        check: "consumer: --batch 8, every 5th COMMIT answer lost (a batch's commit landed), 240 messages, balances exact",
+        alone: false,
+        long: false,
+        postgres_only: true,
+        run: |case| lost_commit_answers(case, &["--batch", "8", "--concurrency", "2"], 4).boxed(),
     },
     Scenario {
         name: "consumer_db_outage",
@@ -55,7 +63,17 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         alone: false,
         long: true,
         postgres_only: true,
-        run: |case| a_database_outage(case).boxed(),
+        run: |case| a_database_outage(case, &["--handler-latency-ms", "20"]).boxed(),
+    },
+    Scenario {
+        name: "consumer_batch_db_outage",
+        check: "consumer: --batch 16, a 25 s database outage mid-stream, nothing dead-lettered, balances exact",
+        alone: false,
+        long: true,
+        postgres_only: true,
+        run: |case| {
+            a_database_outage(case, &["--batch", "16", "--handler-latency-ms", "20"]).boxed()
+        },
     },
     Scenario {
         name: "consumer_duplicates",
@@ -306,11 +324,16 @@ pub(super) async fn wait_processed(
     }
 }
 
-/// 240 messages (40 of them a producer's resends), 4 at a time, while the
-/// answer to every 5th COMMIT of the consumer's database is lost: each
-/// delivery whose commit landed unseen is decided again and found applied.
-/// Every balance exact, no dead letter, the consumer alive.
-async fn lost_commit_answers(mut case: Case) -> Result<String, String> {
+/// 240 messages (40 of them a producer's resends), consumed as `flags` say,
+/// while the answer to every 5th COMMIT of the consumer's database is lost
+/// (`at_least` of them): each delivery whose commit landed unseen is decided
+/// again and found applied. Every balance exact, no dead letter, the
+/// consumer alive.
+async fn lost_commit_answers(
+    mut case: Case,
+    flags: &'static [&'static str],
+    at_least: u64,
+) -> Result<String, String> {
     let (mut rng, seed) = seeded();
     let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
     let stream = stream(&mut rng, "lc", 200, 40, 10);
@@ -319,11 +342,11 @@ async fn lost_commit_answers(mut case: Case) -> Result<String, String> {
     client.close().await;
     let proxy = faults::losing_commit_answers(&mut case)?;
     let database = case.database().await?;
-    let consumer = case.consumer(&["--concurrency", "4"]).await?;
+    let consumer = case.consumer(flags).await?;
     drained(&case, &database, stream.unique)
         .await
         .map_err(failed)?;
-    let lost = faults::lost_at_least(&proxy, 10)?;
+    let lost = faults::lost_at_least(&proxy, at_least)?;
     faults::alive(consumer).await?;
     let effects = stream.exact(&database).await.map_err(failed)?;
     Ok(format!(
@@ -337,7 +360,10 @@ async fn lost_commit_answers(mut case: Case) -> Result<String, String> {
 /// (every connection reset and refused) and comes back. The consumer holds
 /// what it has, takes nothing more, counts no attempt, and resumes by
 /// itself: every balance exact, nothing dead-lettered, the consumer alive.
-async fn a_database_outage(mut case: Case) -> Result<String, String> {
+async fn a_database_outage(
+    mut case: Case,
+    flags: &'static [&'static str],
+) -> Result<String, String> {
     let (mut rng, seed) = seeded();
     let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
     let stream = stream(&mut rng, "do", 150, 0, 10);
@@ -346,7 +372,7 @@ async fn a_database_outage(mut case: Case) -> Result<String, String> {
     client.close().await;
     let proxy = case.proxy_database()?;
     let database = case.database().await?;
-    let consumer = case.consumer(&["--handler-latency-ms", "20"]).await?;
+    let consumer = case.consumer(flags).await?;
     wait_processed(&case, &database, 30).await.map_err(failed)?;
     faults::outage(&proxy).await;
     let during = processed(&database, &case.inbox_consumer()).await?;
