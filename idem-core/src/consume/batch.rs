@@ -548,7 +548,8 @@ impl<I: super::Positions> Protocol<I> {
         let mut from = partition.from;
         let mut applied = 0;
         // Ranges still to apply, the earliest on top.
-        let mut ranges = vec![0..end];
+        let mut ranges: Vec<std::ops::Range<usize>> = Vec::with_capacity(8);
+        ranges.push(0..end);
         while let Some(range) = ranges.pop() {
             if range.len() < 2 {
                 break;

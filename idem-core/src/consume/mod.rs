@@ -868,11 +868,7 @@ mod tests {
         );
         assert_eq!(decisions[1], Decision::Ack(Acked::Processed { attempt: 1 }));
         assert_eq!(decisions[3], Decision::Ack(Acked::Processed { attempt: 1 }));
-        assert_eq!(
-            runs.load(Ordering::SeqCst),
-            2,
-            "the refused never ran"
-        );
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "the refused never ran");
     }
 
     #[tokio::test]
