@@ -73,15 +73,15 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
         alone: false,
         long: true,
         postgres_only: false,
-        run: |case| sigkill_mid_stream(case, &[]).boxed(),
+        run: |case| sigkill_mid_stream(case, &[], (400, 100)).boxed(),
     },
     Scenario {
         name: "sqs_batch_sigkill",
-        check: "consumer on SQS: --batch 10, SIGKILL x5 over 500 messages (100 duplicates), balances exact",
+        check: "consumer on SQS: --batch 10, SIGKILL x5 over 240 messages (40 duplicates), balances exact",
         alone: false,
         long: false,
         postgres_only: false,
-        run: |case| sigkill_mid_stream(case, &["--batch", "10"]).boxed(),
+        run: |case| sigkill_mid_stream(case, &["--batch", "10"], (200, 40)).boxed(),
     },
     Scenario {
         name: "sqs_batch_dead_letter",
@@ -471,13 +471,17 @@ async fn a_database_outage_spends_no_receive(mut case: Case) -> Result<String, S
     ))
 }
 
-/// 500 messages (100 of them a producer's resends) on a queue whose
-/// visibility timeout is 2 s; the consumer is `SIGKILL`ed 5 times at random
-/// points of the stream and restarted: every balance exact. What was
-/// received and not deleted at a kill comes back after its timeout: the
-/// deliveries beyond the producer's 100 that the inbox absorbed are the
-/// ones committed and not yet deleted at a kill.
-async fn sigkill_mid_stream(case: Case, flags: &'static [&'static str]) -> Result<String, String> {
+/// `unique` messages and `resent` more (a producer's resends) on a queue
+/// whose visibility timeout is 2 s; the consumer (run with `flags`) is
+/// `SIGKILL`ed 5 times at random points of the stream and restarted: every
+/// balance exact. What was received and not deleted at a kill comes back
+/// after its timeout: the deliveries beyond the producer's resends that the
+/// inbox absorbed are the ones committed and not yet deleted at a kill.
+async fn sigkill_mid_stream(
+    case: Case,
+    flags: &'static [&'static str],
+    (unique, resent): (usize, usize),
+) -> Result<String, String> {
     const KILLS: usize = 5;
     let (mut rng, seed) = seeded();
     let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
@@ -488,11 +492,11 @@ async fn sigkill_mid_stream(case: Case, flags: &'static [&'static str]) -> Resul
         &[(QueueAttributeName::VisibilityTimeout, "2")],
     )
     .await?;
-    let stream = stream(&mut rng, "sk", 400, 100, 20);
+    let stream = stream(&mut rng, "sk", unique, resent, 20);
     publish(&client, &url, &stream).await?;
     let database = case.database().await?;
     let inbox = case.inbox_consumer();
-    let mut targets: Vec<i64> = (20..380).collect();
+    let mut targets: Vec<i64> = (20..unique as i64 - 20).collect();
     targets.shuffle(&mut rng);
     let mut targets = targets[..KILLS].to_vec();
     targets.sort_unstable();
@@ -522,11 +526,11 @@ async fn sigkill_mid_stream(case: Case, flags: &'static [&'static str]) -> Resul
         stream.messages.len()
     );
     Ok(format!(
-        "{} messages (100 duplicates), {KILLS} kills at {at_kills:?} processed; {duplicates} \
+        "{} messages ({resent} duplicates), {KILLS} kills at {at_kills:?} processed; {duplicates} \
          deliveries absorbed as duplicates ({} redelivered after a kill); {effects} effects, {} \
          balances exact",
         stream.messages.len(),
-        duplicates.saturating_sub(100),
+        duplicates.saturating_sub(resent),
         stream.expected.len()
     ))
 }
