@@ -67,6 +67,7 @@ fn uncounted(entered: Entered) -> Result<Entered, InboxError> {
 impl<I: Positions> Inbox for Fenced<I> {
     type Tx = I::Tx;
     const TRANSACTIONAL: bool = I::TRANSACTIONAL;
+    const BATCHES: bool = I::BATCHES;
 
     fn process<'a>(
         &'a self,

@@ -292,39 +292,25 @@ fn batch_rows(
     for database in databases {
         let mut idem: Vec<Vec<Drain>> = BATCHES.iter().map(|_| Vec::new()).collect();
         let mut bare = Vec::new();
+        let bare_drain = || drain(bench, on, database, Kind::Bare, 1, None, BATCH_SCALE);
         for round in 0..settings.consumer_rounds {
             if round % 2 == 1 {
-                bare.push(drain(
-                    bench,
-                    on,
-                    database,
-                    Kind::Bare,
-                    1,
-                    None,
-                    BATCH_SCALE,
-                )?);
+                bare.push(bare_drain()?);
             }
             for (i, &batch) in BATCHES.iter().enumerate() {
+                let kind = Kind::Idem;
                 idem[i].push(drain(
                     bench,
                     on,
                     database,
-                    Kind::Idem,
+                    kind,
                     1,
                     Some(batch),
                     BATCH_SCALE,
                 )?);
             }
             if round % 2 == 0 {
-                bare.push(drain(
-                    bench,
-                    on,
-                    database,
-                    Kind::Bare,
-                    1,
-                    None,
-                    BATCH_SCALE,
-                )?);
+                bare.push(bare_drain()?);
             }
         }
         let (inbox, name) = (database.0.inbox(), database.0.name());

@@ -545,6 +545,11 @@ impl<I: super::Positions> Protocol<I> {
                 message,
             })
             .collect();
+        if !I::BATCHES {
+            // Its batches would be one message each, each failing the
+            // batch's move: the records go one at a time.
+            return Advanced::Applied(0);
+        }
         let mut from = partition.from;
         let mut applied = 0;
         // Ranges still to apply, the earliest on top.

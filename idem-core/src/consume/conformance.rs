@@ -498,6 +498,7 @@ struct Lent<S>(Arc<S>);
 impl<S: Subject> Inbox for Lent<S> {
     type Tx = <S::Inbox as Inbox>::Tx;
     const TRANSACTIONAL: bool = <S::Inbox as Inbox>::TRANSACTIONAL;
+    const BATCHES: bool = <S::Inbox as Inbox>::BATCHES;
 
     fn process<'a>(
         &'a self,

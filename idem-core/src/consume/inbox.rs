@@ -37,6 +37,14 @@ pub trait Inbox: Send + Sync + 'static {
     /// business ([`MemoryInbox`](super::MemoryInbox)).
     const TRANSACTIONAL: bool;
 
+    /// Whether [`process_batch`](Self::process_batch) applies a batch in
+    /// one transaction (an inbox that overrides it: idem-diesel's); `false`
+    /// for the default, which applies each message alone, and then a
+    /// partition's records go one at a time
+    /// ([`Protocol::decide_batch_advancing`](super::Protocol::decide_batch_advancing)
+    /// answers at once that none was applied as a batch).
+    const BATCHES: bool = false;
+
     /// Applies `message` once, in one transaction:
     ///
     /// - a message this consumer applied before answers

@@ -887,6 +887,7 @@ impl InboxBuilder<Postgres> {
 impl Inbox for PgInbox {
     type Tx = AsyncPgConnection;
     const TRANSACTIONAL: bool = true;
+    const BATCHES: bool = true;
 
     fn process<'a>(
         &'a self,

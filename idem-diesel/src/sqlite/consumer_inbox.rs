@@ -419,6 +419,7 @@ impl InboxBuilder<Sqlite> {
 impl Inbox for SqliteInbox {
     type Tx = AsyncSqliteConnection;
     const TRANSACTIONAL: bool = true;
+    const BATCHES: bool = true;
 
     fn process<'a>(
         &'a self,

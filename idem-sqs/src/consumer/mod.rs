@@ -490,13 +490,9 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Polls<'_, I, H> {
                     messages,
                     received_at,
                 );
-                let work: Work<Error> = Box::pin(async move {
-                    work.await;
-                    Ok(())
-                });
                 // A batch takes a whole batch's room: the next receive waits
                 // for a free one.
-                Ok(vec![(unit, work)])
+                Ok(vec![(unit, settled(work))])
             }
             Ok((messages, received_at)) => {
                 self.failures = 0;
@@ -504,16 +500,12 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Polls<'_, I, H> {
                     .into_iter()
                     .map(|group| {
                         let size = group.len();
-                        let work = delivery::settle(
+                        let work = settled(delivery::settle(
                             Arc::clone(&consumer.shared),
                             Arc::clone(&self.target),
                             group,
                             received_at,
-                        );
-                        let work: Work<Error> = Box::pin(async move {
-                            work.await;
-                            Ok(())
-                        });
+                        ));
                         (size, work)
                     })
                     .collect())
@@ -531,6 +523,15 @@ impl<I: Inbox, H: Handler<I::Tx> + 'static> Intake for Polls<'_, I, H> {
             }
         }
     }
+}
+
+/// A settlement as the runner's unit of work: it never fails the run (what
+/// it could not settle comes back after its lease).
+fn settled(settle: impl Future<Output = ()> + Send + 'static) -> Work<Error> {
+    Box::pin(async move {
+        settle.await;
+        Ok(())
+    })
 }
 
 /// The received messages as the tasks take them: each alone on a standard
