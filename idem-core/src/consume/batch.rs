@@ -396,6 +396,10 @@ impl<I: Inbox> Protocol<I> {
                 .decide_batch_holding(messages, batch, outage, stop)
                 .await;
         }
+        if let [message] = messages {
+            // One delivery, the usual unit: no shared stop to make.
+            return vec![self.decide_holding(message, handler, outage, stop).await];
+        }
         let stop = std::pin::pin!(stop);
         let stop = stop.shared();
         let mut decisions = Vec::with_capacity(messages.len());
