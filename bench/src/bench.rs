@@ -133,6 +133,8 @@ struct Settings {
     /// The rounds of each consumer row (idem and bare, alternating): the
     /// row shows their median, so that one slow drain does not swing it.
     consumer_rounds: usize,
+    /// The batch sizes of the consumer and kafka sections' batch rows.
+    consumer_batches: Vec<usize>,
     /// Events the outbox's relay drains (the outbox section).
     outbox_events: usize,
     /// Transactional charges a second while the outbox's lag is measured.
@@ -167,6 +169,7 @@ impl Settings {
             consumer_messages: 10_000,
             consumer_warmup: 256,
             consumer_rounds: 3,
+            consumer_batches: vec![1, 16, 128],
             outbox_events: 100_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(10),
@@ -198,6 +201,7 @@ impl Settings {
             consumer_messages: 1_000,
             consumer_warmup: 64,
             consumer_rounds: 5,
+            consumer_batches: vec![1, 16, 128],
             outbox_events: 20_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(2),
@@ -232,6 +236,7 @@ impl Settings {
             consumer_messages: 40,
             consumer_warmup: 8,
             consumer_rounds: 1,
+            consumer_batches: vec![128],
             outbox_events: 200,
             outbox_lag_rate: 50,
             outbox_lag: Duration::from_millis(500),

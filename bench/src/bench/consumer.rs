@@ -264,8 +264,8 @@ fn rows(
     Ok(())
 }
 
-/// The batch sizes of the batch rows.
-const BATCHES: [usize; 3] = [1, 16, 128];
+/// The batch size the batch rows' targets are set at.
+const BATCH_TARGETED: usize = 128;
 
 /// The batch rows drain this many times the other rows' messages (both
 /// sides): a batch drains a thousand messages in a fifth of a second, in
@@ -273,7 +273,8 @@ const BATCHES: [usize; 3] = [1, 16, 128];
 const BATCH_SCALE: usize = 4;
 
 /// idem's consumer with a batch handler (`ConsumerBuilder::batch_handler`,
-/// one batch at a time) at each of [`BATCHES`], against the bare consumer
+/// one batch at a time) at each of the settings' batch sizes (1, 16 and
+/// 128; the smoke run 128 alone), against the bare consumer
 /// one message at a time (c = 1): the rounds alternate as the other rows'
 /// do, the bare drain first in odd rounds.
 fn batch_rows(
@@ -287,17 +288,18 @@ fn batch_rows(
         "{} batch rows: {}'s batch handler, one batch at a time (on Kafka, one partition), draining {BATCH_SCALE} times the other rows' messages (both sides), each batch's new messages applied with two statements on PostgreSQL (the accounts' UPDATE from the batch's sums, one multi-row INSERT) and on SQLite each account's UPDATE and one multi-row INSERT on the connection's thread at once, one commit; on Kafka the worker's queue holds 8 batches; against the bare consumer at c=1; targets at {}: 3x on PostgreSQL, 2x on SQLite",
         on.section(),
         on.idem(),
-        BATCHES[BATCHES.len() - 1]
+        BATCH_TARGETED
     ));
     for database in databases {
-        let mut idem: Vec<Vec<Drain>> = BATCHES.iter().map(|_| Vec::new()).collect();
+        let batches = &settings.consumer_batches;
+        let mut idem: Vec<Vec<Drain>> = batches.iter().map(|_| Vec::new()).collect();
         let mut bare = Vec::new();
         let bare_drain = || drain(bench, on, database, Kind::Bare, 1, None, BATCH_SCALE);
         for round in 0..settings.consumer_rounds {
             if round % 2 == 1 {
                 bare.push(bare_drain()?);
             }
-            for (i, &batch) in BATCHES.iter().enumerate() {
+            for (i, &batch) in batches.iter().enumerate() {
                 let kind = Kind::Idem;
                 idem[i].push(drain(
                     bench,
@@ -315,7 +317,7 @@ fn batch_rows(
         }
         let (inbox, name) = (database.0.inbox(), database.0.name());
         let bare = Rounds::of(bare);
-        for (drains, &batch) in idem.into_iter().zip(&BATCHES) {
+        for (drains, &batch) in idem.into_iter().zip(batches) {
             let idem = Rounds::of(drains);
             report.rows.push(
                 Row::from_load(
@@ -327,8 +329,8 @@ fn batch_rows(
                 .without_latency(),
             );
             let target = match (batch, database.0) {
-                (128, Store::Postgres) => Target::AtLeast(3.0),
-                (128, Store::Sqlite) => Target::AtLeast(2.0),
+                (BATCH_TARGETED, Store::Postgres) => Target::AtLeast(3.0),
+                (BATCH_TARGETED, Store::Sqlite) => Target::AtLeast(2.0),
                 _ => Target::None,
             };
             let cpu = match (
