@@ -77,11 +77,11 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "sqs_batch_sigkill",
-        check: "consumer on SQS: --batch 10, SIGKILL x5 over 240 messages (40 duplicates), balances exact",
+        check: "consumer on SQS: --batch 10, SIGKILL x5 over 180 messages (30 duplicates), balances exact",
         alone: false,
         long: false,
         postgres_only: false,
-        run: |case| sigkill_mid_stream(case, &["--batch", "10"], (200, 40)).boxed(),
+        run: |case| sigkill_mid_stream(case, &["--batch", "10"], (150, 30)).boxed(),
     },
     Scenario {
         name: "sqs_batch_dead_letter",
