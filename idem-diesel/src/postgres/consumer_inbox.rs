@@ -515,8 +515,8 @@ impl PgInbox {
 
     /// [`Inbox::process_batch`]: enters the batch with one statement, runs
     /// the handler once on the new messages, and commits, on one pooled
-    /// connection: three round trips and the handler's, whatever the
-    /// batch's size.
+    /// connection: two round trips (`BEGIN` with the entry, the cleanup
+    /// with `COMMIT`) and the handler's, whatever the batch's size.
     async fn process_batch_on(
         &self,
         batch: &[BatchEntry<'_>],
