@@ -151,7 +151,23 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         alone: true,
         long: false,
         postgres_only: false,
-        run: |case| a_broker_restart_mid_stream_loses_nothing(case).boxed(),
+        run: |case| {
+            a_broker_restart_mid_stream_loses_nothing(case, &["--concurrency", "4"]).boxed()
+        },
+    },
+    Scenario {
+        name: "consumer_batch_broker_restart",
+        check: "consumer: --batch 32, broker restarted mid-stream, resumed by itself",
+        alone: true,
+        long: false,
+        postgres_only: false,
+        run: |case| {
+            a_broker_restart_mid_stream_loses_nothing(
+                case,
+                &["--batch", "32", "--concurrency", "2"],
+            )
+            .boxed()
+        },
     },
     Scenario {
         name: "consumer_dead_letter",
@@ -772,7 +788,10 @@ async fn eight_at_once_leave_every_balance_exact(case: Case) -> Result<String, S
 /// The broker stopped and started while the consumer works through 300
 /// messages: the same process reconnects by itself, takes 200 more published
 /// after the restart, and every balance is exact.
-async fn a_broker_restart_mid_stream_loses_nothing(case: Case) -> Result<String, String> {
+async fn a_broker_restart_mid_stream_loses_nothing(
+    case: Case,
+    flags: &'static [&'static str],
+) -> Result<String, String> {
     let (mut rng, seed) = seeded();
     let failed = |why: String| format!("{why} (seed {seed}: set PAYMENTS_CONSUMER_SEED to replay)");
     let stream = stream(&mut rng, "b", 500, 0, 10);
@@ -783,7 +802,7 @@ async fn a_broker_restart_mid_stream_loses_nothing(case: Case) -> Result<String,
     }
     client.close().await;
     let database = case.database().await?;
-    let mut consumer = case.consumer(&["--concurrency", "4"]).await?;
+    let mut consumer = case.consumer(flags).await?;
     let at_stop = wait_processed(&case, &database, 100).await?;
     case.restart_broker(Duration::from_secs(1)).await?;
     let client = Client::connect(&case).await?;
