@@ -474,14 +474,13 @@ impl<P: super::Positions> BatchHandler<P::Tx> for MoveFirst<'_, P> {
             if batch.len() != self.size {
                 return Err(HandlerError::transient(NotAllNew));
             }
-            match self.positions.advance_in(tx, self.advance).await {
-                Ok(true) => self.handler.handle(batch, tx).await,
-                Ok(false) => {
+            if let Err(error) = super::positions::moved(self.positions, tx, self.advance).await {
+                if error.source_error().is::<super::PartitionLost>() {
                     self.fenced.store(true, std::sync::atomic::Ordering::SeqCst);
-                    Err(HandlerError::transient(super::PartitionLost))
                 }
-                Err(error) => Err(HandlerError::transient(error)),
+                return Err(error);
             }
+            self.handler.handle(batch, tx).await
         })
     }
 }

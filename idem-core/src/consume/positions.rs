@@ -148,14 +148,25 @@ struct AdvanceFirst<'a, P: Positions> {
 impl<P: Positions> Handler<P::Tx> for AdvanceFirst<'_, P> {
     fn handle<'a>(&'a self, attempt: Attempt<'a>, tx: &'a mut P::Tx) -> HandlerFuture<'a> {
         Box::pin(async move {
-            match self.positions.advance_in(tx, self.advance).await {
-                Ok(true) => self.handler.handle(attempt, tx).await,
-                Ok(false) => Err(HandlerError::transient(PartitionLost)),
-                // The database's own error, as the handler's (a failed
-                // attempt, retried in place).
-                Err(InboxError::Unavailable(source)) => Err(HandlerError::transient(source)),
-                Err(error) => Err(HandlerError::transient(error)),
-            }
+            moved(self.positions, tx, self.advance).await?;
+            self.handler.handle(attempt, tx).await
         })
+    }
+}
+
+/// Moves the partition's position on the handler's transaction before the
+/// handler runs: fenced, [`PartitionLost`]; the database's own error as the
+/// handler's (a failed attempt, retried in place). What a record's move and
+/// a batch's share.
+pub(crate) async fn moved<P: Positions>(
+    positions: &P,
+    tx: &mut P::Tx,
+    advance: &Advance<'_>,
+) -> Result<(), HandlerError> {
+    match positions.advance_in(tx, advance).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(HandlerError::transient(PartitionLost)),
+        Err(InboxError::Unavailable(source)) => Err(HandlerError::transient(source)),
+        Err(error) => Err(HandlerError::transient(error)),
     }
 }
