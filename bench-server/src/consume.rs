@@ -36,7 +36,9 @@
 //! with the `COMMIT`: the same round trips.
 //!
 //! Prints one JSON object: `messages`, `seconds`, `cpu_seconds` (this
-//! process), `database_cpu_seconds` (PostgreSQL's, or null), `publish_seconds`.
+//! process), `database_cpu_seconds` (PostgreSQL's, or null), `publish_seconds` (null
+//! with `--published`). With `--publish-only`, it publishes and prints
+//! `published`, `warmup` and `publish_seconds` alone.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -120,6 +122,47 @@ pub(crate) struct Drain {
     /// without it, the handler, one at a time. The bare consumer ignores it.
     #[arg(long)]
     pub(crate) batch: Option<usize>,
+    /// Only publish the run's messages (and its warm-up's), print
+    /// `{"published": N}` and stop, for a later run with `--published`.
+    #[arg(long, conflicts_with = "published")]
+    pub(crate) publish_only: bool,
+    /// Drain what an earlier `--publish-only` run with the same queue (or
+    /// topic) and counts published, publishing nothing: a run under
+    /// callgrind then counts the consumer's instructions alone.
+    #[arg(long)]
+    pub(crate) published: bool,
+}
+
+impl Drain {
+    /// Publishes the run's messages and its warm-up's with `publish`, unless
+    /// `--published` says they are there; answers the seconds it took
+    /// (`None`: nothing published), and whether the run stops there
+    /// (`--publish-only`, which then printed what it published).
+    pub(crate) async fn publish<F>(&self, publish: F) -> Result<(Option<f64>, bool), BoxError>
+    where
+        F: AsyncFn(bool, usize) -> Result<(), BoxError>,
+    {
+        if self.published {
+            return Ok((None, false));
+        }
+        let started = Instant::now();
+        publish(false, self.messages).await?;
+        if self.warmup > 0 {
+            publish(true, self.warmup).await?;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        if self.publish_only {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "published": self.messages,
+                    "warmup": self.warmup,
+                    "publish_seconds": seconds,
+                })
+            );
+        }
+        Ok((Some(seconds), self.publish_only))
+    }
 }
 
 /// Which consumer a run drains with.
@@ -553,6 +596,21 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     if options.drain.messages == 0 {
         return Err("--messages must be at least 1".into());
     }
+    let warmup_queue = format!("{}.warmup", options.queue);
+    let (publish_seconds, stop) = options
+        .drain
+        .publish(async |warmup, count| {
+            let queue = if warmup {
+                &warmup_queue
+            } else {
+                &options.queue
+            };
+            publish(&options, queue, count).await
+        })
+        .await?;
+    if stop {
+        return Ok(());
+    }
     let database = Database::open(
         &options.drain.database,
         options.drain.accounts,
@@ -560,13 +618,6 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         options.drain.concurrency,
     )
     .await?;
-    let warmup_queue = format!("{}.warmup", options.queue);
-    let published = Instant::now();
-    publish(&options, &options.queue, options.drain.messages).await?;
-    if options.drain.warmup > 0 {
-        publish(&options, &warmup_queue, options.drain.warmup).await?;
-    }
-    let publish_seconds = published.elapsed().as_secs_f64();
     if options.drain.warmup > 0 {
         let mut ignored = Window::new(None);
         database

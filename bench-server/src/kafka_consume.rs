@@ -68,7 +68,23 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
     if options.drain.messages == 0 {
         return Err("--messages must be at least 1".into());
     }
-    let partitions = options.drain.concurrency.max(1);
+    let warmup_topic = format!("{}.warmup", options.topic);
+    let partitions = i32::try_from(options.drain.concurrency.max(1))?;
+    let (_, stop) = options
+        .drain
+        .publish(async |warmup, count| {
+            let topic = if warmup {
+                &warmup_topic
+            } else {
+                &options.topic
+            };
+            idem_kafka::create_topic(&options.kafka, topic, partitions).await?;
+            publish(&options, topic, count).await
+        })
+        .await?;
+    if stop {
+        return Ok(());
+    }
     // A connection per partition's worker (or bare task), as `consume` gives.
     let database = Database::open(
         &options.drain.database,
@@ -77,14 +93,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         options.drain.concurrency,
     )
     .await?;
-    let warmup_topic = format!("{}.warmup", options.topic);
-    let partitions = i32::try_from(partitions)?;
-    for topic in [&options.topic, &warmup_topic] {
-        idem_kafka::create_topic(&options.kafka, topic, partitions).await?;
-    }
-    publish(&options, &options.topic, options.drain.messages).await?;
     if options.drain.warmup > 0 {
-        publish(&options, &warmup_topic, options.drain.warmup).await?;
         let mut ignored = Window::new(None);
         drain(
             &database,

@@ -94,6 +94,19 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         .region("us-east-1")
         .credentials("test", "test")
         .build()?;
+    let queue = create_queue(&client, &options.queue).await?;
+    let warmup = create_queue(&client, &format!("{}-warmup", options.queue)).await?;
+    let (_, stop) = options
+        .drain
+        .publish(async |warming, count| {
+            let url = if warming { &warmup } else { &queue };
+            publish(&client, &options, url, count).await
+        })
+        .await?;
+    if stop {
+        return Ok(());
+    }
+    let sqs_call_ms = call_ms(&client, &queue).await?;
     // A connection per running handler, as `consume` gives.
     let database = Database::open(
         &options.drain.database,
@@ -102,12 +115,7 @@ async fn drain_once(options: Options) -> Result<(), BoxError> {
         options.drain.concurrency,
     )
     .await?;
-    let queue = create_queue(&client, &options.queue).await?;
-    let warmup = create_queue(&client, &format!("{}-warmup", options.queue)).await?;
-    publish(&client, &options, &queue, options.drain.messages).await?;
-    let sqs_call_ms = call_ms(&client, &queue).await?;
     if options.drain.warmup > 0 {
-        publish(&client, &options, &warmup, options.drain.warmup).await?;
         let mut ignored = Window::new(None);
         drain(
             &client,

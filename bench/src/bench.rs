@@ -27,6 +27,13 @@
 //! - **SQS** ([`consumer`] too): the same on SQS (moto's server), idem-sqs
 //!   against a bare aws-sdk-sqs receive, apply, delete loop; moto's cost per
 //!   call in a note.
+//! - **Backlog** ([`consumer`] too): each consumer's peak resident set
+//!   draining a large backlog (100,000 messages in the full run) on RabbitMQ
+//!   and on Kafka, published first by another process.
+//! - **Instructions** ([`instructions`], quick and full runs): the
+//!   instructions each consumer process executes per message under
+//!   callgrind, idem's one at a time and in batches of 128 against the bare
+//!   consumer, on RabbitMQ and Kafka.
 //! - **Outbox** ([`outbox`]): transactional first executions on `PgStore`
 //!   with and without staging one outbox event in the request's transaction;
 //!   one relay's events per second draining pre-staged events to a throwaway
@@ -64,6 +71,7 @@
 //! The table is written as JSON too (default `target/bench/bench.json`).
 
 mod consumer;
+mod instructions;
 mod load;
 mod memory;
 mod outbox;
@@ -135,6 +143,11 @@ struct Settings {
     consumer_rounds: usize,
     /// The batch sizes of the consumer and kafka sections' batch rows.
     consumer_batches: Vec<usize>,
+    /// The backlog each consumer drains in the backlog section.
+    backlog_messages: usize,
+    /// The two drains whose difference counts a message's instructions
+    /// (the instructions section).
+    instruction_messages: (usize, usize),
     /// Events the outbox's relay drains (the outbox section).
     outbox_events: usize,
     /// Transactional charges a second while the outbox's lag is measured.
@@ -170,6 +183,8 @@ impl Settings {
             consumer_warmup: 256,
             consumer_rounds: 3,
             consumer_batches: vec![1, 16, 128],
+            backlog_messages: 100_000,
+            instruction_messages: (200, 2_200),
             outbox_events: 100_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(10),
@@ -202,6 +217,8 @@ impl Settings {
             consumer_warmup: 64,
             consumer_rounds: 5,
             consumer_batches: vec![1, 16, 128],
+            backlog_messages: 20_000,
+            instruction_messages: (100, 600),
             outbox_events: 20_000,
             outbox_lag_rate: 200,
             outbox_lag: Duration::from_secs(2),
@@ -237,6 +254,7 @@ impl Settings {
             consumer_warmup: 8,
             consumer_rounds: 1,
             consumer_batches: vec![128],
+            backlog_messages: 100,
             outbox_events: 200,
             outbox_lag_rate: 50,
             outbox_lag: Duration::from_millis(500),
@@ -317,7 +335,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         bench.settings.warmup.as_secs_f64(),
     ));
 
-    let sections: [(&str, Section); 13] = [
+    let sections: [(&str, Section); 15] = [
         ("overhead", overhead::overhead),
         ("records", overhead::records),
         ("memory", memory::memory),
@@ -329,6 +347,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         ("consumer", consumer::consumer),
         ("kafka", consumer::kafka),
         ("sqs", consumer::sqs),
+        ("backlog", consumer::backlog),
+        ("instructions", instructions::instructions),
         ("outbox", outbox::outbox),
         ("peers", peers::peers),
     ];

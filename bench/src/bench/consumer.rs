@@ -39,12 +39,12 @@ use idem_testkit::{TestKafka, TestRabbitMq, TestSqs};
 use super::load::Measured;
 use super::postgres::{cluster, url};
 use super::process::helper_json;
-use super::report::{Ratio, Report, Row, Target};
+use super::report::{Figure, Ratio, Report, Row, Target};
 use super::{Bench, short_id};
 
 /// What one drain reads.
 #[derive(Clone, Copy)]
-enum Store {
+pub(super) enum Store {
     Postgres,
     Sqlite,
 }
@@ -67,7 +67,7 @@ impl Store {
 
 /// The consumers compared.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Idem,
     Bare,
 }
@@ -83,7 +83,7 @@ impl Kind {
 
 /// The broker a section drains from.
 #[derive(Clone)]
-enum On {
+pub(super) enum On {
     /// RabbitMQ, at this AMQP URL: idem-rabbitmq against bare lapin.
     RabbitMq(String),
     /// Kafka (tansu), at these bootstrap servers: idem-kafka against a bare
@@ -104,7 +104,7 @@ impl On {
         }
     }
 
-    fn idem(&self) -> &'static str {
+    pub(super) fn idem(&self) -> &'static str {
         match self {
             Self::RabbitMq(_) => "idem-rabbitmq",
             Self::Kafka(_) => "idem-kafka",
@@ -112,7 +112,7 @@ impl On {
         }
     }
 
-    fn bare(&self) -> &'static str {
+    pub(super) fn bare(&self) -> &'static str {
         match self {
             Self::RabbitMq(_) => "bare lapin",
             Self::Kafka(_) => "bare rdkafka (auto-commit)",
@@ -172,6 +172,103 @@ pub(super) fn sqs(bench: &Bench, report: &mut Report) -> Result<(), String> {
     }
     drop(server);
     outcome
+}
+
+/// A section's rows on one broker and its database.
+pub(super) type BrokerRows = fn(&Bench, &mut Report, &On, &(Store, String)) -> Result<(), String>;
+
+/// Runs `rows` on RabbitMQ, then on Kafka, each with PostgreSQL (one
+/// throwaway cluster, `section` its database): the sections that compare the
+/// consumers beyond their speed (`backlog`, `instructions`).
+pub(super) fn on_each_broker(
+    bench: &Bench,
+    report: &mut Report,
+    section: &str,
+    rows: BrokerRows,
+) -> Result<(), String> {
+    let (cluster, port) = cluster(bench, section)?;
+    let database = (Store::Postgres, url(port, section));
+    let outcome = TestRabbitMq::start()
+        .map_err(|e| e.to_string())
+        .and_then(|broker| rows(bench, report, &On::RabbitMq(broker.url()), &database))
+        .and_then(|()| TestKafka::start().map_err(|e| e.to_string()))
+        .and_then(|broker| rows(bench, report, &On::Kafka(broker.servers()), &database));
+    cluster.finish(Duration::from_secs(30));
+    outcome
+}
+
+/// The `backlog` section: each consumer's peak resident set draining a
+/// backlog of the settings' `backlog_messages` (100,000 in the full run),
+/// published by another process first, one message at a time at the
+/// broker's higher concurrency (RabbitMQ 32, Kafka 4 partitions), on
+/// PostgreSQL: what a consumer holds is bounded by its prefetch, not by the
+/// backlog.
+pub(super) fn backlog(bench: &Bench, report: &mut Report) -> Result<(), String> {
+    report.notes.push(format!(
+        "backlog rows: each consumer drains a backlog of {} messages published first by          another process, one at a time, on PostgreSQL; peak RSS is the consumer process's          VmHWM over its whole run; compare the consumer rows' peak RSS with a backlog of {}",
+        bench.settings.backlog_messages, bench.settings.consumer_messages
+    ));
+    on_each_broker(bench, report, "backlog", backlog_rows)
+}
+
+fn backlog_rows(
+    bench: &Bench,
+    report: &mut Report,
+    on: &On,
+    database: &(Store, String),
+) -> Result<(), String> {
+    let settings = &bench.settings;
+    let c = match on {
+        On::Kafka(_) => settings.kafka_concurrencies.last(),
+        _ => settings.consumer_concurrencies.last(),
+    }
+    .copied()
+    .unwrap_or(1);
+    let messages = settings.backlog_messages;
+    let mut peaks = Vec::new();
+    for kind in [Kind::Idem, Kind::Bare] {
+        let spec = Spec {
+            kind,
+            c,
+            batch: None,
+            messages,
+            warmup: settings.consumer_warmup,
+        };
+        let drained = Drain::of(&drain_published(bench, on, database, &spec, &[])?)?;
+        let what = match kind {
+            Kind::Idem => format!("{} + PgInbox, backlog of {messages}", on.idem()),
+            Kind::Bare => format!("{}, backlog of {messages}", on.bare()),
+        };
+        report
+            .rows
+            .push(Row::from_load("backlog", what.clone(), c, &drained.measured).without_latency());
+        let mib = drained
+            .peak_rss
+            .map(|bytes| bytes as f64 / (1024.0 * 1024.0));
+        report.figures.push(Figure {
+            section: "backlog",
+            what: format!("{what}: peak RSS (c={c})"),
+            value: mib,
+            unit: "MiB",
+            note: "VmHWM of the consumer process".to_owned(),
+        });
+        peaks.push(mib);
+    }
+    if let [Some(idem), Some(bare)] = peaks[..] {
+        report.ratios.push(
+            Ratio::new(
+                format!(
+                    "{} + PgInbox / {}, peak RSS with a backlog of {messages} (c={c})",
+                    on.idem(),
+                    on.bare()
+                ),
+                idem / bare,
+                Target::None,
+            )
+            .note(format!("idem {idem:.1} MiB, bare {bare:.1} MiB")),
+        );
+    }
+    Ok(())
 }
 
 fn on_databases(
@@ -241,7 +338,12 @@ fn rows(
                     [Kind::Bare, Kind::Idem]
                 };
                 for kind in order {
-                    let drained = drain(bench, on, database, kind, c, None, 1)?;
+                    let drained = drain(
+                        bench,
+                        on,
+                        database,
+                        Spec::of(on, settings, kind, c, None, 1),
+                    )?;
                     match kind {
                         Kind::Idem => idem.push(drained),
                         Kind::Bare => bare.push(drained),
@@ -294,22 +396,17 @@ fn batch_rows(
         let batches = &settings.consumer_batches;
         let mut idem: Vec<Vec<Drain>> = batches.iter().map(|_| Vec::new()).collect();
         let mut bare = Vec::new();
-        let bare_drain = || drain(bench, on, database, Kind::Bare, 1, None, BATCH_SCALE);
+        let bare_drain = || {
+            let spec = Spec::of(on, settings, Kind::Bare, 1, None, BATCH_SCALE);
+            drain(bench, on, database, spec)
+        };
         for round in 0..settings.consumer_rounds {
             if round % 2 == 1 {
                 bare.push(bare_drain()?);
             }
             for (i, &batch) in batches.iter().enumerate() {
-                let kind = Kind::Idem;
-                idem[i].push(drain(
-                    bench,
-                    on,
-                    database,
-                    kind,
-                    1,
-                    Some(batch),
-                    BATCH_SCALE,
-                )?);
+                let spec = Spec::of(on, settings, Kind::Idem, 1, Some(batch), BATCH_SCALE);
+                idem[i].push(drain(bench, on, database, spec)?);
             }
             if round % 2 == 0 {
                 bare.push(bare_drain()?);
@@ -379,8 +476,87 @@ fn batch_rows(
     Ok(())
 }
 
+/// How long one consume run may take.
+pub(super) const DRAIN_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// The prefetch of both consumers: idem-rabbitmq's default.
 const PREFETCH: u16 = 32;
+
+/// What one consume run drains, and with which consumer.
+#[derive(Clone, Copy)]
+pub(super) struct Spec {
+    pub(super) kind: Kind,
+    pub(super) c: usize,
+    /// idem's batch handler at this size; `None`: one message at a time.
+    pub(super) batch: Option<usize>,
+    /// Messages drained, measured.
+    pub(super) messages: usize,
+    /// Messages drained first, unmeasured.
+    pub(super) warmup: usize,
+}
+
+impl Spec {
+    /// The section's usual drain, its messages `scale` times the settings'.
+    fn of(
+        on: &On,
+        settings: &super::Settings,
+        kind: Kind,
+        c: usize,
+        batch: Option<usize>,
+        scale: usize,
+    ) -> Self {
+        let (messages, warmup) = on.messages(settings);
+        Self {
+            kind,
+            c,
+            batch,
+            messages: messages.saturating_mul(scale),
+            warmup,
+        }
+    }
+
+    /// A fresh queue (or topic) name for one run.
+    pub(super) fn queue(&self, store: Store) -> String {
+        let store = match store {
+            Store::Postgres => "postgres",
+            Store::Sqlite => "sqlite",
+        };
+        format!(
+            "bench-{}-{store}-{}-c{}-b{}",
+            short_id(),
+            self.kind.flag(),
+            self.c,
+            self.batch.unwrap_or(0)
+        )
+    }
+}
+
+/// Adds a consume command's arguments (`consume`, `kafka-consume` or
+/// `sqs-consume`, by broker) for `spec`'s drain of `queue` to `command`:
+/// `bench-server` itself, or a tool that runs it.
+pub(super) fn consume_args(
+    command: &mut Command,
+    on: &On,
+    database: &str,
+    spec: &Spec,
+    queue: &str,
+) {
+    match on {
+        On::RabbitMq(amqp) => command
+            .args(["consume", "--amqp", amqp, "--queue", queue])
+            .args(["--prefetch", &PREFETCH.to_string()]),
+        On::Kafka(servers) => command.args(["kafka-consume", "--kafka", servers, "--topic", queue]),
+        On::Sqs(endpoint, _) => {
+            command.args(["sqs-consume", "--sqs-endpoint", endpoint, "--queue", queue])
+        }
+    };
+    command
+        .args(["--database", database, "--consumer", spec.kind.flag()])
+        .args(["--concurrency", &spec.c.to_string()])
+        .args(["--messages", &spec.messages.to_string()])
+        .args(["--warmup", &spec.warmup.to_string()])
+        .args(spec.batch.map(|size| format!("--batch={size}")));
+}
 
 /// One `bench-server consume` run, as a load run: its messages, the drain's
 /// seconds, its CPU time and PostgreSQL's.
@@ -388,65 +564,45 @@ fn drain(
     bench: &Bench,
     on: &On,
     (store, database): &(Store, String),
-    kind: Kind,
-    c: usize,
-    batch: Option<usize>,
-    scale: usize,
+    spec: Spec,
 ) -> Result<Drain, String> {
-    let settings = &bench.settings;
-    let store = match store {
-        Store::Postgres => "postgres",
-        Store::Sqlite => "sqlite",
-    };
-    let queue = format!(
-        "bench-{}-{store}-{}-c{c}-b{}",
-        short_id(),
-        kind.flag(),
-        batch.unwrap_or(0)
-    );
     let mut command = Command::new(&bench.binaries.server);
-    match on {
-        On::RabbitMq(amqp) => command
-            .args(["consume", "--amqp", amqp, "--queue", &queue])
-            .args(["--prefetch", &PREFETCH.to_string()]),
-        On::Kafka(servers) => {
-            command.args(["kafka-consume", "--kafka", servers, "--topic", &queue])
-        }
-        On::Sqs(endpoint, _) => {
-            command.args(["sqs-consume", "--sqs-endpoint", endpoint, "--queue", &queue])
-        }
-    };
-    let (messages, warmup) = on.messages(settings);
-    let messages = messages.saturating_mul(scale);
-    command
-        .args(["--database", database, "--consumer", kind.flag()])
-        .args(["--concurrency", &c.to_string()])
-        .args(["--messages", &messages.to_string()])
-        .args(["--warmup", &warmup.to_string()])
-        .args(batch.map(|size| format!("--batch={size}")));
-    let json = helper_json(command, Duration::from_secs(600))?;
+    consume_args(&mut command, on, database, &spec, &spec.queue(*store));
+    let json = helper_json(command, DRAIN_TIMEOUT)?;
     if let (On::Sqs(_, calls), Some(ms)) = (on, json["sqs_call_ms"].as_f64()) {
         calls.borrow_mut().push(ms);
     }
-    let messages = json["messages"]
-        .as_u64()
-        .ok_or_else(|| format!("consume answered no messages: {json}"))?;
-    let seconds = json["seconds"]
-        .as_f64()
-        .ok_or_else(|| format!("consume answered no seconds: {json}"))?;
-    Ok(Drain {
-        measured: Measured {
-            requests: messages,
-            answered: messages,
-            seconds,
-            run_seconds: seconds,
-            server_cpu_seconds: json["cpu_seconds"].as_f64(),
-            database_cpu_seconds: json["database_cpu_seconds"].as_f64(),
-            ..Measured::default()
-        },
-        statements: json["statements"].as_u64(),
-        peak_rss: json["peak_rss_bytes"].as_u64(),
-    })
+    Drain::of(&json)
+}
+
+/// Publishes `spec`'s messages with one `bench-server` run, then drains
+/// them with another, `bench-server` itself or run by `runner` (a program and
+/// its arguments, `bench-server`'s path and arguments after them): the
+/// drain's process then holds the consumer alone, not the publisher (its
+/// peak RSS, its instructions). Answers the drain's JSON.
+pub(super) fn drain_published(
+    bench: &Bench,
+    on: &On,
+    (store, database): &(Store, String),
+    spec: &Spec,
+    runner: &[String],
+) -> Result<serde_json::Value, String> {
+    let queue = spec.queue(*store);
+    let mut publish = Command::new(&bench.binaries.server);
+    consume_args(&mut publish, on, database, spec, &queue);
+    publish.arg("--publish-only");
+    helper_json(publish, DRAIN_TIMEOUT)?;
+    let mut command = match runner {
+        [program, args @ ..] => {
+            let mut command = Command::new(program);
+            command.args(args).arg(&bench.binaries.server);
+            command
+        }
+        [] => Command::new(&bench.binaries.server),
+    };
+    consume_args(&mut command, on, database, spec, &queue);
+    command.arg("--published");
+    helper_json(command, DRAIN_TIMEOUT)
 }
 
 /// One drain: as a load run, and the PostgreSQL statements it ran.
@@ -457,6 +613,31 @@ struct Drain {
     /// The consumer process's peak resident set (`VmHWM`), its warm-up and
     /// the drain of its pre-published backlog included.
     peak_rss: Option<u64>,
+}
+
+impl Drain {
+    /// What a consume run printed.
+    fn of(json: &serde_json::Value) -> Result<Self, String> {
+        let messages = json["messages"]
+            .as_u64()
+            .ok_or_else(|| format!("consume answered no messages: {json}"))?;
+        let seconds = json["seconds"]
+            .as_f64()
+            .ok_or_else(|| format!("consume answered no seconds: {json}"))?;
+        Ok(Self {
+            measured: Measured {
+                requests: messages,
+                answered: messages,
+                seconds,
+                run_seconds: seconds,
+                server_cpu_seconds: json["cpu_seconds"].as_f64(),
+                database_cpu_seconds: json["database_cpu_seconds"].as_f64(),
+                ..Measured::default()
+            },
+            statements: json["statements"].as_u64(),
+            peak_rss: json["peak_rss_bytes"].as_u64(),
+        })
+    }
 }
 
 /// One consumer's drains of a row, a round each.
