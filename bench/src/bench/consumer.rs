@@ -73,7 +73,7 @@ pub(super) enum Kind {
 }
 
 impl Kind {
-    fn flag(self) -> &'static str {
+    pub(super) fn flag(self) -> &'static str {
         match self {
             Self::Idem => "idem",
             Self::Bare => "bare",
@@ -96,7 +96,7 @@ pub(super) enum On {
 }
 
 impl On {
-    fn section(&self) -> &'static str {
+    pub(super) fn section(&self) -> &'static str {
         match self {
             Self::RabbitMq(_) => "consumer",
             Self::Kafka(_) => "kafka",

@@ -49,7 +49,9 @@ pub(super) fn instructions(bench: &Bench, report: &mut Report) -> Result<(), Str
         "instructions rows: the consumer process's instructions per message under callgrind, \
          the difference of two drains ({large} and {small} messages, published by another \
          process) over their difference in messages: the consumer's code, its client \
-         libraries', its calls into the kernel; not PostgreSQL's nor the broker's"
+         libraries', its calls into the kernel; not PostgreSQL's nor the broker's; each \
+         larger drain's profile is kept for callgrind_annotate: {}/callgrind.*.out",
+        bench.logs.display()
     ));
     on_each_broker(bench, report, "instructions", rows)
 }
@@ -110,6 +112,12 @@ fn per_message(
     batch: Option<usize>,
 ) -> Result<f64, String> {
     let (small, large) = bench.settings.instruction_messages;
+    let batched = batch.map_or(String::new(), |size| format!("-batch{size}"));
+    let kept = bench.logs.join(format!(
+        "callgrind.{}-{}{batched}.out",
+        on.section(),
+        kind.flag()
+    ));
     let mut totals = Vec::new();
     for messages in [small, large] {
         let spec = Spec {
@@ -129,7 +137,12 @@ fn per_message(
         ];
         drain_published(bench, on, database, &spec, &runner)?;
         let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
-        let _ = std::fs::remove_file(&out);
+        // The larger drain's profile is kept, for `callgrind_annotate`.
+        let _ = if messages == large {
+            std::fs::rename(&out, &kept)
+        } else {
+            std::fs::remove_file(&out)
+        };
         totals.push(total(&text).ok_or_else(|| format!("{}: no totals line", out.display()))?);
     }
     let extra = large.saturating_sub(small).max(1);
