@@ -217,7 +217,7 @@ impl Settings {
             consumer_warmup: 64,
             consumer_rounds: 5,
             consumer_batches: vec![1, 16, 128],
-            backlog_messages: 20_000,
+            backlog_messages: 100_000,
             instruction_messages: (100, 600),
             outbox_events: 20_000,
             outbox_lag_rate: 200,

@@ -205,7 +205,9 @@ pub(super) fn on_each_broker(
 /// backlog.
 pub(super) fn backlog(bench: &Bench, report: &mut Report) -> Result<(), String> {
     report.notes.push(format!(
-        "backlog rows: each consumer drains a backlog of {} messages published first by          another process, one at a time, on PostgreSQL; peak RSS is the consumer process's          VmHWM over its whole run; compare the consumer rows' peak RSS with a backlog of {}",
+        "backlog rows: each consumer drains a backlog of {} messages published first by \
+         another process, one at a time, on PostgreSQL; peak RSS is the consumer process's \
+         VmHWM over its whole run; compare the consumer rows' peak RSS with a backlog of {}",
         bench.settings.backlog_messages, bench.settings.consumer_messages
     ));
     on_each_broker(bench, report, "backlog", backlog_rows)
