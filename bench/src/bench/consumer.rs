@@ -17,8 +17,10 @@
 //! first in even rounds, bare first in odd ones). Each row shows its median
 //! round (the quick mode runs 5, the full one 3), and each ratio the median
 //! of the rounds' ratios, idem's drain over the bare one's next to it: a
-//! drain slowed by the machine (they last about a second in the quick mode)
-//! moves neither. The CPU time per message pools every round.
+//! drain slowed by the machine (they last one to three seconds in the quick
+//! mode, 3,000 messages: with 1,000, two quick runs' ratios differed by up to
+//! 23 %, the consumer's start and stop a large part of each window) moves
+//! neither. The CPU time per message pools every round.
 //!
 //! **Why the consumers run in `bench-server`:** `cargo xtask bench` runs this
 //! crate as a dev build, while `bench-server` is built like every process
