@@ -218,6 +218,7 @@ pub(crate) fn drain(options: DrainOptions) -> Result<(), BoxError> {
     common.runtime()?.block_on(async {
         let Setup { outbox, publisher } = common.set_up().await?;
         stage(&outbox, &common.queue, options.events).await?;
+        reset_statements(&outbox).await;
         let mut window = Window::new(port_of(&common.database));
         window.start();
         let relay = outbox.relay(Shared(Arc::clone(&publisher)))?;
@@ -232,11 +233,13 @@ pub(crate) fn drain(options: DrainOptions) -> Result<(), BoxError> {
             .await
             .map_err(|_| "the relay did not drain the outbox within 600 s")?;
         let measured = window.end()?;
+        let statements = statements(&outbox, options.events).await;
         common.clean_up().await?;
         println!(
             "{}",
             serde_json::json!({
                 "events": options.events,
+                "statements": statements,
                 "published": relayed.published,
                 "retried": relayed.retried,
                 "seconds": measured.seconds,
@@ -246,6 +249,52 @@ pub(crate) fn drain(options: DrainOptions) -> Result<(), BoxError> {
         );
         Ok(())
     })
+}
+
+/// Clears `pg_stat_statements`, so that what it counts next is the drain's.
+/// The bench's clusters load it; elsewhere this does nothing.
+async fn reset_statements(outbox: &PgOutbox) {
+    use idem_diesel::diesel_async::RunQueryDsl;
+    if let Ok(mut connection) = outbox.pool().get().await {
+        let _ = diesel::sql_query("SELECT pg_stat_statements_reset()")
+            .execute(&mut *connection)
+            .await;
+    }
+}
+
+/// One statement's share of a drain, as `pg_stat_statements` counted it.
+#[derive(diesel::QueryableByName, serde::Serialize)]
+struct Statement {
+    /// The statement's first words.
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    query: String,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    calls: i64,
+    /// Its execution time per event drained, in microseconds.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    us_per_event: f64,
+}
+
+/// The statements of this database since [`reset_statements`], the most
+/// time first: each one's calls and execution time per event (planning and
+/// the protocol are not in it). Empty where `pg_stat_statements` cannot be
+/// read.
+async fn statements(outbox: &PgOutbox, events: usize) -> Vec<Statement> {
+    use idem_diesel::diesel_async::RunQueryDsl;
+    let Ok(mut connection) = outbox.pool().get().await else {
+        return Vec::new();
+    };
+    diesel::sql_query(
+        "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 60) AS query, calls, \
+         total_exec_time * 1000 / $1 AS us_per_event FROM pg_stat_statements \
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND query NOT LIKE '%pg_stat_statements%' \
+         ORDER BY total_exec_time DESC LIMIT 8",
+    )
+    .bind::<diesel::sql_types::Double, _>(events.max(1) as f64)
+    .load::<Statement>(&mut *connection)
+    .await
+    .unwrap_or_default()
 }
 
 /// Stages `count` events to `destination`, each on its own, pipelined on one

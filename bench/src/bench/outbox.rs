@@ -182,6 +182,24 @@ fn relay(
         )
         .without_latency(),
     );
+    if let Some(statements) = json["statements"].as_array().filter(|s| !s.is_empty()) {
+        let shares: Vec<String> = statements
+            .iter()
+            .map(|statement| {
+                format!(
+                    "{:.1} us `{}` ({} calls)",
+                    statement["us_per_event"].as_f64().unwrap_or(f64::NAN),
+                    statement["query"].as_str().unwrap_or("?"),
+                    statement["calls"]
+                )
+            })
+            .collect();
+        report.notes.push(format!(
+            "relay to {to}: PostgreSQL's execution time per event by statement \
+             (pg_stat_statements; planning, parsing and the protocol are outside it): {}",
+            shares.join("; ")
+        ));
+    }
     report.ratios.push(
         Ratio::new(
             format!("one relay's events/s to {to} / 10,000 events/s, the relay's target"),
