@@ -69,11 +69,13 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "sqs_sigkill",
-        check: "consumer on SQS: SIGKILL x5 over 500 messages (100 duplicates), balances exact",
+        check: "consumer on SQS: SIGKILL x5 over 300 messages (50 duplicates), balances exact",
         alone: false,
         long: true,
         postgres_only: false,
-        run: |case| sigkill_mid_stream(case, &[], (400, 100)).boxed(),
+        // 300 messages: moto's CPU, beside the other rows, made 500 the
+        // e2e's longest row (107 s on each database).
+        run: |case| sigkill_mid_stream(case, &[], (250, 50)).boxed(),
     },
     Scenario {
         name: "sqs_batch_sigkill",
