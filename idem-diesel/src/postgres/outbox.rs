@@ -70,17 +70,23 @@ const STAGE_QUIET: &str = "INSERT INTO idem_outbox (id, destination, key, payloa
 /// former `NOT EXISTS` anti-join then compared every candidate with every
 /// unsent row (870 ms for a batch of 100 out of 20,000 unsent, against 2 ms
 /// now). A head is found by one index probe of its key (the scalar
-/// subquery), the events behind it by one bounded range of the same index
-/// each: when `$1` heads were found, the batch's `$1` earliest events are
-/// all at or before the last head, so no key is read past it.
+/// subquery: the first unsent event at or after its destination and key in
+/// the key index's order, which is the earliest of its key since the
+/// candidate itself is one; written as a row comparison in that order so
+/// that no other index can serve it: asked for the key's events by position,
+/// the planner walked the unsent events' position index and filtered each
+/// one's key, 57 buffers a probe and 6 ms a take of 100 behind 20,000 sent
+/// events, against 4 buffers and 2.6 ms now), the events behind it by one
+/// bounded range each: when `$1` heads were found, the batch's `$1` earliest
+/// events are all at or before the last head, so no key is read past it.
 const TAKE: &str = "WITH heads AS (
         SELECT o.position, o.destination, o.key FROM idem_outbox AS o
         WHERE o.sent_at IS NULL AND o.parked_at IS NULL AND o.next_attempt_at <= now()
           AND o.position = (
               SELECT e.position FROM idem_outbox AS e
-              WHERE e.destination = o.destination AND e.key = o.key
+              WHERE (e.destination, e.key) >= (o.destination, o.key)
                 AND e.sent_at IS NULL AND e.parked_at IS NULL
-              ORDER BY e.position LIMIT 1)
+              ORDER BY e.destination, e.key, e.position LIMIT 1)
         ORDER BY o.position LIMIT $1
         FOR UPDATE OF o SKIP LOCKED
     ), bound AS (
