@@ -86,6 +86,10 @@ pub(crate) struct DrainOptions {
     /// Events staged, then drained.
     #[arg(long)]
     events: usize,
+    /// The relay's batches in flight (`Relay::batches_in_flight`; default:
+    /// the relay's).
+    #[arg(long)]
+    batches_in_flight: Option<usize>,
 }
 
 /// What `outbox-lag` runs.
@@ -221,7 +225,10 @@ pub(crate) fn drain(options: DrainOptions) -> Result<(), BoxError> {
         reset_statements(&outbox).await;
         let mut window = Window::new(port_of(&common.database));
         window.start();
-        let relay = outbox.relay(Shared(Arc::clone(&publisher)))?;
+        let mut relay = outbox.relay(Shared(Arc::clone(&publisher)))?;
+        if let Some(batches) = options.batches_in_flight {
+            relay = relay.batches_in_flight(batches);
+        }
         let drained = async {
             publisher.reached(options.events).await;
             // The last batch is marked sent after its confirms.

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
+use futures_util::FutureExt as _;
 use futures_util::future::join_all;
 use idem_core::outbox::{Event, Publish, PublishError};
 use idem_core::retry::Backoff;
@@ -165,6 +166,7 @@ pub struct Relay<P> {
     poll_interval: Duration,
     backoff: Backoff,
     publish_timeout: Duration,
+    in_flight: usize,
     counters: Arc<RelayCounters>,
 }
 
@@ -218,6 +220,10 @@ pub(crate) trait Source: Send + Sync + 'static {
     /// Whether a wake-up may come before the commit it announces (SQLite's
     /// in-process wake-up, at the stage).
     fn wakes_early(&self) -> bool;
+
+    /// How many batches may be taken at once: PostgreSQL's take skips what
+    /// another batch holds (any number), SQLite's has one writer (one).
+    fn batches_at_once(&self) -> usize;
 
     /// A task that turns the database's notifications into wake-ups, if the
     /// backend has them.
@@ -349,6 +355,7 @@ impl<P: Publish> Relay<P> {
             poll_interval: Duration::from_secs(1),
             backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(60)),
             publish_timeout: Duration::from_secs(30),
+            in_flight: 2,
             counters: Arc::default(),
         }
     }
@@ -356,6 +363,19 @@ impl<P: Publish> Relay<P> {
     /// The most events taken at once (default 100).
     pub fn batch_size(mut self, size: usize) -> Self {
         self.batch_size = size.max(1);
+        self
+    }
+
+    /// How many batches the relay works on at once (default 2): one is
+    /// taken and settled by the database while another is published, so
+    /// that neither the database nor the broker waits on the other. Each
+    /// holds a pooled connection while it is taken, published and settled.
+    /// Events of one key are never in two batches at once: a batch takes
+    /// the earliest unsent event of each key it takes, and skips the keys
+    /// another batch holds, as two relays do. On SQLite, whose one writer
+    /// takes one batch at a time, the relay keeps one.
+    pub fn batches_in_flight(mut self, batches: usize) -> Self {
+        self.in_flight = batches.max(1);
         self
     }
 
@@ -504,6 +524,16 @@ impl<P: Publish> Relay<P> {
             .source
             .listen(self.poll_interval)
             .map(|listen| AbortOnDrop(tokio::spawn(listen)));
+        let shutdown = shutdown.shared();
+        let lanes = self.in_flight.min(self.source.batches_at_once()).max(1);
+        join_all((0..lanes).map(|_| self.lane(shutdown.clone()))).await;
+        drop(listener);
+        self.report()
+    }
+
+    /// One of the relay's batches in flight, one after the other, until
+    /// `shutdown` resolves.
+    async fn lane(&self, shutdown: impl Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let result = match self.run_once_unless(&mut shutdown).await {
@@ -533,8 +563,6 @@ impl<P: Publish> Relay<P> {
                 () = tokio::time::sleep(self.poll_interval) => {}
             }
         }
-        drop(listener);
-        self.report()
     }
 
     /// After a wake-up that may precede its commit: looks again a few times,
@@ -640,6 +668,7 @@ impl<P> fmt::Debug for Relay<P> {
         f.debug_struct("Relay")
             .field("batch_size", &self.batch_size)
             .field("poll_interval", &self.poll_interval)
+            .field("batches_in_flight", &self.in_flight)
             .finish_non_exhaustive()
     }
 }

@@ -13,11 +13,14 @@
 //!   which serializes those commits, and the pair shows what that costs.
 //!   (Without a write of its own to pipeline with, a stage is one round trip
 //!   more: a fourth on a three-round-trip request.)
-//! - **Relay**: events per second of one relay (`Relay::run`, default batch
-//!   of 100) draining pre-staged events to RabbitMQ, then to Kafka (tansu,
-//!   started for that row; `bench-server outbox-drain [--kafka]`): from its
-//!   start until every event is confirmed and marked sent; its process's CPU
-//!   and PostgreSQL's per event; against the target of 10,000 events/s.
+//! - **Relay**: events per second of one relay (`Relay::run`, its defaults:
+//!   batches of 100, two in flight) draining pre-staged events to RabbitMQ,
+//!   then to Kafka (tansu, started for that row; `bench-server outbox-drain
+//!   [--kafka]`): from its start until every event is confirmed and marked
+//!   sent; its process's CPU and PostgreSQL's per event, and PostgreSQL's
+//!   execution time per event by statement; against the target of 10,000
+//!   events/s. Before each, the same relay with one batch in flight, on a
+//!   database of its own, as a reference row.
 //! - **Lag**: while the relay runs in the same process, transactional
 //!   charges at a fixed rate each stage one event (`bench-server
 //!   outbox-lag`, in process, without HTTP); the lag is from a charge's
@@ -42,12 +45,38 @@ const RELAY_TARGET: f64 = 10_000.0;
 /// Starts the broker and the cluster; runs every row; stops them.
 pub(super) fn outbox(bench: &Bench, report: &mut Report) -> Result<(), String> {
     let broker = TestRabbitMq::start().map_err(|e| e.to_string())?;
-    let (cluster, port) = cluster(bench, "outbox,relay,relay_kafka")?;
+    let (cluster, port) = cluster(bench, "outbox,relay,relay_one,relay_kafka,relay_kafka_one")?;
     let amqp = broker.url();
     let outcome = staging(bench, report, &url(port, "outbox")).and_then(|staged| {
-        relay(bench, report, &amqp, &url(port, "relay"), None, staged)?;
+        relay(
+            bench,
+            report,
+            &amqp,
+            &url(port, "relay_one"),
+            None,
+            staged,
+            Some(1),
+        )?;
+        relay(
+            bench,
+            report,
+            &amqp,
+            &url(port, "relay"),
+            None,
+            staged,
+            None,
+        )?;
         lag(bench, report, &amqp, &url(port, "relay"))?;
         let kafka = TestKafka::start().map_err(|e| e.to_string())?;
+        relay(
+            bench,
+            report,
+            &amqp,
+            &url(port, "relay_kafka_one"),
+            Some(&kafka.servers()),
+            staged,
+            Some(1),
+        )?;
         relay(
             bench,
             report,
@@ -55,6 +84,7 @@ pub(super) fn outbox(bench: &Bench, report: &mut Report) -> Result<(), String> {
             &url(port, "relay_kafka"),
             Some(&kafka.servers()),
             staged,
+            None,
         )
     });
     cluster.finish(Duration::from_secs(30));
@@ -140,10 +170,14 @@ fn relay(
     database: &str,
     kafka: Option<&str>,
     charges: f64,
+    in_flight: Option<usize>,
 ) -> Result<(), String> {
     let events = bench.settings.outbox_events;
     let mut command = outbox_command(bench, "outbox-drain", amqp, database);
     command.args(["--events", &events.to_string()]);
+    if let Some(batches) = in_flight {
+        command.args(["--batches-in-flight", &batches.to_string()]);
+    }
     if let Some(servers) = kafka {
         command.args(["--kafka", servers]);
     }
@@ -166,22 +200,31 @@ fn relay(
     };
     if kafka.is_none() {
         report.notes.push(format!(
-            "outbox relay rows: req/s is events/s, one relay (batches of 100, keys over 1,000 \
-             accounts) draining {events} pre-staged events to RabbitMQ (a durable queue, \
-             persistent messages, publisher confirms) or Kafka (one partition, acks=all, the \
-             idempotent producer) until all are confirmed and marked sent; srv is the relay's \
-             process"
+            "outbox relay rows: req/s is events/s, one relay (batches of 100, two in flight \
+             unless the row says otherwise, keys over 1,000 accounts) draining {events} \
+             pre-staged events (each row on a database of its own) to RabbitMQ (a durable \
+             queue, persistent messages, publisher confirms) or Kafka (one partition, \
+             acks=all, the idempotent producer) until all are confirmed and marked sent; srv \
+             is the relay's process"
         ));
     }
-    report.rows.push(
-        Row::from_load(
-            "outbox",
-            format!("relay (PgOutbox + {publisher} OutboxPublisher) to {to}"),
-            1,
-            &drained,
-        )
-        .without_latency(),
-    );
+    let what = format!("relay (PgOutbox + {publisher} OutboxPublisher) to {to}");
+    if let Some(batches) = in_flight {
+        // A reference row: the relay with fewer batches in flight.
+        report.rows.push(
+            Row::from_load(
+                "outbox",
+                format!("{what}, {batches} batch(es) in flight"),
+                1,
+                &drained,
+            )
+            .without_latency(),
+        );
+        return Ok(());
+    }
+    report
+        .rows
+        .push(Row::from_load("outbox", what, 1, &drained).without_latency());
     if let Some(statements) = json["statements"].as_array().filter(|s| !s.is_empty()) {
         let shares: Vec<String> = statements
             .iter()

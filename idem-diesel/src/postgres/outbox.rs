@@ -452,6 +452,10 @@ impl Source for PgSource {
         false
     }
 
+    fn batches_at_once(&self) -> usize {
+        usize::MAX
+    }
+
     #[cfg(feature = "metrics")]
     fn oldest_unsent(&self) -> BoxFuture<'_, Result<Option<Duration>, StoreError>> {
         Box::pin(async move {

@@ -375,6 +375,10 @@ impl Source for SqliteSource {
         true
     }
 
+    fn batches_at_once(&self) -> usize {
+        1
+    }
+
     #[cfg(feature = "metrics")]
     fn oldest_unsent(&self) -> BoxFuture<'_, Result<Option<Duration>, StoreError>> {
         Box::pin(async move {

@@ -61,6 +61,13 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
         "outbox::postgres_two_relays_publish_each_event_once_in_order_per_key",
         |d| Box::pin(postgres_two_relays_publish_each_event_once_in_order_per_key(d)),
     ),
+    (
+        "outbox::postgres_a_relay_keeps_its_batches_in_flight_in_order_per_key",
+        |d| Box::pin(a_relay_keeps_its_batches_in_flight(d, Kind::Postgres)),
+    ),
+    ("outbox::sqlite_a_relay_keeps_one_batch_in_flight", |d| {
+        Box::pin(a_relay_keeps_its_batches_in_flight(d, Kind::Sqlite))
+    }),
     ("outbox::sqlite_a_relay_keeps_the_order_of_each_key", |d| {
         Box::pin(sqlite_a_relay_keeps_the_order_of_each_key(d))
     }),
@@ -445,15 +452,21 @@ struct Recorder {
     attempts: Arc<AtomicUsize>,
     /// A pause before each publish, so that relays overlap.
     pause: Duration,
+    /// Publishes under way, and the most there were at once.
+    publishing: Arc<AtomicUsize>,
+    most_at_once: Arc<AtomicUsize>,
 }
 
 impl Publish for Recorder {
     fn publish<'a>(&'a self, event: &'a Event) -> PublishFuture<'a> {
         Box::pin(async move {
             self.attempts.fetch_add(1, Ordering::SeqCst);
+            let now = self.publishing.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_at_once.fetch_max(now, Ordering::SeqCst);
             if !self.pause.is_zero() {
                 tokio::time::sleep(self.pause).await;
             }
+            self.publishing.fetch_sub(1, Ordering::SeqCst);
             let payload = String::from_utf8_lossy(event.payload()).into_owned();
             if self.refuse.lock().unwrap().contains(&payload) {
                 return Err(PublishError::Refused("too large".to_owned()));
@@ -574,6 +587,52 @@ async fn postgres_two_relays_publish_each_event_once_in_order_per_key(databases:
     let published = recorder.published();
     let ids: HashSet<_> = published.iter().map(Event::id).collect();
     assert_eq!((published.len(), ids.len()), (200, 200));
+    assert_in_order_per_key(&recorder.payloads());
+}
+
+/// One relay with batches of one event and two batches in flight: on
+/// PostgreSQL two publishes overlap (never more), every event is published
+/// once, each key's in staged order; on SQLite, whose one writer takes one
+/// batch at a time, the relay keeps one in flight.
+async fn a_relay_keeps_its_batches_in_flight(databases: Arc<Databases>, kind: Kind) {
+    let db = Db::fresh(&databases, kind, Duration::from_secs(3600)).await;
+    let mut events = Vec::new();
+    for n in 0..6 {
+        for key in 0..5 {
+            events.push(event(&format!("acc_{key}"), &format!("{key}:{n}")));
+        }
+    }
+    db.stage(&events, true).await;
+    let recorder = Recorder {
+        pause: Duration::from_millis(20),
+        ..Recorder::default()
+    };
+    let relay = db
+        .relay(recorder.clone())
+        .batch_size(1)
+        .batches_in_flight(2);
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(relay.run(async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    }));
+    let started = Instant::now();
+    while db.backlog().await.unsent > 0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "not drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(true).unwrap();
+    assert_eq!(task.await.unwrap().published, 30);
+    let expected = match kind {
+        Kind::Postgres => 2,
+        Kind::Sqlite => 1,
+    };
+    assert_eq!(
+        AtomicUsize::load(&recorder.most_at_once, Ordering::SeqCst),
+        expected
+    );
+    let published = recorder.published();
+    let ids: HashSet<_> = published.iter().map(Event::id).collect();
+    assert_eq!((published.len(), ids.len()), (30, 30));
     assert_in_order_per_key(&recorder.payloads());
 }
 
