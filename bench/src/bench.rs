@@ -28,7 +28,7 @@
 //!   against a bare aws-sdk-sqs receive, apply, delete loop; moto's cost per
 //!   call in a note.
 //! - **Backlog** ([`consumer`] too): each consumer's peak resident set
-//!   draining a large backlog (100,000 messages in the full run) on RabbitMQ
+//!   draining a large backlog (100,000 messages; 100 in the smoke run) on RabbitMQ
 //!   and on Kafka, published first by another process.
 //! - **Instructions** ([`instructions`], quick and full runs): the
 //!   instructions each consumer process executes per message under

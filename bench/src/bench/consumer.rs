@@ -200,7 +200,7 @@ pub(super) fn on_each_broker(
 }
 
 /// The `backlog` section: each consumer's peak resident set draining a
-/// backlog of the settings' `backlog_messages` (100,000 in the full run),
+/// backlog of the settings' `backlog_messages` (100,000 in the quick and full runs),
 /// published by another process first, one message at a time at the
 /// broker's higher concurrency (RabbitMQ 32, Kafka 4 partitions), on
 /// PostgreSQL: whether what a consumer holds follows its prefetch or the
