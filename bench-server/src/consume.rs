@@ -6,7 +6,9 @@
 //!
 //! 1. **Set-up, not measured:** the database's pool (the inbox's, which the
 //!    bare consumer borrows, so that the pool is not a difference), the inbox's
-//!    migration, the ledger's tables and accounts.
+//!    migration, the ledger's tables and accounts; then the database is
+//!    settled ([`Database::settle`]), so that no background work the earlier
+//!    drains left behind falls inside this one's window.
 //! 2. **Publish, not measured:** the queue is declared as idem's consumer
 //!    declares it ([`Topology`]: the bare consumer reads the same kind of
 //!    queue), then `--messages` payments are published with
@@ -676,7 +678,9 @@ impl Database {
                  INSERT OR IGNORE INTO bench_accounts SELECT printf('acc-%05d', i), 0, 0 FROM n"
             );
             create_ledger(&mut *inbox.pool().get().await?, &seed).await?;
-            Ok(Self::Sqlite { inbox })
+            let database = Self::Sqlite { inbox };
+            database.settle().await?;
+            Ok(database)
         } else {
             let connections =
                 pool.unwrap_or_else(|| u32::try_from(concurrency).unwrap_or(u32::MAX));
@@ -692,11 +696,50 @@ impl Database {
                  ON CONFLICT DO NOTHING"
             );
             create_ledger(&mut *inbox.pool().get().await?, &seed).await?;
-            Ok(Self::Postgres {
+            let database = Self::Postgres {
                 inbox,
                 port: port_of(url),
-            })
+            };
+            database.settle().await?;
+            Ok(database)
         }
+    }
+
+    /// Does now, before the warm-up, the background work that the earlier
+    /// runs on this database left due, so that none of it lands in this
+    /// run's window: on PostgreSQL, autovacuum is turned off for the
+    /// database's tables (each bench database is the consumers' alone), then
+    /// `VACUUM (ANALYZE)` and a `CHECKPOINT`; on SQLite, the WAL is
+    /// checkpointed into the file and truncated. Every drain then starts
+    /// from the same kind of state (tables vacuumed, statistics fresh, no
+    /// dirty pages), whichever rows ran before it, and no autovacuum or timed
+    /// checkpoint lands in one side's window and not in the other's.
+    pub(crate) async fn settle(&self) -> Result<(), BoxError> {
+        match self {
+            Self::Postgres { inbox, .. } => {
+                let mut connection = inbox.pool().get().await?;
+                // Each its own query: `VACUUM` runs outside any transaction.
+                for sql in [
+                    "DO $$ DECLARE t text; BEGIN
+                         FOR t IN SELECT format('%I.%I', schemaname, tablename) FROM pg_tables
+                                  WHERE schemaname = 'public' LOOP
+                             EXECUTE format('ALTER TABLE %s SET (autovacuum_enabled = off)', t);
+                         END LOOP;
+                     END $$",
+                    "VACUUM (ANALYZE)",
+                    "CHECKPOINT",
+                ] {
+                    connection.batch_execute(sql).await?;
+                }
+            }
+            Self::Sqlite { inbox } => {
+                let mut connection = inbox.pool().get().await?;
+                connection
+                    .batch_execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                    .await?;
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn postgres_port(&self) -> Option<u16> {
