@@ -104,7 +104,9 @@ fn packages(steps: &mut Steps) -> Result<(), String> {
     let pack = "cargo package --no-verify";
     let build = "cargo package (built from the .crate files)";
     let stamp = shell::target_dir().join("idem-packaged.stamp");
-    let sources = packaged_sources()?;
+    let mut paths = vec!["Cargo.lock", "Cargo.toml", ".cargo"];
+    paths.extend(PUBLISHED);
+    let sources = sources_stamp(&paths)?;
     if let Some(sources) = &sources
         && std::fs::read_to_string(&stamp).is_ok_and(|passed| passed == *sources)
     {
@@ -123,18 +125,20 @@ fn packages(steps: &mut Steps) -> Result<(), String> {
     Ok(())
 }
 
-/// What the verified package build depends on: the toolchain, then each
-/// file of the published crates, the lock file and the workspace's manifest
-/// with git's hash of its content. `None` outside a git checkout (the build
-/// then always runs).
-fn packaged_sources() -> Result<Option<String>, String> {
+/// What a step that depends on `paths` alone (and the toolchain) saw: the
+/// toolchain, then each file under `paths` with git's hash of its content.
+/// `None` outside a git checkout, or when a file under `paths` differs from
+/// git's index (the step then always runs). The verified package build
+/// depends on the published crates, the lock file and the workspace's
+/// manifest; the doctests ([`crate::suite`]) on the whole checkout.
+pub(crate) fn sources_stamp(paths: &[&str]) -> Result<Option<String>, String> {
     let root = shell::workspace_root();
     let rustc = std::process::Command::new(std::env::var("RUSTC").unwrap_or("rustc".to_owned()))
         .arg("-vV")
         .output()
         .map_err(|e| format!("rustc -vV: {e}"))?;
-    let mut args = vec!["ls-files", "-s", "--", "Cargo.lock", "Cargo.toml", ".cargo"];
-    args.extend(PUBLISHED);
+    let mut args = vec!["ls-files", "-s", "--"];
+    args.extend(paths);
     let Ok(listed) = std::process::Command::new("git")
         .args(&args)
         .current_dir(&root)
