@@ -296,6 +296,10 @@ fn package_built() -> std::process::Command {
     }
     let mut command = cargo(&args);
     command.arg("--target-dir").arg(package_target_dir());
+    // Each package is built as a workspace of its own, without the
+    // workspace's profile: no debug information (it only has to compile;
+    // a cold build of the seven took 158 s without, 173 s with).
+    command.env("CARGO_PROFILE_DEV_DEBUG", "0");
     command
 }
 
