@@ -51,6 +51,10 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 }
 
 fn every_step(steps: &mut Steps) -> Result<(), String> {
+    // The Kafka broker's build, once per machine (minutes), runs beside the
+    // steps before the tests, at the lowest priority: it takes the cores
+    // their builds leave idle, and the tests wait for what is left of it.
+    let mut broker = BrokerBuild::start()?;
     fmt(steps)?;
     clippy(steps, &["--workspace"])?;
     store_feature_sets(steps)?;
@@ -60,7 +64,10 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
     packages(steps)?;
-    steps.time("kafka broker (tansu, once)", kafka_broker)?;
+    steps.time(
+        "kafka broker (tansu, once; built beside the steps above)",
+        || broker.finish(),
+    )?;
     let counts = steps.time("tests", || crate::suite::run(&[]))?;
     let tests = counts.line("tests");
     let mut rows = None;
@@ -179,20 +186,117 @@ pub(crate) fn kafka_broker() -> Result<(), String> {
         eprintln!("==> kafka broker: {}", tansu.display());
         return Ok(());
     }
+    shell::run(&broker_step(), &mut broker_install())?;
+    let _ = std::fs::remove_dir_all(broker_build_dir());
+    Ok(())
+}
+
+fn broker_step() -> String {
+    let version = idem_testkit::kafka::TANSU_VERSION;
+    format!("kafka broker: cargo install tansu {version}")
+}
+
+/// `cargo install` of the broker ([`kafka_broker`]), into the cache.
+fn broker_install() -> std::process::Command {
+    use idem_testkit::kafka;
     let args = kafka::install_command();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let build_dir = shell::cache_dir().join("tansu-build");
     let mut install = cargo(&args);
     install
         .arg("--target-dir")
-        .arg(&build_dir)
+        .arg(broker_build_dir())
         .envs(kafka::INSTALL_ENV.iter().copied());
-    shell::run(
-        &format!("kafka broker: cargo install tansu {}", kafka::TANSU_VERSION),
-        &mut install,
-    )?;
-    let _ = std::fs::remove_dir_all(&build_dir);
-    Ok(())
+    install
+}
+
+fn broker_build_dir() -> std::path::PathBuf {
+    shell::cache_dir().join("tansu-build")
+}
+
+/// [`kafka_broker`]'s build in the background, under `nice -n 19`, its
+/// output in a log file; nothing when the broker is there already.
+/// Dropped before it is finished (a step before the tests failed), it is
+/// stopped: its process group, cargo and the compilers it started.
+struct BrokerBuild {
+    running: Option<(std::process::Child, std::path::PathBuf)>,
+}
+
+impl BrokerBuild {
+    fn start() -> Result<Self, String> {
+        use std::os::unix::process::CommandExt;
+        if idem_testkit::kafka::binary().is_ok() {
+            return Ok(Self { running: None });
+        }
+        let cache = shell::cache_dir();
+        std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
+        let log = cache.join("tansu-build.log");
+        let output = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let errors = output
+            .try_clone()
+            .map_err(|e| format!("{}: {e}", log.display()))?;
+        let install = broker_install();
+        let mut nice = std::process::Command::new("nice");
+        nice.args(["-n", "19"])
+            .arg(install.get_program())
+            .args(install.get_args())
+            .current_dir(shell::workspace_root())
+            .stdin(std::process::Stdio::null())
+            .stdout(output)
+            .stderr(errors)
+            .process_group(0);
+        for (name, value) in install.get_envs() {
+            match value {
+                Some(value) => nice.env(name, value),
+                None => nice.env_remove(name),
+            };
+        }
+        let child = nice
+            .spawn()
+            .map_err(|e| format!("{}: could not start: {e}", broker_step()))?;
+        eprintln!(
+            "\n==> {} (beside the next steps; its output in {})",
+            broker_step(),
+            log.display()
+        );
+        Ok(Self {
+            running: Some((child, log)),
+        })
+    }
+
+    /// Waits for the build, then removes its build directory.
+    fn finish(&mut self) -> Result<(), String> {
+        let Some((mut child, log)) = self.running.take() else {
+            return kafka_broker();
+        };
+        let status = child
+            .wait()
+            .map_err(|e| format!("{}: {e}", broker_step()))?;
+        if !status.success() {
+            let output = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = output.lines().rev().take(40).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            return Err(format!(
+                "{} failed ({status}); the end of {}:\n{}",
+                broker_step(),
+                log.display(),
+                tail.join("\n")
+            ));
+        }
+        let _ = std::fs::remove_dir_all(broker_build_dir());
+        eprintln!("==> {}: ok", broker_step());
+        Ok(())
+    }
+}
+
+impl Drop for BrokerBuild {
+    fn drop(&mut self) {
+        if let Some((mut child, _)) = self.running.take() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Every test of the workspace, one binary after another (the stress run's;
