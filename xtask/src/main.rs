@@ -27,7 +27,8 @@ usage: cargo xtask <task>
 
 tasks:
   bench   what idem costs per request, against the bare handler and pgbench
-          (--quick: one round, minutes; --smoke: each section runs, measures nothing)
+          (--quick: one round, 7 for the consumer rows, minutes; --smoke: each
+          section runs, measures nothing)
   check   the fast loop for a change: fmt, clippy, the tests of the crates that
           changed (against HEAD, or --since REV) and of those that depend on them
   ci      fmt, clippy and docs (warnings denied), every test, e2e, bench --smoke --dev

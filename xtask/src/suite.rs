@@ -69,10 +69,17 @@ impl std::ops::AddAssign for Counts {
 }
 
 /// Builds every test of the workspace (`cargo test --workspace
-/// --all-features --no-run`) and runs those of `packages` (none: all);
-/// answers the counts, or an error naming each binary that failed.
-pub(crate) fn run(packages: &[String]) -> Result<Counts, String> {
-    let binaries: Vec<Binary> = build()?
+/// --all-features --no-run`), then, once `ready` answers (what the tests
+/// need beside their build: CI's Kafka broker), runs those of `packages`
+/// (none: all); answers the counts, or an error naming each binary that
+/// failed.
+pub(crate) fn run(
+    packages: &[String],
+    ready: impl FnOnce() -> Result<(), String>,
+) -> Result<Counts, String> {
+    let built = build()?;
+    ready()?;
+    let binaries: Vec<Binary> = built
         .into_iter()
         .filter(|binary| packages.is_empty() || packages.contains(&binary.package))
         .collect();

@@ -441,6 +441,7 @@ fn batch_rows(
                 (BATCH_TARGETED, Store::Sqlite) => Target::AtLeast(2.0),
                 _ => Target::None,
             };
+            let ratios = Ratios::of(&idem, &bare);
             let cpu = match (
                 idem.pooled.server_micros_per_request(),
                 idem.pooled.database_micros_per_request(),
@@ -462,12 +463,12 @@ fn batch_rows(
                         on.idem(),
                         on.bare()
                     ),
-                    median_ratio(&idem, &bare),
+                    ratios.median(),
                     target,
                 )
                 .note(format!(
-                    "median of {} rounds against the bare consumer and the same {name} transaction{cpu}",
-                    idem.drains.len()
+                    "{} against the bare consumer and the same {name} transaction{cpu}",
+                    ratios.described()
                 )),
             );
         }
@@ -698,17 +699,37 @@ impl Rounds {
     }
 }
 
-/// The median of the rounds' ratios of messages/s, each round's idem drain
-/// over its bare one.
-fn median_ratio(idem: &Rounds, bare: &Rounds) -> f64 {
-    let mut ratios: Vec<f64> = idem
-        .drains
-        .iter()
-        .zip(&bare.drains)
-        .map(|(idem, bare)| idem.rps() / bare.rps())
-        .collect();
-    ratios.sort_by(f64::total_cmp);
-    ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN)
+/// The rounds' ratios of messages/s, each round's idem drain over its bare
+/// one, in increasing order.
+struct Ratios(Vec<f64>);
+
+impl Ratios {
+    fn of(idem: &Rounds, bare: &Rounds) -> Self {
+        let mut ratios: Vec<f64> = idem
+            .drains
+            .iter()
+            .zip(&bare.drains)
+            .map(|(idem, bare)| idem.rps() / bare.rps())
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        Self(ratios)
+    }
+
+    /// The median (the upper one of an even count), the row's ratio.
+    fn median(&self) -> f64 {
+        self.0.get(self.0.len() / 2).copied().unwrap_or(f64::NAN)
+    }
+
+    /// `median of N rounds`, and the rounds' spread when there are several.
+    fn described(&self) -> String {
+        let rounds = self.0.len();
+        match (self.0.first(), self.0.last()) {
+            (Some(low), Some(high)) if rounds > 1 => {
+                format!("median of {rounds} rounds (from {low:.2} to {high:.2})")
+            }
+            _ => format!("median of {rounds} rounds"),
+        }
+    }
 }
 
 /// The two rows of a store at `c` (each its median round), and their ratios.
@@ -729,7 +750,7 @@ fn add(report: &mut Report, on: &On, store: Store, c: usize, idem: &Rounds, bare
         )
         .without_latency(),
     );
-    let ratio = median_ratio(idem, bare);
+    let ratios = Ratios::of(idem, bare);
     if let (Some(idem), Some(bare)) = (idem.statements, bare.statements) {
         report.ratios.push(
             Ratio::new(
@@ -767,10 +788,10 @@ fn add(report: &mut Report, on: &On, store: Store, c: usize, idem: &Rounds, bare
     report.ratios.push(
         Ratio::new(
             format!("{idem_name} + {inbox} / {bare_name}, msgs/s (c={c})"),
-            ratio,
+            ratios.median(),
             Target::AtLeast(0.9),
         )
-        .note(format!("median of {rounds} rounds; {consumer_cpu}")),
+        .note(format!("{}; {consumer_cpu}", ratios.described())),
     );
     if let (Some(idem_cost), Some(bare_cost)) = (
         idem.database_micros_per_request(),
@@ -789,5 +810,43 @@ fn add(report: &mut Report, on: &On, store: Store, c: usize, idem: &Rounds, bare
                 "the drain was too short for CPU time counted in clock ticks",
             )
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Measured, Ratios, Rounds};
+
+    /// A consumer's drains of `rates` messages/s, one a round.
+    fn rounds(rates: &[u64]) -> Rounds {
+        let drains: Vec<Measured> = rates
+            .iter()
+            .map(|&rate| Measured {
+                requests: rate,
+                answered: rate,
+                seconds: 1.0,
+                ..Measured::default()
+            })
+            .collect();
+        Rounds {
+            pooled: drains
+                .iter()
+                .cloned()
+                .fold(Measured::default(), Measured::pooled),
+            drains,
+            statements: None,
+            peak_rss_mib: None,
+        }
+    }
+
+    #[test]
+    fn a_row_is_the_median_of_its_rounds_ratios_with_their_spread() {
+        // Each round's idem drain over the bare one beside it: 0.5, 0.9, 0.8.
+        let ratios = Ratios::of(&rounds(&[500, 900, 400]), &rounds(&[1000, 1000, 500]));
+        assert_eq!(ratios.median(), 0.8);
+        assert_eq!(ratios.described(), "median of 3 rounds (from 0.50 to 0.90)");
+        let one = Ratios::of(&rounds(&[700]), &rounds(&[1000]));
+        assert_eq!(one.median(), 0.7);
+        assert_eq!(one.described(), "median of 1 rounds");
     }
 }
