@@ -1,5 +1,7 @@
 //! `cargo xtask ci`: everything CI checks, in the order that fails fastest.
 
+use std::path::Path;
+
 use idem_testkit::shell::{self, cargo};
 
 use crate::steps::Steps;
@@ -68,6 +70,13 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
     broker.hurry();
     let counts = steps.time("tests", || crate::suite::run(&[], || broker.finish()))?;
     let tests = counts.line("tests");
+    // The benchmarks' smoke run measures nothing: it runs beside the e2e
+    // run (whose rows mostly wait), at the lowest priority.
+    let smoke = Background::start(
+        "cargo xtask bench --smoke --dev",
+        crate::runner("idem-bench", &["--smoke", "--dev"])?,
+        &shell::target_dir().join("bench").join("smoke.log"),
+    )?;
     let mut rows = None;
     let e2e = steps.time("e2e (--dev)", || {
         crate::e2e_counted(&["e2e", "--dev"], &mut rows)
@@ -78,8 +87,8 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
     }
     steps.total(tests);
     e2e?;
-    steps.time("bench --smoke", || {
-        crate::bench(&["--smoke".to_owned(), "--dev".to_owned()])
+    steps.time("bench --smoke (beside the e2e run)", || {
+        smoke.finish().map(|_| ())
     })?;
     Ok(())
 }
@@ -211,60 +220,99 @@ fn broker_build_dir() -> std::path::PathBuf {
     shell::cache_dir().join("tansu-build")
 }
 
-/// [`kafka_broker`]'s build in the background, under `nice -n 19`, its
-/// output in a log file; nothing when the broker is there already.
-/// Dropped before it is finished (a step before the tests failed), it is
-/// stopped: its process group, cargo and the compilers it started.
-struct BrokerBuild {
-    running: Option<(std::process::Child, std::path::PathBuf)>,
-}
+/// [`kafka_broker`]'s build in the background ([`Background`]); nothing
+/// when the broker is there already.
+struct BrokerBuild(Option<Background>);
 
 impl BrokerBuild {
     fn start() -> Result<Self, String> {
-        use std::os::unix::process::CommandExt;
         if idem_testkit::kafka::binary().is_ok() {
-            return Ok(Self { running: None });
+            return Ok(Self(None));
         }
-        let cache = shell::cache_dir();
-        std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
-        let log = cache.join("tansu-build.log");
-        let output = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let log = shell::cache_dir().join("tansu-build.log");
+        Background::start(&broker_step(), broker_install(), &log).map(|build| Self(Some(build)))
+    }
+
+    fn hurry(&self) {
+        if let Some(build) = &self.0 {
+            build.hurry();
+        }
+    }
+
+    /// Waits for the build, then removes its build directory.
+    fn finish(&mut self) -> Result<(), String> {
+        let Some(build) = self.0.take() else {
+            return kafka_broker();
+        };
+        let waited = build.finish()?;
+        let _ = std::fs::remove_dir_all(broker_build_dir());
+        eprintln!(
+            "==> {}: ok (the tests waited {:.0} s for it)",
+            broker_step(),
+            waited.as_secs_f64()
+        );
+        Ok(())
+    }
+}
+
+/// A step run beside others: its command under `nice -n 19` until
+/// [`hurry`](Self::hurry), in a process group of its own, its output in a
+/// log file. Dropped before it is finished (a step before failed), it is
+/// stopped: its whole process group (cargo and the compilers it started, a
+/// runner and the servers it started).
+struct Background {
+    name: String,
+    child: Option<std::process::Child>,
+    log: std::path::PathBuf,
+}
+
+impl Background {
+    fn start(name: &str, command: std::process::Command, log: &Path) -> Result<Self, String> {
+        use std::os::unix::process::CommandExt;
+        if let Some(dir) = log.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        let output = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
         let errors = output
             .try_clone()
             .map_err(|e| format!("{}: {e}", log.display()))?;
-        let install = broker_install();
         let mut nice = std::process::Command::new("nice");
         nice.args(["-n", "19"])
-            .arg(install.get_program())
-            .args(install.get_args())
-            .current_dir(shell::workspace_root())
+            .arg(command.get_program())
+            .args(command.get_args())
+            .current_dir(
+                command
+                    .get_current_dir()
+                    .map_or_else(shell::workspace_root, Path::to_path_buf),
+            )
             .stdin(std::process::Stdio::null())
             .stdout(output)
             .stderr(errors)
             .process_group(0);
-        for (name, value) in install.get_envs() {
+        for (variable, value) in command.get_envs() {
             match value {
-                Some(value) => nice.env(name, value),
-                None => nice.env_remove(name),
+                Some(value) => nice.env(variable, value),
+                None => nice.env_remove(variable),
             };
         }
         let child = nice
             .spawn()
-            .map_err(|e| format!("{}: could not start: {e}", broker_step()))?;
+            .map_err(|e| format!("{name}: could not start: {e}"))?;
         eprintln!(
-            "\n==> {} (beside the next steps; its output in {})",
-            broker_step(),
+            "\n==> {name} (beside the next steps; its output in {})",
             log.display()
         );
         Ok(Self {
-            running: Some((child, log)),
+            name: name.to_owned(),
+            child: Some(child),
+            log: log.to_path_buf(),
         })
     }
 
-    /// The build at the same priority as the steps from now on, if this
-    /// process may raise it back (root may; others keep it low).
+    /// At the same priority as the steps from now on, if this process may
+    /// raise it back (root may; others keep it low).
     fn hurry(&self) {
-        if let Some((child, _)) = &self.running {
+        if let Some(child) = &self.child {
             let _ = std::process::Command::new("renice")
                 .args(["-n", "0", "-g", &child.id().to_string()])
                 .stdout(std::process::Stdio::null())
@@ -273,39 +321,32 @@ impl BrokerBuild {
         }
     }
 
-    /// Waits for the build, then removes its build directory.
-    fn finish(&mut self) -> Result<(), String> {
-        let Some((mut child, log)) = self.running.take() else {
-            return kafka_broker();
+    /// Waits for it to end; answers how long that took, or its failure
+    /// with the end of its log.
+    fn finish(mut self) -> Result<std::time::Duration, String> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(std::time::Duration::ZERO);
         };
         let waiting = std::time::Instant::now();
-        let status = child
-            .wait()
-            .map_err(|e| format!("{}: {e}", broker_step()))?;
-        if !status.success() {
-            let output = std::fs::read_to_string(&log).unwrap_or_default();
-            let tail: Vec<&str> = output.lines().rev().take(40).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            return Err(format!(
-                "{} failed ({status}); the end of {}:\n{}",
-                broker_step(),
-                log.display(),
-                tail.join("\n")
-            ));
+        let status = child.wait().map_err(|e| format!("{}: {e}", self.name))?;
+        if status.success() {
+            return Ok(waiting.elapsed());
         }
-        let _ = std::fs::remove_dir_all(broker_build_dir());
-        let waited = waiting.elapsed().as_secs_f64();
-        eprintln!(
-            "==> {}: ok (the tests waited {waited:.0} s for it)",
-            broker_step()
-        );
-        Ok(())
+        let output = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let mut tail: Vec<&str> = output.lines().rev().take(60).collect();
+        tail.reverse();
+        Err(format!(
+            "{} failed ({status}); the end of {}:\n{}",
+            self.name,
+            self.log.display(),
+            tail.join("\n")
+        ))
     }
 }
 
-impl Drop for BrokerBuild {
+impl Drop for Background {
     fn drop(&mut self) {
-        if let Some((mut child, _)) = self.running.take() {
+        if let Some(mut child) = self.child.take() {
             let _ = std::process::Command::new("kill")
                 .args(["-TERM", "--", &format!("-{}", child.id())])
                 .status();
