@@ -71,15 +71,16 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
     let counts = steps.time("tests", || crate::suite::run(&[], || broker.finish()))?;
     let tests = counts.line("tests");
     // The benchmarks' smoke run measures nothing: it runs beside the e2e
-    // run (whose rows mostly wait), at the lowest priority.
-    let smoke = Background::start(
-        "cargo xtask bench --smoke --dev",
-        crate::runner("idem-bench", &["--smoke", "--dev"])?,
-        &shell::target_dir().join("bench").join("smoke.log"),
-    )?;
+    // rows that share the machine (they mostly wait), at the lowest
+    // priority, once those that need it to themselves are done.
+    let mut smoke = None;
     let mut rows = None;
     let e2e = steps.time("e2e (--dev)", || {
-        crate::e2e_counted(&["e2e", "--dev"], &mut rows)
+        crate::e2e_counted(&["e2e", "--dev"], &mut rows, |line| {
+            if smoke.is_none() && line.starts_with(E2E_ALONE_DONE) {
+                smoke = Some(bench_smoke());
+            }
+        })
     });
     // The table ends with the counts, each `WORD: N passed, M failed`.
     if let Some(rows) = rows {
@@ -88,9 +89,23 @@ fn every_step(steps: &mut Steps) -> Result<(), String> {
     steps.total(tests);
     e2e?;
     steps.time("bench --smoke (beside the e2e run)", || {
-        smoke.finish().map(|_| ())
+        smoke.unwrap_or_else(bench_smoke)?.finish().map(|_| ())
     })?;
     Ok(())
+}
+
+/// The line `idem-e2e` prints on its standard output once the rows that
+/// need the machine to themselves are done.
+const E2E_ALONE_DONE: &str = "e2e: the scenarios that run alone done";
+
+/// `cargo xtask bench --smoke --dev` in the background, its output in
+/// `bench/smoke.log` in the target directory.
+fn bench_smoke() -> Result<Background, String> {
+    Background::start(
+        "cargo xtask bench --smoke --dev",
+        crate::runner("idem-bench", &["--smoke", "--dev"])?,
+        &shell::target_dir().join("bench").join("smoke.log"),
+    )
 }
 
 /// `cargo fmt --check`.
@@ -144,8 +159,8 @@ fn packages(steps: &mut Steps) -> Result<(), String> {
 /// `None` outside a git checkout, or when a file under `paths` differs from
 /// git's index (the step then always runs). The verified package build
 /// depends on the published crates, the lock file and the workspace's
-/// manifest; the doctests ([`crate::suite`]) on the whole checkout.
-pub(crate) fn sources_stamp(paths: &[&str]) -> Result<Option<String>, String> {
+/// manifest.
+fn sources_stamp(paths: &[&str]) -> Result<Option<String>, String> {
     let root = shell::workspace_root();
     let rustc = std::process::Command::new(std::env::var("RUSTC").unwrap_or("rustc".to_owned()))
         .arg("-vV")

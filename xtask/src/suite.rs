@@ -26,10 +26,6 @@ const SLOTS: usize = 3;
 /// slowest start first, so the run ends with short ones filling the gaps.
 const TIMES: &str = "idem-test-times.tsv";
 
-/// What the workspace's doctests last passed on ([`crate::ci::sources_stamp`]
-/// of the whole checkout), in the target directory.
-const DOCTESTS_PASSED: &str = "idem-doctests.stamp";
-
 /// One test binary, as `cargo test --no-run --message-format=json` lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Binary {
@@ -86,25 +82,7 @@ pub(crate) fn run(
     let times_file = shell::target_dir().join(TIMES);
     let mut times = read_times(&times_file);
     let mut queue: Vec<Job> = binaries.into_iter().map(Job::Binary).collect();
-    // The workspace's doctests compile and run each crate's examples again
-    // every time (30-60 s beside the other binaries); they need nothing
-    // but the sources and the toolchain, so the same checkout, every file
-    // as it was when they last passed, passes them again (CI's run of the
-    // head a `cargo xtask ci` just passed).
-    let doc_stamp = shell::target_dir().join(DOCTESTS_PASSED);
-    let doc_sources = match packages.is_empty() {
-        true => crate::ci::sources_stamp(&["."])?,
-        false => None,
-    };
-    let doctests_passed = doc_sources
-        .as_ref()
-        .is_some_and(|sources| std::fs::read_to_string(&doc_stamp).is_ok_and(|s| s == *sources));
-    if doctests_passed {
-        eprintln!("\n==> doctests: skipped: the same sources passed them before");
-    } else {
-        let _ = std::fs::remove_file(&doc_stamp);
-        queue.push(Job::Doc(packages.to_vec()));
-    }
+    queue.push(Job::Doc(packages.to_vec()));
     // Slowest first; unknown ones (new binaries) first of all.
     queue.sort_by_key(|job| {
         std::cmp::Reverse(times.get(&job.name()).copied().unwrap_or(Duration::MAX))
@@ -143,8 +121,6 @@ pub(crate) fn run(
         times.insert(finished.name.clone(), finished.took);
         if !finished.passed {
             failures.push(finished.name.clone());
-        } else if let (Job::DOC_NAME, Some(sources)) = (finished.name.as_str(), &doc_sources) {
-            let _ = std::fs::write(&doc_stamp, sources);
         }
     }
     if done.len() != total {
@@ -275,13 +251,10 @@ struct Finished {
 }
 
 impl Job {
-    /// The doctests' name in the report.
-    const DOC_NAME: &str = "doctests";
-
     fn name(&self) -> String {
         match self {
             Self::Binary(binary) => binary.name.clone(),
-            Self::Doc(_) => Self::DOC_NAME.to_owned(),
+            Self::Doc(_) => "doctests".to_owned(),
         }
     }
 
