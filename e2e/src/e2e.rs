@@ -330,9 +330,7 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         rows.extend(chain::rows(setup, root, &options.stores, slots.clone()).await);
     }
     let orders = orders::rows(orders_builds, slots.clone());
-    // On standard output: `cargo xtask ci` starts the benchmarks' smoke run
-    // beside the rest when it reads this line.
-    println!(
+    eprintln!(
         "e2e: the scenarios that run alone done after {:.0} s",
         phase.elapsed().as_secs_f64()
     );

@@ -115,14 +115,10 @@ fn e2e(task: &str, args: &[String]) -> Result<(), String> {
     )
 }
 
-/// `idem-e2e ARGS…` ([`runner`]), its output passed on line by line, each
-/// line of its standard output also to `each_line`; `rows` gets the last
-/// line of the form `N passed, M failed` (the runner's closing line).
-fn e2e_counted(
-    args: &[&str],
-    rows: &mut Option<String>,
-    mut each_line: impl FnMut(&str),
-) -> Result<(), String> {
+/// `idem-e2e ARGS…` ([`runner`]), its output passed on line by line;
+/// `rows` gets the last line of the form `N passed, M failed` (the runner's
+/// closing line).
+fn e2e_counted(args: &[&str], rows: &mut Option<String>) -> Result<(), String> {
     use std::io::BufRead;
     let step = format!("cargo xtask {}", args.join(" "));
     let mut command = runner("idem-e2e", args)?;
@@ -135,7 +131,6 @@ fn e2e_counted(
         for line in std::io::BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             println!("{line}");
-            each_line(&line);
             if is_count_line(&line) {
                 *rows = Some(line);
             }
