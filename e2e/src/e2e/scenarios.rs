@@ -107,7 +107,7 @@ pub(crate) const CATALOG: &[Scenario] = &[
         stores: EVERY_STORE,
         room: Room::Shared,
         long: false,
-        readiness: Readiness::Built,
+        readiness: Readiness::NeedsFlags(in_flight::DISCONNECT_FLAGS),
         run: |d| in_flight::disconnect(d).boxed(),
     },
     Scenario {

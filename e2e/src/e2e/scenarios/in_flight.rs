@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join_all;
+use payments_provider::Provider;
+use tokio::time::Instant;
 
 use super::{Checks, random_millis, unique};
 use crate::e2e::api::{Call, Failure, Outcome, effects, expect_account};
@@ -182,22 +184,54 @@ pub(super) async fn timeouts(deployment: Arc<Deployment>) -> Result<Checks, Fail
     Ok(vec![(TIMEOUTS, outcome)])
 }
 
+/// What the disconnect scenario needs from the example: the stand-in
+/// provider tells when the charge's handler runs.
+pub(super) const DISCONNECT_FLAGS: &[&str] = &["--provider-url"];
+
+/// How long the stand-in provider takes to accept the charge the client gives
+/// up on.
+const PROVIDER_DELAY: Duration = Duration::from_millis(1500);
+
+/// The client gives up on its charge once the provider has it, so its handler
+/// runs (`docs/contract.md` §5: a client that disconnects does not cancel the
+/// work). Giving up after a fixed time instead would, on a loaded machine,
+/// sometimes give up before the handler started: the request is then given up
+/// whole, its claim released, and the retry is its first run.
 pub(super) async fn disconnect(deployment: Arc<Deployment>) -> Result<Checks, Failure> {
     let site = deployment.site("disconnect").await?;
-    let instance = site.start(&["--provider-latency-ms", "1500"]).await?;
+    let provider = Provider::start()
+        .await
+        .map_err(|e| Failure::new("no provider", format!("the stand-in provider: {e}")))?;
+    provider.answer_after(PROVIDER_DELAY);
+    let instance = site.start(&["--provider-url", &provider.url()]).await?;
     let api = &instance.api;
     let principal = &unique("erin");
     let account = &unique("gone");
     let call = Call::charge(principal, account, &unique("key"), 100);
     let outcome: Outcome = async {
-        let gave_up = Duration::from_millis(300);
-        if let Some(answer) = api.send_within(&call, Some(gave_up)).await? {
-            return Err(Failure::unexpected(
-                &call,
-                "no answer within 300 ms (provider latency 1500 ms)",
-                &answer,
+        let reached = async {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while provider.received().is_empty() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::select! {
+            answer = api.send(&call) => {
+                return Err(Failure::unexpected(
+                    &call,
+                    "no answer before the provider accepts the charge (it takes 1.5 s)",
+                    &answer?,
+                ));
+            }
+            () = reached => {}
+        }
+        if provider.received().is_empty() {
+            return Err(Failure::new(
+                "the charge never reached the provider",
+                format!("request: {call}\nexpected: a provider call within 10 s\ngot: none"),
             ));
         }
+        // The client has gone; its charge's handler runs on.
         let settled = api.settle(&call, || None, Duration::from_secs(30)).await?;
         let answer = &settled.answer;
         if answer.status != 201 || !answer.replayed() {
@@ -206,6 +240,16 @@ pub(super) async fn disconnect(deployment: Arc<Deployment>) -> Result<Checks, Fa
                 &call,
                 "the replay of the charge the client gave up on (docs/contract.md §5)",
                 answer,
+            ));
+        }
+        let calls = provider.received().len();
+        if calls != 1 {
+            return Err(Failure::new(
+                format!("{calls} provider calls"),
+                format!(
+                    "request: {call}, given up once the provider had it, then retried\n\
+                     expected: one provider call\ngot: {calls}"
+                ),
             ));
         }
         expect_account(
@@ -217,7 +261,7 @@ pub(super) async fn disconnect(deployment: Arc<Deployment>) -> Result<Checks, Fa
         )
         .await?;
         Ok(format!(
-            "gave up after 300 ms; retry → {}replay; 1 operation",
+            "gave up once the provider had the charge; retry → {}replay; 1 operation",
             waits(&settled.on_the_way)
         ))
     }
