@@ -122,13 +122,13 @@ pub(crate) fn clippy(steps: &mut Steps, selection: &[&str]) -> Result<(), String
     steps.run("cargo clippy (warnings denied)", &mut cargo(&args))
 }
 
-/// The published crates packed, then built from their `.crate` files; both
+/// The published crates packed, then checked from their `.crate` files; both
 /// only when their sources (or the lock file, or the toolchain) changed
 /// since they last passed, as recorded in the target directory: the same
 /// sources pack to the same packages.
 fn packages(steps: &mut Steps) -> Result<(), String> {
     let pack = "cargo package --no-verify";
-    let build = "cargo package (built from the .crate files)";
+    let build = "cargo check (the packed crates, unpacked)";
     let stamp = shell::target_dir().join("idem-packaged.stamp");
     let mut paths = vec!["Cargo.lock", "Cargo.toml", ".cargo"];
     paths.extend(PUBLISHED);
@@ -143,8 +143,7 @@ fn packages(steps: &mut Steps) -> Result<(), String> {
     }
     let _ = std::fs::remove_file(&stamp);
     steps.run(pack, &mut package_all())?;
-    forget_packaged_sources();
-    steps.run(build, &mut package_built())?;
+    steps.run(build, &mut package_check()?)?;
     if let Some(sources) = sources {
         let _ = std::fs::write(&stamp, sources);
     }
@@ -373,82 +372,9 @@ pub(crate) fn test() -> std::process::Command {
     cargo(&["test", "--workspace", "--all-features"])
 }
 
-/// `cargo package` of every published crate at once: cargo packs them in
-/// dependency order and builds each from its `.crate` file against the
-/// others' (a local registry), which proves that a crate's manifest (metadata,
-/// no path-only dependency) and packed files are enough without crates.io
-/// holding its idem dependencies yet. `cargo publish --dry-run -p` one crate
-/// cannot: it looks those up on crates.io. Uncommitted changes are packed too.
-/// Deletes what earlier runs left of the published crates' packages: cargo's
-/// extracted copies (`$CARGO_HOME/registry/src/-HASH/NAME-VERSION`, the local
-/// registry `cargo package` verifies against) and their builds. Cargo
-/// extracts and builds a registry crate's version once and trusts it ever
-/// after, so after a change to `idem-core` without a new version,
-/// `idem-rabbitmq` was verified against the idem-core of an earlier run.
-/// The builds of their dependencies (crates.io's, which never change under
-/// a version) are kept.
-fn forget_packaged_sources() {
-    let verify = package_target_dir();
-    let _ = std::fs::remove_dir_all(verify.join("package"));
-    let debug = verify.join("debug");
-    for dir in [
-        debug.clone(),
-        debug.join("deps"),
-        debug.join(".fingerprint"),
-        debug.join("build"),
-        debug.join("incremental"),
-    ] {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !(name.starts_with("idem") || name.starts_with("libidem")) {
-                continue;
-            }
-            let path = entry.path();
-            let _ = if path.is_dir() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-        }
-    }
-    let home = std::env::var_os("CARGO_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|home| std::path::Path::new(&home).join(".cargo"))
-        });
-    let Some(sources) = home.map(|home| home.join("registry").join("src")) else {
-        return;
-    };
-    let Ok(registries) = std::fs::read_dir(&sources) else {
-        return;
-    };
-    for registry in registries.flatten() {
-        // Local registries have no name: their directory is `-HASH`.
-        if !registry.file_name().to_string_lossy().starts_with('-') {
-            continue;
-        }
-        let Ok(crates) = std::fs::read_dir(registry.path()) else {
-            continue;
-        };
-        for extracted in crates.flatten() {
-            let name = extracted.file_name().to_string_lossy().into_owned();
-            let ours = PUBLISHED.iter().any(|published| {
-                name.strip_prefix(published)
-                    .and_then(|rest| rest.strip_prefix('-'))
-                    .is_some_and(|version| version.starts_with(|c: char| c.is_ascii_digit()))
-            });
-            if ours {
-                let _ = std::fs::remove_dir_all(extracted.path());
-            }
-        }
-    }
-}
-
 /// Every published crate packed (manifest, file list, dependencies
-/// resolvable among the packages), without a build.
+/// resolvable among the packages), without a build: the `.crate` files land
+/// in `package/` in the target directory.
 fn package_all() -> std::process::Command {
     let mut args = vec!["package", "--allow-dirty", "--no-verify"];
     for name in PUBLISHED {
@@ -457,38 +383,97 @@ fn package_all() -> std::process::Command {
     cargo(&args)
 }
 
-/// The published crates built from their `.crate`, but [`PACKAGED_UNBUILT`].
-fn package_built() -> std::process::Command {
-    let mut args = vec!["package", "--allow-dirty"];
-    for name in PUBLISHED
-        .iter()
-        .filter(|name| !PACKAGED_UNBUILT.contains(name))
-    {
-        args.extend(["-p", name]);
+/// The published crates as packed, checked as a workspace of their own:
+/// each `.crate` file unpacked into `package-check/` in the target
+/// directory, the idem dependencies patched to the unpacked copies (so none
+/// is looked up on crates.io, where they are not yet), the workspace's lock
+/// file and profiles, and `cargo check --workspace --all-features` into the
+/// workspace's target directory. That proves what a crate's users need of
+/// its package: a manifest without path-only dependencies, every source file
+/// packed, code that compiles against its dependencies as published. It
+/// replaced `cargo package`'s verifying build, which built every dependency
+/// a second time with code generation (158 s of a cold CI run for seven of
+/// the ten crates; idem-kafka and idem-sqs were left out, since they would
+/// have compiled librdkafka and the AWS SDK again): a check shares the
+/// clippy step's compiled dependencies where their features agree, and
+/// takes all ten.
+fn package_check() -> Result<std::process::Command, String> {
+    let target = shell::target_dir();
+    let packed = target.join("package");
+    let dir = target.join("package-check");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let version = workspace_version()?;
+    let mut members = String::new();
+    let mut patches = String::new();
+    for name in PUBLISHED {
+        let unpacked = format!("{name}-{version}");
+        let crate_file = packed.join(format!("{unpacked}.crate"));
+        let status = std::process::Command::new("tar")
+            .arg("-xzf")
+            .arg(&crate_file)
+            .arg("-C")
+            .arg(&dir)
+            .status()
+            .map_err(|e| format!("tar -xzf {}: {e}", crate_file.display()))?;
+        if !status.success() {
+            return Err(format!("tar -xzf {}: {status}", crate_file.display()));
+        }
+        members.push_str(&format!("    \"{unpacked}\",\n"));
+        patches.push_str(&format!("{name} = {{ path = \"{unpacked}\" }}\n"));
     }
-    let mut command = cargo(&args);
-    command.arg("--target-dir").arg(package_target_dir());
-    // Each package is built as a workspace of its own, without the
-    // workspace's profile: no debug information (it only has to compile;
-    // a cold build of the seven took 158 s without, 173 s with).
-    command.env("CARGO_PROFILE_DEV_DEBUG", "0");
-    command
+    let root = shell::workspace_root();
+    let manifest = crate::check::read(&root.join("Cargo.toml"))?;
+    let manifest = format!(
+        "# Written by `cargo xtask ci`: the published crates as packed.\n\
+         [workspace]\nresolver = \"3\"\nmembers = [\n{members}]\n\n\
+         [patch.crates-io]\n{patches}\n{}",
+        profiles(&manifest)
+    );
+    std::fs::write(dir.join("Cargo.toml"), manifest).map_err(|e| format!("{e}"))?;
+    std::fs::copy(root.join("Cargo.lock"), dir.join("Cargo.lock"))
+        .map_err(|e| format!("Cargo.lock: {e}"))?;
+    let mut command = cargo(&["check", "--workspace", "--all-features"]);
+    command.current_dir(&dir).env("CARGO_TARGET_DIR", &target);
+    Ok(command)
 }
 
-/// Where the packages are built from their `.crate`: a directory whose idem
-/// builds are deleted before each run ([`forget_packaged_sources`]), since
-/// cargo does not rebuild a registry crate's version it built once.
-fn package_target_dir() -> std::path::PathBuf {
-    shell::target_dir().join("package-verify")
+/// The workspace's version (`[workspace.package] version`), every published
+/// crate's.
+fn workspace_version() -> Result<String, String> {
+    let manifest = crate::check::read(&shell::workspace_root().join("Cargo.toml"))?;
+    let mut in_package = false;
+    for line in manifest.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_package = line == "[workspace.package]";
+        } else if in_package
+            && let Some(value) = line.strip_prefix("version")
+            && let Some(value) = value.trim_start().strip_prefix('=')
+        {
+            return Ok(value.trim().trim_matches('"').to_owned());
+        }
+    }
+    Err("Cargo.toml: no version in [workspace.package]".to_owned())
 }
 
-/// The published crates packed but not built from their `.crate`:
-/// idem-kafka's and idem-sqs's builds there compile librdkafka and the AWS
-/// SDK a second time (about 200 s of a cold CI run), and the facade `idem`
-/// depends on them (its features `kafka`, `sqs`), so it cannot be built from
-/// its `.crate` without them. Every other step builds all three from the
-/// workspace.
-const PACKAGED_UNBUILT: &[&str] = &["idem", "idem-kafka", "idem-sqs"];
+/// The `[profile.*]` tables of a manifest, as written: the packed crates are
+/// checked with the workspace's profiles, so the dependencies the clippy
+/// step compiled are the same units.
+fn profiles(manifest: &str) -> String {
+    let mut kept = String::new();
+    let mut in_profile = false;
+    for line in manifest.lines() {
+        if line.starts_with('[') {
+            in_profile = line.starts_with("[profile.");
+        }
+        if in_profile {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    kept
+}
 
 /// Checks idem-diesel under each feature set alone (so a backend's code does not
 /// lean on the other's), and proves with `cargo tree` that a SQLite-only build
@@ -544,7 +529,7 @@ fn depends_on(tree: &str, name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{PUBLISHED, depends_on};
+    use super::{PUBLISHED, depends_on, profiles, workspace_version};
     use crate::check::{member_dirs, read};
 
     /// Every workspace member is either in [`PUBLISHED`] (and so packed by
@@ -596,6 +581,23 @@ mod tests {
         let mut expected: Vec<_> = PUBLISHED.iter().map(|name| (*name).to_owned()).collect();
         expected.sort();
         assert_eq!(published, expected, "every published crate is a member");
+        Ok(())
+    }
+
+    /// The packed crates are checked with the workspace's profiles and
+    /// version, read from its manifest.
+    #[test]
+    fn the_packed_crates_take_the_workspaces_profiles_and_version() -> Result<(), String> {
+        let manifest = "[workspace]\nmembers = [\"a\"]\n\n\
+                        [profile.dev]\ndebug = \"line-tables-only\"\n\n\
+                        [workspace.lints.rust]\nmissing_docs = \"warn\"\n\n\
+                        [profile.dev.package.\"*\"]\ndebug = false\n";
+        assert_eq!(
+            profiles(manifest),
+            "[profile.dev]\ndebug = \"line-tables-only\"\n\n\
+             [profile.dev.package.\"*\"]\ndebug = false\n"
+        );
+        assert_eq!(workspace_version()?, env!("CARGO_PKG_VERSION"));
         Ok(())
     }
 
