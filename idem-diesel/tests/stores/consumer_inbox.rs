@@ -11,7 +11,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idem_core::consume::conformance::{Subject, SubjectFuture};
 use idem_core::consume::{
-    Advance, Attempt, ConsumerPolicy, Decision, Handler, HandlerError, HandlerFuture, Inbox,
+    Acked, Advance, Attempt, ConsumerPolicy, Decision, Handler, HandlerError, HandlerFuture, Inbox,
     Message, Positions, Protocol,
 };
 use idem_core::retry::Backoff;
@@ -39,6 +39,12 @@ pub(crate) const TESTS: &[(&str, TestFn)] = &[
     (
         "consumer_inbox::postgres_a_processed_message_takes_four_statements",
         |d| Box::pin(postgres_a_processed_message_takes_four_statements(d)),
+    ),
+    (
+        "consumer_inbox::postgres_a_handler_that_went_on_past_a_failed_statement_is_not_acknowledged",
+        |d| {
+            Box::pin(postgres_a_handler_that_went_on_past_a_failed_statement_is_not_acknowledged(d))
+        },
     ),
     (
         "consumer_inbox::sqlite_permanent_errors_are_told_from_transient_ones",
@@ -182,6 +188,71 @@ pub(crate) const POSITIONS: &[(&str, RunCase)] = &[
         })
     }),
 ];
+
+/// A handler whose statement failed but which went on (it swallowed the
+/// error) leaves its transaction aborted, and PostgreSQL answers the `COMMIT`
+/// of such a transaction with a rollback, not an error: the message is then
+/// not acknowledged but counted failed, its writes rolled back, and once a
+/// later attempt is processed its failures are gone.
+async fn postgres_a_handler_that_went_on_past_a_failed_statement_is_not_acknowledged(
+    databases: Arc<Databases>,
+) {
+    let subject = fresh_postgres(&databases).await;
+    let pool = subject.inbox.pool().clone();
+    let protocol = Protocol::new("ledger", subject.inbox, ConsumerPolicy::new());
+    let went_on = idem_core::consume::handler(
+        |_attempt: Attempt<'_>, tx: &mut AsyncPgConnection| -> HandlerFuture<'_> {
+            Box::pin(async move {
+                diesel::sql_query("INSERT INTO effects (name) VALUES ('went on')")
+                    .execute(&mut *tx)
+                    .await?;
+                let failed = diesel::sql_query("INSERT INTO no_such_table VALUES (1)")
+                    .execute(&mut *tx)
+                    .await;
+                assert!(failed.is_err(), "the statement fails");
+                Ok(())
+            })
+        },
+    );
+    let message = Message::new("{}").id("m-1");
+    let first = protocol.decide(&message, &went_on).await;
+    assert!(
+        matches!(first, Decision::Retry(_)),
+        "an aborted transaction is a failed attempt, retried: {first:?}"
+    );
+    let counts = || async {
+        (
+            pg_count(&pool, "SELECT count(*) AS n FROM effects").await,
+            pg_count(&pool, "SELECT count(*) AS n FROM idem_consumer_inbox").await,
+            pg_count(&pool, "SELECT count(*) AS n FROM idem_consumer_failures").await,
+        )
+    };
+    assert_eq!(
+        counts().await,
+        (0, 0, 1),
+        "(effects, inbox rows, failure rows) after the aborted attempt"
+    );
+    let applied = idem_core::consume::handler(
+        |_attempt: Attempt<'_>, tx: &mut AsyncPgConnection| -> HandlerFuture<'_> {
+            Box::pin(async move {
+                diesel::sql_query("INSERT INTO effects (name) VALUES ('applied')")
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    );
+    let second = protocol.decide(&message, &applied).await;
+    assert!(
+        matches!(second, Decision::Ack(Acked::Processed { attempt: 2 })),
+        "the next attempt, number 2, is processed: {second:?}"
+    );
+    assert_eq!(
+        counts().await,
+        (1, 1, 0),
+        "(effects, inbox rows, failure rows) once processed"
+    );
+}
 
 /// A `PgInbox` on a fresh database, and an `effects` table its handlers write.
 pub(crate) struct PgSubject {
