@@ -153,9 +153,8 @@ fn packages(steps: &mut Steps) -> Result<(), String> {
 /// What a step that depends on `paths` alone (and the toolchain) saw: the
 /// toolchain, then each file under `paths` with git's hash of its content.
 /// `None` outside a git checkout, or when a file under `paths` differs from
-/// git's index (the step then always runs). The verified package build
-/// depends on the published crates, the lock file and the workspace's
-/// manifest.
+/// git's index (the step then always runs). The packages' check depends on
+/// the published crates, the lock file and the workspace's manifest.
 fn sources_stamp(paths: &[&str]) -> Result<Option<String>, String> {
     let root = shell::workspace_root();
     let rustc = std::process::Command::new(std::env::var("RUSTC").unwrap_or("rustc".to_owned()))
@@ -430,7 +429,8 @@ fn package_check() -> Result<std::process::Command, String> {
          [patch.crates-io]\n{patches}\n{}",
         profiles(&manifest)
     );
-    std::fs::write(dir.join("Cargo.toml"), manifest).map_err(|e| format!("{e}"))?;
+    let written = dir.join("Cargo.toml");
+    std::fs::write(&written, manifest).map_err(|e| format!("{}: {e}", written.display()))?;
     std::fs::copy(root.join("Cargo.lock"), dir.join("Cargo.lock"))
         .map_err(|e| format!("Cargo.lock: {e}"))?;
     let mut command = cargo(&["check", "--workspace", "--all-features"]);

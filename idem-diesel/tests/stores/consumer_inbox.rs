@@ -203,9 +203,7 @@ async fn postgres_a_handler_that_went_on_past_a_failed_statement_is_not_acknowle
     let went_on = idem_core::consume::handler(
         |_attempt: Attempt<'_>, tx: &mut AsyncPgConnection| -> HandlerFuture<'_> {
             Box::pin(async move {
-                diesel::sql_query("INSERT INTO effects (name) VALUES ('went on')")
-                    .execute(&mut *tx)
-                    .await?;
+                write_effect(tx, "went on").await?;
                 let failed = diesel::sql_query("INSERT INTO no_such_table VALUES (1)")
                     .execute(&mut *tx)
                     .await;
@@ -235,9 +233,7 @@ async fn postgres_a_handler_that_went_on_past_a_failed_statement_is_not_acknowle
     let applied = idem_core::consume::handler(
         |_attempt: Attempt<'_>, tx: &mut AsyncPgConnection| -> HandlerFuture<'_> {
             Box::pin(async move {
-                diesel::sql_query("INSERT INTO effects (name) VALUES ('applied')")
-                    .execute(&mut *tx)
-                    .await?;
+                write_effect(tx, "applied").await?;
                 Ok(())
             })
         },
@@ -254,6 +250,14 @@ async fn postgres_a_handler_that_went_on_past_a_failed_statement_is_not_acknowle
     );
 }
 
+/// Records the effect `name` in the `effects` table, on `tx`.
+async fn write_effect(tx: &mut AsyncPgConnection, name: &str) -> diesel::QueryResult<usize> {
+    diesel::sql_query("INSERT INTO effects (name) VALUES ($1)")
+        .bind::<Text, _>(name)
+        .execute(tx)
+        .await
+}
+
 /// A `PgInbox` on a fresh database, and an `effects` table its handlers write.
 pub(crate) struct PgSubject {
     inbox: PgInbox,
@@ -268,10 +272,7 @@ impl Subject for PgSubject {
 
     fn write<'a>(&'a self, tx: &'a mut AsyncPgConnection, name: &'a str) -> SubjectFuture<'a, ()> {
         Box::pin(async move {
-            diesel::sql_query("INSERT INTO effects (name) VALUES ($1)")
-                .bind::<Text, _>(name)
-                .execute(tx)
-                .await?;
+            write_effect(tx, name).await?;
             Ok(())
         })
     }

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use payments_provider::Provider;
-use tokio::time::Instant;
 
 use super::{Checks, random_millis, unique};
 use crate::e2e::api::{Answer, Call, Failure, Outcome, effects, expect_account};
@@ -219,12 +218,16 @@ pub(super) async fn disconnect(deployment: Arc<Deployment>) -> Result<Checks, Fa
     let account = &unique("gone");
     let call = Call::charge(principal, account, &unique("key"), 100);
     let outcome: Outcome = async {
-        let reached = async {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while provider.received().is_empty() && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        };
+        let reached = idem_testkit::wait::until(
+            "the charge's call to the provider",
+            Duration::from_secs(10),
+            || async {
+                match provider.received().len() {
+                    0 => Err("no call yet".to_owned()),
+                    _ => Ok(()),
+                }
+            },
+        );
         tokio::select! {
             answer = api.send(&call) => {
                 return Err(Failure::unexpected(
@@ -233,13 +236,12 @@ pub(super) async fn disconnect(deployment: Arc<Deployment>) -> Result<Checks, Fa
                     &answer?,
                 ));
             }
-            () = reached => {}
-        }
-        if provider.received().is_empty() {
-            return Err(Failure::new(
-                "the charge never reached the provider",
-                format!("request: {call}\nexpected: a provider call within 10 s\ngot: none"),
-            ));
+            reached = reached => reached.map_err(|why| {
+                Failure::new(
+                    "the charge never reached the provider",
+                    format!("request: {call}\n{why}"),
+                )
+            })?,
         }
         // The client has gone; its charge's handler runs on.
         let settled = api.settle(&call, || None, Duration::from_secs(30)).await?;
