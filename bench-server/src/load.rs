@@ -271,10 +271,11 @@ async fn client_loop(
     let mut sequence = 0u64;
     let mut fresh_key = String::new();
     let mut random = XorShift::seeded(client);
+    let mut late_verdict = None;
     loop {
         let now = Instant::now();
         if now >= end || stop.load(Ordering::Relaxed) {
-            done.ended = now.min(end);
+            done.ended = late_verdict.unwrap_or(now.min(end));
             break;
         }
         let key = match &keys {
@@ -296,7 +297,14 @@ async fn client_loop(
         let sent = Instant::now();
         let outcome = connection.exchange(&request).await;
         let answered = Instant::now();
-        let measured = answered >= measured_from && answered <= end;
+        // A client's first verdict, when it lands past the window (a route
+        // slower than the window, a starved machine), is measured, and the
+        // window ends with it, rather than the run answering nothing.
+        let late = answered > end && done.requests + done.errors == 0;
+        let measured = answered >= measured_from && (answered <= end || late);
+        if late {
+            late_verdict = Some(answered);
+        }
         if outcome.is_ok() {
             done.answered += 1;
         }
@@ -541,6 +549,64 @@ mod tests {
         assert!(id.ends_with('A'));
         assert_eq!(id, session_id("k-1"));
         assert_ne!(id, session_id("k-2"));
+    }
+
+    /// A route slower than the whole window (an answer 400 ms after each
+    /// request, a window of 50 ms) is measured by its first answer, the
+    /// window ending with it, rather than reported as no right answer.
+    #[tokio::test]
+    async fn a_first_answer_past_the_window_is_measured() -> Result<(), String> {
+        const SLOW: Duration = Duration::from_millis(400);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        tokio::spawn(async move {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 1024];
+            loop {
+                let Ok(read) = stream.read(&mut buffer).await else {
+                    return;
+                };
+                if read == 0 {
+                    return;
+                }
+                request.extend_from_slice(&buffer[..read]);
+                if request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    request.clear();
+                    tokio::time::sleep(SLOW).await;
+                    let answer = b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n";
+                    if stream.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let plan = Plan {
+            addr,
+            path: "/slow".to_owned(),
+            headers: Vec::new(),
+            body: String::new(),
+            fresh_keys: None,
+            replay_keys: None,
+            pool: 1,
+            concurrency: 1,
+            warmup_ms: 0,
+            duration_ms: 50,
+            expect: Expect::Executed,
+            stop_on_eof: false,
+        };
+        let measured = drive(Arc::new(plan), Arc::new(AtomicBool::new(false))).await?;
+        assert_eq!((measured.requests, measured.errors), (1, 0));
+        assert!(
+            measured.seconds >= SLOW.as_secs_f64(),
+            "the window ends with the late answer: {} s",
+            measured.seconds
+        );
+        Ok(())
     }
 
     #[test]
