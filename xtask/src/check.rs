@@ -65,7 +65,7 @@ fn every_step(steps: &mut Steps, since: &str) -> Result<(), String> {
 }
 
 /// The workspace's members, read from the manifests.
-fn members(root: &Path) -> Result<Vec<Member>, String> {
+pub(crate) fn members(root: &Path) -> Result<Vec<Member>, String> {
     member_dirs(root)?
         .into_iter()
         .map(|dir| member(&dir, &read(&root.join(&dir).join("Cargo.toml"))?))

@@ -54,20 +54,19 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 
 fn every_step(steps: &mut Steps) -> Result<(), String> {
     // The Kafka broker's build, once per machine (minutes), runs beside the
-    // steps before the tests at the lowest priority, taking the cores their
-    // builds leave idle; then beside the tests' build at the same priority
-    // (its last crates compile one at a time); the tests run once it is done.
+    // steps before the tests at their priority; the tests run once it is
+    // done. (Under nice 19 until the tests' build, as it ran until stop 52,
+    // it took only the cores those steps left idle, which is little: its
+    // last crates, one at a time, were then left to compile after the tests'
+    // build, and the tests waited for them, one core idle, 75 s of a cold
+    // run. At their priority those crates compile beside the clippy and
+    // doc builds, which keep the other core busy.)
     let mut broker = BrokerBuild::start()?;
     fmt(steps)?;
     clippy(steps, &["--workspace"])?;
     store_feature_sets(steps)?;
-    steps.run(
-        "cargo doc (warnings denied)",
-        cargo(&["doc", "--workspace", "--no-deps", "--all-features"])
-            .env("RUSTDOCFLAGS", "-D warnings"),
-    )?;
+    steps.run("cargo doc (warnings denied)", &mut doc()?)?;
     packages(steps)?;
-    broker.hurry();
     let counts = steps.time("tests", || crate::suite::run(&[], || broker.finish()))?;
     let tests = counts.line("tests");
     // The benchmarks' smoke run measures nothing: it runs beside the e2e
@@ -102,7 +101,51 @@ fn bench_smoke() -> Result<Background, String> {
         "cargo xtask bench --smoke --dev",
         crate::runner("idem-bench", &["--smoke", "--dev"])?,
         &shell::target_dir().join("bench").join("smoke.log"),
+        Priority::Lowest,
     )
+}
+
+/// `cargo doc` of every library, command and example of the workspace,
+/// warnings denied. Its targets are named (`--lib`, each command without a
+/// library, `--examples`) because `--examples` is what makes it share the
+/// clippy step's compiled dependencies: a build with an example in it
+/// resolves the dev-dependencies' features too, as `--all-targets` does,
+/// where a plain `cargo doc` resolves other features for tokio, serde and
+/// about 80 crates built on them, and checked them again (72 s of a cold
+/// run, 33 s without). A command whose crate has a library is left out, as
+/// a plain `cargo doc` leaves it out: its docs would overwrite the
+/// library's (`--bins` takes it).
+fn doc() -> Result<std::process::Command, String> {
+    let mut args: Vec<String> = [
+        "doc",
+        "--workspace",
+        "--no-deps",
+        "--all-features",
+        "--lib",
+        "--examples",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    for command in commands_without_library(&shell::workspace_root())? {
+        args.extend(["--bin".to_owned(), command]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut doc = cargo(&args);
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    Ok(doc)
+}
+
+/// The members that are a command alone (`src/main.rs`, no `src/lib.rs`):
+/// their binaries, named after their packages.
+fn commands_without_library(root: &Path) -> Result<Vec<String>, String> {
+    Ok(crate::check::members(root)?
+        .into_iter()
+        .filter(|member| {
+            let src = root.join(&member.dir).join("src");
+            src.join("main.rs").is_file() && !src.join("lib.rs").is_file()
+        })
+        .map(|member| member.name)
+        .collect())
 }
 
 /// `cargo fmt --check`.
@@ -240,13 +283,8 @@ impl BrokerBuild {
             return Ok(Self(None));
         }
         let log = shell::cache_dir().join("tansu-build.log");
-        Background::start(&broker_step(), broker_install(), &log).map(|build| Self(Some(build)))
-    }
-
-    fn hurry(&self) {
-        if let Some(build) = &self.0 {
-            build.hurry();
-        }
+        Background::start(&broker_step(), broker_install(), &log, Priority::Same)
+            .map(|build| Self(Some(build)))
     }
 
     /// Waits for the build, then removes its build directory.
@@ -265,11 +303,28 @@ impl BrokerBuild {
     }
 }
 
-/// A step run beside others: its command under `nice -n 19` until
-/// [`hurry`](Self::hurry), in a process group of its own, its output in a
-/// log file. Dropped before it is finished (a step before failed), it is
-/// stopped: its whole process group (cargo and the compilers it started, a
-/// runner and the servers it started).
+/// How a [`Background`] step shares the cores with the steps it runs beside.
+#[derive(Clone, Copy, Debug)]
+enum Priority {
+    /// As theirs (nice 0).
+    Same,
+    /// Only what they leave idle (nice 19).
+    Lowest,
+}
+
+impl Priority {
+    fn niceness(self) -> &'static str {
+        match self {
+            Self::Same => "0",
+            Self::Lowest => "19",
+        }
+    }
+}
+
+/// A step run beside others: its command at a [`Priority`], in a process
+/// group of its own, its output in a log file. Dropped before it is finished
+/// (a step before failed), it is stopped: its whole process group (cargo and
+/// the compilers it started, a runner and the servers it started).
 struct Background {
     name: String,
     child: Option<std::process::Child>,
@@ -277,7 +332,12 @@ struct Background {
 }
 
 impl Background {
-    fn start(name: &str, command: std::process::Command, log: &Path) -> Result<Self, String> {
+    fn start(
+        name: &str,
+        command: std::process::Command,
+        log: &Path,
+        priority: Priority,
+    ) -> Result<Self, String> {
         use std::os::unix::process::CommandExt;
         if let Some(dir) = log.parent() {
             std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -287,7 +347,7 @@ impl Background {
             .try_clone()
             .map_err(|e| format!("{}: {e}", log.display()))?;
         let mut nice = std::process::Command::new("nice");
-        nice.args(["-n", "19"])
+        nice.args(["-n", priority.niceness()])
             .arg(command.get_program())
             .args(command.get_args())
             .current_dir(
@@ -317,18 +377,6 @@ impl Background {
             child: Some(child),
             log: log.to_path_buf(),
         })
-    }
-
-    /// At the same priority as the steps from now on, if this process may
-    /// raise it back (root may; others keep it low).
-    fn hurry(&self) {
-        if let Some(child) = &self.child {
-            let _ = std::process::Command::new("renice")
-                .args(["-n", "0", "-g", &child.id().to_string()])
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
     }
 
     /// Waits for it to end; answers how long that took, or its failure
@@ -529,7 +577,7 @@ fn depends_on(tree: &str, name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{PUBLISHED, depends_on, profiles, workspace_version};
+    use super::{PUBLISHED, commands_without_library, depends_on, profiles, workspace_version};
     use crate::check::{member_dirs, read};
 
     /// Every workspace member is either in [`PUBLISHED`] (and so packed by
@@ -598,6 +646,19 @@ mod tests {
              [profile.dev.package.\"*\"]\ndebug = false\n"
         );
         assert_eq!(workspace_version()?, env!("CARGO_PKG_VERSION"));
+        Ok(())
+    }
+
+    /// The doc step names the members that are a command alone; the
+    /// examples' commands, whose crates have a library, are not among them.
+    #[test]
+    fn the_doc_step_names_the_commands_without_a_library() -> Result<(), String> {
+        let mut commands = commands_without_library(&idem_testkit::shell::workspace_root())?;
+        commands.sort();
+        assert_eq!(
+            commands,
+            ["bench-server", "idem-bench", "idem-e2e", "xtask"]
+        );
         Ok(())
     }
 
