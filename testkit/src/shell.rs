@@ -138,14 +138,21 @@ pub fn run(step: &str, command: &mut Command) -> Result<(), String> {
     }
 }
 
+/// The workspace's dev build, after `cargo build`: every binary and every
+/// test binary, the libraries compiled with the features the tests'
+/// dev-dependencies take part in choosing. The test suite builds with it
+/// (its test binaries are those `cargo test --workspace --all-features
+/// --no-run` builds), and so do the runners ([`Profile::Dev`]): one build
+/// for both, nothing compiled again between the tests and the e2e run.
+pub const DEV_BUILD: [&str; 4] = ["--workspace", "--all-features", "--bins", "--tests"];
+
 /// How the runners build the binaries they start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Profile {
-    /// `cargo build --workspace --all-features --bins --tests`: every binary,
-    /// with the features `cargo test --workspace --all-features` compiles the
-    /// libraries with (the tests' dev-dependencies take part in choosing
-    /// them), so after that step (CI's order) it compiles nothing but the
-    /// binaries' own crates. Unoptimized, as `cargo run -p …` runs them.
+    /// `cargo build` with [`DEV_BUILD`]'s arguments: every binary, with the
+    /// features `cargo test --workspace --all-features` compiles the
+    /// libraries with, so after the tests' build (CI's order) it compiles
+    /// nothing. Unoptimized, as `cargo run -p …` runs them.
     Dev,
     /// `cargo build --release -p …`: optimized, for measurements and for a run
     /// as a deployment would build it.
@@ -168,7 +175,7 @@ impl Profile {
     pub fn build(self, packages: &[&str]) -> Result<PathBuf, String> {
         let mut args = vec!["build", "-q"];
         match self {
-            Self::Dev => args.extend(["--workspace", "--all-features", "--bins", "--tests"]),
+            Self::Dev => args.extend(DEV_BUILD),
             Self::Release => {
                 args.push("--release");
                 for package in packages {

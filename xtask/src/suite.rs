@@ -4,8 +4,9 @@
 //! spend their time waiting on servers (a PostgreSQL cluster, a RabbitMQ
 //! node, a broker) rather than on a core. A process per test (nextest) would
 //! start one server per test instead of one per binary. So the binaries are
-//! built by `cargo test --no-run`, then run here a few at a time, the slowest
-//! of the last run first, each as `cargo test` runs it (from its package's
+//! built by the workspace's dev build (`cargo build --tests`: those `cargo
+//! test --no-run` builds), then run here a few at a time, the slowest of the
+//! last run first, each as `cargo test` runs it (from its package's
 //! directory, with cargo's variables); the doctests run beside them (`cargo
 //! test --doc`). Each binary's output is printed whole when it ends, and the
 //! run ends with `tests: N passed, M failed` over all of them.
@@ -26,7 +27,7 @@ const SLOTS: usize = 3;
 /// slowest start first, so the run ends with short ones filling the gaps.
 const TIMES: &str = "idem-test-times.tsv";
 
-/// One test binary, as `cargo test --no-run --message-format=json` lists it.
+/// One test binary, as cargo's JSON messages list it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Binary {
     /// `package::target (kind)`, as the report names it.
@@ -64,8 +65,7 @@ impl std::ops::AddAssign for Counts {
     }
 }
 
-/// Builds every test of the workspace (`cargo test --workspace
-/// --all-features --no-run`), then, once `ready` answers (what the tests
+/// Builds every test of the workspace ([`build`]), then, once `ready` answers (what the tests
 /// need beside their build: CI's Kafka broker), runs those of `packages`
 /// (none: all); answers the counts, or an error naming each binary that
 /// failed.
@@ -83,10 +83,12 @@ pub(crate) fn run(
     let mut times = read_times(&times_file);
     let mut queue: Vec<Job> = binaries.into_iter().map(Job::Binary).collect();
     queue.push(Job::Doc(packages.to_vec()));
-    // Slowest first; unknown ones (new binaries) first of all.
-    queue.sort_by_key(|job| {
-        std::cmp::Reverse(times.get(&job.name()).copied().unwrap_or(Duration::MAX))
-    });
+    // Slowest first; of those not timed yet (new binaries, or every one on
+    // a machine that never ran them), the integration tests and the
+    // doctests first of all, the unit tests last: on a cold machine, in the
+    // order cargo built them, idem-rabbitmq's broker tests (60 s) and the
+    // doctests (26 s) were the last two to start.
+    queue.sort_by_key(|job| std::cmp::Reverse(job.expected(&times)));
     let total = queue.len();
     eprintln!("\n==> tests: {total} binaries (doctests included), {SLOTS} at a time");
     let queue = Arc::new(Mutex::new(std::collections::VecDeque::from(queue)));
@@ -146,15 +148,14 @@ pub(crate) fn run(
     }
 }
 
-/// `cargo test --workspace --no-run`, answering the test binaries it built.
+/// The workspace's dev build ([`shell::DEV_BUILD`]: the test binaries of
+/// `cargo test --workspace --all-features --no-run`, and the binaries the
+/// e2e run and the bench start, in one build, so that its last crates
+/// compile beside each other), answering the test binaries it built.
 fn build() -> Result<Vec<Binary>, String> {
-    let args = [
-        "test",
-        "--workspace",
-        "--all-features",
-        "--no-run",
-        "--message-format=json-render-diagnostics",
-    ];
+    let mut args = vec!["build"];
+    args.extend(shell::DEV_BUILD);
+    args.push("--message-format=json-render-diagnostics");
     let step = format!("cargo {}", args.join(" "));
     eprintln!("\n==> {step}");
     let output = cargo(&args)
@@ -251,6 +252,20 @@ struct Finished {
 }
 
 impl Job {
+    /// How long it is expected to take: its last time, else the longest
+    /// for an integration test or the doctests (they start servers and
+    /// compile), the shortest for a crate's unit tests.
+    fn expected(&self, times: &HashMap<String, Duration>) -> Duration {
+        let name = self.name();
+        if let Some(took) = times.get(&name) {
+            return *took;
+        }
+        match self {
+            Self::Binary(_) if !name.ends_with(" (test)") => Duration::ZERO,
+            _ => Duration::MAX,
+        }
+    }
+
     fn name(&self) -> String {
         match self {
             Self::Binary(binary) => binary.name.clone(),
@@ -387,8 +402,44 @@ fn write_times(file: &Path, times: &HashMap<String, Duration>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{Counts, counts, json_string, test_binary};
+    use super::{Binary, Counts, Job, counts, json_string, test_binary};
+    use std::collections::HashMap;
     use std::path::PathBuf;
+    use std::time::Duration;
+
+    /// Timed jobs by their last time; of the others, the integration tests
+    /// and the doctests before every timed one, the unit tests after.
+    #[test]
+    fn jobs_not_timed_yet_are_ordered_by_their_kind() {
+        let binary = |name: &str| {
+            Job::Binary(Binary {
+                name: name.to_owned(),
+                executable: PathBuf::from("/t/x"),
+                package_dir: PathBuf::from("/w/x"),
+                package: "x".to_owned(),
+            })
+        };
+        let times = HashMap::from([("a::stores (test)".to_owned(), Duration::from_secs(20))]);
+        let mut queue = [
+            binary("a::a (lib)"),
+            binary("a::stores (test)"),
+            binary("b::b (bin)"),
+            binary("b::broker (test)"),
+            Job::Doc(Vec::new()),
+        ];
+        queue.sort_by_key(|job| std::cmp::Reverse(job.expected(&times)));
+        let names: Vec<String> = queue.iter().map(Job::name).collect();
+        assert_eq!(
+            names,
+            [
+                "b::broker (test)",
+                "doctests",
+                "a::stores (test)",
+                "a::a (lib)",
+                "b::b (bin)"
+            ]
+        );
+    }
 
     #[test]
     fn libtests_result_lines_are_summed() {
