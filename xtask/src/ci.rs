@@ -55,9 +55,9 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 fn every_step(steps: &mut Steps) -> Result<(), String> {
     // The Kafka broker's build, once per machine (minutes), runs beside the
     // steps before the tests at their priority; the tests run once it is
-    // done. (Under nice 19 until the tests' build, as it ran until stop 52,
-    // it took only the cores those steps left idle, which is little: its
-    // last crates, one at a time, were then left to compile after the tests'
+    // done. (Under nice 19 until the tests' build, as it once ran, it took
+    // only the cores those steps left idle, which is little: its last
+    // crates, one at a time, were then left to compile after the tests'
     // build, and the tests waited for them, one core idle, 75 s of a cold
     // run. At their priority those crates compile beside the clippy and
     // doc builds, which keep the other core busy.)

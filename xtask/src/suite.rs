@@ -65,10 +65,10 @@ impl std::ops::AddAssign for Counts {
     }
 }
 
-/// Builds every test of the workspace ([`build`]), then, once `ready` answers (what the tests
-/// need beside their build: CI's Kafka broker), runs those of `packages`
-/// (none: all); answers the counts, or an error naming each binary that
-/// failed.
+/// Builds every test of the workspace ([`build`]), then, once `ready`
+/// answers (what the tests need beside their build: CI's Kafka broker),
+/// runs those of `packages` (none: all); answers the counts, or an error
+/// naming each binary that failed.
 pub(crate) fn run(
     packages: &[String],
     ready: impl FnOnce() -> Result<(), String>,
