@@ -84,8 +84,8 @@ pub(crate) fn run(
     let mut queue: Vec<Job> = binaries.into_iter().map(Job::Binary).collect();
     queue.push(Job::Doc(packages.to_vec()));
     // Slowest first; of those not timed yet (new binaries, or every one on
-    // a machine that never ran them), the integration tests and the
-    // doctests first of all, the unit tests last: on a cold machine, in the
+    // a machine that never ran them), the doctests and the integration
+    // tests first of all, the unit tests last: on a cold machine, in the
     // order cargo built them, idem-rabbitmq's broker tests (60 s) and the
     // doctests (26 s) were the last two to start.
     queue.sort_by_key(|job| std::cmp::Reverse(job.expected(&times)));
@@ -253,16 +253,18 @@ struct Finished {
 
 impl Job {
     /// How long it is expected to take: its last time, else the longest
-    /// for an integration test or the doctests (they start servers and
-    /// compile), the shortest for a crate's unit tests.
+    /// for the doctests (they compile every crate's examples first), a
+    /// second less for an integration test (they start servers), and the
+    /// shortest for a crate's unit tests.
     fn expected(&self, times: &HashMap<String, Duration>) -> Duration {
         let name = self.name();
         if let Some(took) = times.get(&name) {
             return *took;
         }
         match self {
-            Self::Binary(_) if !name.ends_with(" (test)") => Duration::ZERO,
-            _ => Duration::MAX,
+            Self::Doc(_) => Duration::MAX,
+            Self::Binary(_) if name.ends_with(" (test)") => Duration::MAX - Duration::from_secs(1),
+            Self::Binary(_) => Duration::ZERO,
         }
     }
 
@@ -407,8 +409,8 @@ mod tests {
     use std::path::PathBuf;
     use std::time::Duration;
 
-    /// Timed jobs by their last time; of the others, the integration tests
-    /// and the doctests before every timed one, the unit tests after.
+    /// Timed jobs by their last time; of the others, the doctests, then the
+    /// integration tests before every timed one, the unit tests after.
     #[test]
     fn jobs_not_timed_yet_are_ordered_by_their_kind() {
         let binary = |name: &str| {
@@ -432,8 +434,8 @@ mod tests {
         assert_eq!(
             names,
             [
-                "b::broker (test)",
                 "doctests",
+                "b::broker (test)",
                 "a::stores (test)",
                 "a::a (lib)",
                 "b::b (bin)"
