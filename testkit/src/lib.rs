@@ -61,6 +61,7 @@ use std::time::Duration;
 
 pub use kafka::TestKafka;
 pub use postgres::TestPostgres;
+pub use process::free_port;
 pub use rabbitmq::TestRabbitMq;
 pub use redis::TestRedis;
 pub use sqs::TestSqs;

@@ -66,7 +66,8 @@ pub(crate) fn chown(user: &str, dir: &Path) -> Result<(), Error> {
 }
 
 /// `N` distinct ports of 127.0.0.1 nobody listens on right now, each passing
-/// `also_free` (a cluster node's bus port, say).
+/// `also_free` (a cluster node's bus port, say), drawn at random from
+/// [`server_ports`].
 pub(crate) fn free_ports<const N: usize>(
     also_free: impl Fn(u16) -> bool,
 ) -> Result<[u16; N], Error> {
@@ -74,20 +75,68 @@ pub(crate) fn free_ports<const N: usize>(
         what: "find a free port on 127.0.0.1".to_owned(),
         source,
     };
+    // Each port of the range once, from a random one on; without a range,
+    // port 0: the kernel's choice.
+    let candidates: Box<dyn Iterator<Item = u16>> = match server_ports() {
+        Some(range) => {
+            use std::hash::BuildHasher;
+            let count = usize::from(range.end - range.start);
+            let from = std::hash::RandomState::new().hash_one(std::time::SystemTime::now());
+            let from = usize::try_from(from % count as u64).unwrap_or(0);
+            Box::new(range.clone().skip(from).chain(range.take(from)))
+        }
+        None => Box::new(std::iter::repeat(0)),
+    };
+    // Held until all are found, so that no two are the same.
     let mut held = Vec::with_capacity(N);
     let mut ports = [0; N];
     let mut found = 0;
-    while found < N {
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    for candidate in candidates {
+        if found == N {
+            return Ok(ports);
+        }
+        let Ok(listener) = TcpListener::bind(("127.0.0.1", candidate)) else {
+            continue;
+        };
         let port = listener.local_addr().map_err(io)?.port();
         if also_free(port) {
             ports[found] = port;
             found += 1;
         }
-        // Held until all are found, so the kernel hands out distinct ports.
         held.push(listener);
     }
-    Ok(ports)
+    if found == N {
+        return Ok(ports);
+    }
+    Err(io(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("fewer than {N} free ports between 10000 and the ephemeral range"),
+    )))
+}
+
+/// One port of 127.0.0.1 nobody listens on right now ([`free_ports`]), for
+/// a server started outside this crate.
+pub fn free_port() -> Result<u16, Error> {
+    free_ports(|_| true).map(|[port]| port)
+}
+
+/// Where servers' ports are drawn from: from 10000 up to 10000 below the
+/// kernel's ephemeral range (`ip_local_port_range`, 32768 by default), so
+/// that neither a server's port nor a Redis Cluster node's bus port (its
+/// port + 10000) is in it. The kernel gives every outgoing connection a
+/// local port from that range: a server stopped to be started again on its
+/// port (a database's outage, a broker's restart) could find it taken by a
+/// connection made meanwhile, as an e2e row's `pg_ctl start` once did
+/// ("could not bind IPv4 address: Address already in use"). `None` when the
+/// range starts too low to leave room.
+fn server_ports() -> Option<std::ops::Range<u16>> {
+    const FIRST: u16 = 10_000;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let end = ephemeral.checked_sub(10_000)?;
+    (end >= FIRST + 1_000).then_some(FIRST..end)
 }
 
 /// Whether nothing listens on `port` of 127.0.0.1.
@@ -239,5 +288,38 @@ impl Watchdog {
 impl Drop for Watchdog {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{free_ports, server_ports};
+
+    /// Servers' ports are distinct, free, and below the ephemeral range by
+    /// at least 10000 (a Redis Cluster node's bus port included), so no
+    /// outgoing connection is ever given one.
+    #[test]
+    fn servers_ports_are_distinct_and_below_the_ephemeral_range() -> Result<(), super::Error> {
+        let range = server_ports().ok_or_else(|| super::Error::Io {
+            what: "this machine's ephemeral range starts below 21000".to_owned(),
+            source: std::io::Error::other("no room for servers' ports"),
+        })?;
+        let ephemeral: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .map_err(|source| super::Error::Io {
+                what: "read ip_local_port_range".to_owned(),
+                source,
+            })?
+            .split_whitespace()
+            .next()
+            .and_then(|first| first.parse().ok())
+            .unwrap_or(32_768);
+        assert_eq!(range, 10_000..ephemeral - 10_000);
+        let ports: [u16; 4] = free_ports(|_| true)?;
+        for (i, port) in ports.iter().enumerate() {
+            assert!(range.contains(port), "{port} outside {range:?}");
+            assert!(!ports[..i].contains(port), "{port} given twice: {ports:?}");
+            assert!(super::port_is_free(*port), "{port} not free");
+        }
+        Ok(())
     }
 }

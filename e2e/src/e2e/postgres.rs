@@ -1,6 +1,5 @@
 //! A throwaway PostgreSQL cluster on 127.0.0.1, one database per scenario.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
@@ -174,11 +173,12 @@ fn running_as_root() -> bool {
         .is_ok_and(|out| out.stdout.trim_ascii() == b"0")
 }
 
+/// A port outside the range the kernel draws outgoing connections' ports
+/// from ([`idem_testkit::free_port`]): the outage rows stop the cluster and
+/// start it again on the same port, which a connection made meanwhile could
+/// otherwise have taken.
 fn free_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .map_err(|e| format!("no free port: {e}"))
+    idem_testkit::free_port().map_err(|e| format!("no free port: {e}"))
 }
 
 fn succeed(step: &str, command: &mut Command) -> Result<(), String> {
