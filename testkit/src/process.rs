@@ -114,8 +114,11 @@ pub(crate) fn free_ports<const N: usize>(
     )))
 }
 
-/// One port of 127.0.0.1 nobody listens on right now ([`free_ports`]), for
-/// a server started outside this crate.
+/// One port of 127.0.0.1 nobody listens on right now, for a server started
+/// outside this crate: drawn at random from 10000 up to 10000 below the
+/// kernel's ephemeral range, as every server this crate starts is given,
+/// so that a server stopped and started again on it never finds it taken
+/// by an outgoing connection.
 pub fn free_port() -> Result<u16, Error> {
     free_ports(|_| true).map(|[port]| port)
 }
