@@ -221,13 +221,11 @@ pub(crate) async fn orders_are_made_once(binary: &str) {
     assert!(server.stop().await, "a clean exit on SIGTERM");
 }
 
-/// A free port on 127.0.0.1, for a server restarted on the same address.
+/// A free port on 127.0.0.1, for a server restarted on the same address:
+/// testkit's, outside the range outgoing connections are given theirs from,
+/// so none takes it while the server is down.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    idem_testkit::free_port().unwrap()
 }
 
 /// Sends the order of `key` until it is answered `201` (a `409` while a
