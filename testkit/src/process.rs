@@ -92,9 +92,6 @@ pub(crate) fn free_ports<const N: usize>(
     let mut ports = [0; N];
     let mut found = 0;
     for candidate in candidates {
-        if found == N {
-            return Ok(ports);
-        }
         let Ok(listener) = TcpListener::bind(("127.0.0.1", candidate)) else {
             continue;
         };
@@ -104,9 +101,9 @@ pub(crate) fn free_ports<const N: usize>(
             found += 1;
         }
         held.push(listener);
-    }
-    if found == N {
-        return Ok(ports);
+        if found == N {
+            return Ok(ports);
+        }
     }
     Err(io(std::io::Error::new(
         std::io::ErrorKind::AddrInUse,
@@ -134,12 +131,17 @@ pub fn free_port() -> Result<u16, Error> {
 /// range starts too low to leave room.
 fn server_ports() -> Option<std::ops::Range<u16>> {
     const FIRST: u16 = 10_000;
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    let end = ephemeral.checked_sub(10_000)?;
+    let end = ephemeral_start().checked_sub(10_000)?;
     (end >= FIRST + 1_000).then_some(FIRST..end)
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default, 32768,
+/// where it cannot be read).
+fn ephemeral_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// Whether nothing listens on `port` of 127.0.0.1.
@@ -296,7 +298,7 @@ impl Drop for Watchdog {
 
 #[cfg(test)]
 mod tests {
-    use super::{free_ports, server_ports};
+    use super::{ephemeral_start, free_ports, server_ports};
 
     /// Servers' ports are distinct, free, and below the ephemeral range by
     /// at least 10000 (a Redis Cluster node's bus port included), so no
@@ -307,16 +309,7 @@ mod tests {
             what: "this machine's ephemeral range starts below 21000".to_owned(),
             source: std::io::Error::other("no room for servers' ports"),
         })?;
-        let ephemeral: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .map_err(|source| super::Error::Io {
-                what: "read ip_local_port_range".to_owned(),
-                source,
-            })?
-            .split_whitespace()
-            .next()
-            .and_then(|first| first.parse().ok())
-            .unwrap_or(32_768);
-        assert_eq!(range, 10_000..ephemeral - 10_000);
+        assert_eq!(range, 10_000..ephemeral_start() - 10_000);
         let ports: [u16; 4] = free_ports(|_| true)?;
         for (i, port) in ports.iter().enumerate() {
             assert!(range.contains(port), "{port} outside {range:?}");
