@@ -70,25 +70,44 @@ struct PositionRow {
     next_offset: i64,
 }
 
+/// [`ADVANCE`] with `$advance`'s binds, for either database's
+/// `RunQueryDsl` (its type cannot be named: diesel keeps `UncheckedBind`
+/// private).
+macro_rules! advance_statement {
+    ($advance:expr) => {{
+        let advance: &Advance<'_> = $advance;
+        diesel::sql_query(ADVANCE)
+            .bind::<Text, _>(advance.consumer)
+            .bind::<Text, _>(advance.topic)
+            .bind::<Integer, _>(advance.partition)
+            .bind::<BigInt, _>(advance.to)
+            .bind::<BigInt, _>(advance.from.unwrap_or(-1))
+            .prepared()
+    }};
+}
+
 /// The fenced move on a connection: `true` when the row counts as written.
 /// Kept prepared: on PostgreSQL, one round trip a message instead of a
 /// parse, a bind and a close.
 macro_rules! advance_on {
     ($connection:expr, $advance:expr) => {
         async {
-            let advance = $advance;
-            let written = diesel::sql_query(ADVANCE)
-                .bind::<Text, _>(advance.consumer)
-                .bind::<Text, _>(advance.topic)
-                .bind::<Integer, _>(advance.partition)
-                .bind::<BigInt, _>(advance.to)
-                .bind::<BigInt, _>(advance.from.unwrap_or(-1))
-                .prepared()
-                .execute($connection)
-                .await;
+            let written = advance_statement!($advance).execute($connection).await;
             written.map(|written| written == 1)
         }
     };
+}
+
+/// The fenced move on a SQLite connection, on the blocking thread that
+/// holds it: [`SqliteInbox`](crate::SqliteInbox) sends it in its entry's
+/// step. `true` when the row counts as written.
+#[cfg(feature = "sqlite")]
+pub(crate) fn advance_blocking(
+    connection: &mut diesel::SqliteConnection,
+    advance: &Advance<'_>,
+) -> diesel::QueryResult<bool> {
+    let written = diesel::RunQueryDsl::execute(advance_statement!(advance), connection)?;
+    Ok(written == 1)
 }
 
 /// One implementation for both databases: the statements are the same text.
@@ -176,5 +195,17 @@ positions_on!(
 positions_on!(
     crate::AsyncSqliteConnection,
     crate::SqliteInbox,
-    SQLITE_SCHEMA
+    SQLITE_SCHEMA,
+    /// The move is made in the entry's step on the blocking thread
+    /// (`BEGIN IMMEDIATE`, the entry, the move), not in a step of its own
+    /// from the handler's transaction after it.
+    fn process_advancing<'a>(
+        &'a self,
+        entry: &'a idem_core::consume::Entry<'a>,
+        message: &'a idem_core::consume::Message,
+        advance: &'a Advance<'a>,
+        handler: &'a (dyn idem_core::consume::Handler<crate::AsyncSqliteConnection> + 'a),
+    ) -> InboxFuture<'a, idem_core::consume::Entered> {
+        Box::pin(self.process_on(entry, message, Some(advance), handler))
+    }
 );

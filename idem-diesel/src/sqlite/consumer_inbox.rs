@@ -11,8 +11,8 @@ use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 use idem_core::Redacted;
 use idem_core::cleanup::{Cleanup, ExpiredRows};
 use idem_core::consume::{
-    Attempt, BatchEntry, BatchHandler, Batched, Buried, Counted, DeadLetter, Entered, Entry,
-    Failure, Handler, HandlerError, Inbox, InboxError, InboxFuture, Message,
+    Advance, Attempt, BatchEntry, BatchHandler, Batched, Buried, Counted, DeadLetter, Entered,
+    Entry, Failure, Handler, HandlerError, Inbox, InboxError, InboxFuture, Message, PartitionLost,
 };
 use idem_core::store::StoreFuture;
 
@@ -256,19 +256,33 @@ impl SqliteInbox {
     }
 
     /// [`Inbox::process`]: enters the message, runs the handler and commits,
-    /// on one pooled connection.
-    async fn process_on(
+    /// on one pooled connection. With `advance` (a partition's record,
+    /// [`Positions::process_advancing`](idem_core::consume::Positions::process_advancing)),
+    /// the position moves in the entry's blocking step, before the handler:
+    /// one step on a blocking thread fewer than a move from the handler.
+    pub(crate) async fn process_on(
         &self,
         entry: &Entry<'_>,
         message: &Message,
+        advance: Option<&Advance<'_>>,
         handler: &(dyn Handler<AsyncSqliteConnection> + '_),
     ) -> Result<Entered, InboxError> {
         let mut pooled = self.connection().await?;
         let connection: &mut AsyncSqliteConnection = &mut pooled;
         let (consumer, message_id) = (entry.consumer.to_owned(), entry.message_id.to_owned());
         let fingerprint = *entry.fingerprint.as_bytes();
-        let entered = connection
-            .spawn_blocking(move |c| enter(c, &consumer, &message_id, &fingerprint))
+        let advance = advance.map(OwnedAdvance::of);
+        let (entered, moved) = connection
+            .spawn_blocking(move |c| {
+                let found = enter(c, &consumer, &message_id, &fingerprint)?;
+                match (&found, advance) {
+                    (Found::Entered { .. }, Some(advance)) => {
+                        let moved = advance_or_roll_back(c, &advance.borrowed())?;
+                        Ok((found, moved))
+                    }
+                    _ => Ok((found, true)),
+                }
+            })
             .await
             .map_err(InboxError::unavailable)?;
         let failures = match entered {
@@ -280,6 +294,12 @@ impl SqliteInbox {
             Found::Entered { failures } => failures,
         };
         let attempt = u32::try_from(failures).unwrap_or(0).saturating_add(1);
+        if !moved {
+            // Fenced: the partition has another owner; the entry was rolled
+            // back with the move, nothing is kept.
+            let error = HandlerError::transient(PartitionLost);
+            return Ok(Entered::Failed { attempt, error });
+        }
         let ran = handler
             .handle(Attempt::new(message, entry.message_id, attempt), connection)
             .await;
@@ -427,7 +447,7 @@ impl Inbox for SqliteInbox {
         message: &'a Message,
         handler: &'a (dyn Handler<AsyncSqliteConnection> + 'a),
     ) -> InboxFuture<'a, Entered> {
-        Box::pin(self.process_on(entry, message, handler))
+        Box::pin(self.process_on(entry, message, None, handler))
     }
 
     fn process_batch<'a>(
@@ -629,6 +649,51 @@ fn enter(
     found
         .pop()
         .ok_or_else(|| diesel::result::Error::QueryBuilderError("no entry".into()))
+}
+
+/// A partition's move, owned, to cross to a blocking thread.
+struct OwnedAdvance {
+    consumer: String,
+    topic: String,
+    partition: i32,
+    from: Option<i64>,
+    to: i64,
+}
+
+impl OwnedAdvance {
+    fn of(advance: &Advance<'_>) -> Self {
+        Self {
+            consumer: advance.consumer.to_owned(),
+            topic: advance.topic.to_owned(),
+            partition: advance.partition,
+            from: advance.from,
+            to: advance.to,
+        }
+    }
+
+    fn borrowed(&self) -> Advance<'_> {
+        Advance {
+            consumer: &self.consumer,
+            topic: &self.topic,
+            partition: self.partition,
+            from: self.from,
+            to: self.to,
+        }
+    }
+}
+
+/// The fenced move on the entry's open transaction: `true` when it was
+/// written; fenced (`false`) or failed, the transaction (the entry with it)
+/// is rolled back.
+fn advance_or_roll_back(c: &mut SqliteConnection, advance: &Advance<'_>) -> QueryResult<bool> {
+    match crate::positions::advance_blocking(c, advance) {
+        Ok(true) => Ok(true),
+        Ok(false) => roll_back_all(c).map(|()| false),
+        Err(error) => {
+            let _ = roll_back_all(c);
+            Err(error)
+        }
+    }
 }
 
 /// Enters messages (`(id, fingerprint)`) in one `BEGIN IMMEDIATE`
