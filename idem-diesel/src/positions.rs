@@ -112,7 +112,7 @@ pub(crate) fn advance_blocking(
 
 /// One implementation for both databases: the statements are the same text.
 macro_rules! positions_on {
-    ($connection:ty, $inbox:ty, $schema:expr $(, $($own:tt)*)?) => {
+    ($connection:ty, $inbox:ty, $schema:expr) => {
         impl Positions for $inbox {
             fn migrate_positions(&self) -> InboxFuture<'_, ()> {
                 Box::pin(async move {
@@ -169,43 +169,28 @@ macro_rules! positions_on {
                 })
             }
 
-            $($($own)*)?
+            /// The move is made with the entry, not from the handler's
+            /// transaction after it: on PostgreSQL sent with `BEGIN` and
+            /// the entry (one round trip), on SQLite in the entry's step on
+            /// the blocking thread (`BEGIN IMMEDIATE`, the entry, the move).
+            fn process_advancing<'a>(
+                &'a self,
+                entry: &'a idem_core::consume::Entry<'a>,
+                message: &'a idem_core::consume::Message,
+                advance: &'a Advance<'a>,
+                handler: &'a (dyn idem_core::consume::Handler<$connection> + 'a),
+            ) -> InboxFuture<'a, idem_core::consume::Entered> {
+                Box::pin(self.process_on(entry, message, Some(advance), handler))
+            }
         }
     };
 }
 
 #[cfg(feature = "postgres")]
-positions_on!(
-    diesel_async::AsyncPgConnection,
-    crate::PgInbox,
-    PG_SCHEMA,
-    /// The move is sent with the entry (`BEGIN`, the entry, the move: one
-    /// round trip), not from the handler's transaction after it.
-    fn process_advancing<'a>(
-        &'a self,
-        entry: &'a idem_core::consume::Entry<'a>,
-        message: &'a idem_core::consume::Message,
-        advance: &'a Advance<'a>,
-        handler: &'a (dyn idem_core::consume::Handler<diesel_async::AsyncPgConnection> + 'a),
-    ) -> InboxFuture<'a, idem_core::consume::Entered> {
-        Box::pin(self.process_on(entry, message, Some(advance), handler))
-    }
-);
+positions_on!(diesel_async::AsyncPgConnection, crate::PgInbox, PG_SCHEMA);
 #[cfg(feature = "sqlite")]
 positions_on!(
     crate::AsyncSqliteConnection,
     crate::SqliteInbox,
-    SQLITE_SCHEMA,
-    /// The move is made in the entry's step on the blocking thread
-    /// (`BEGIN IMMEDIATE`, the entry, the move), not in a step of its own
-    /// from the handler's transaction after it.
-    fn process_advancing<'a>(
-        &'a self,
-        entry: &'a idem_core::consume::Entry<'a>,
-        message: &'a idem_core::consume::Message,
-        advance: &'a Advance<'a>,
-        handler: &'a (dyn idem_core::consume::Handler<crate::AsyncSqliteConnection> + 'a),
-    ) -> InboxFuture<'a, idem_core::consume::Entered> {
-        Box::pin(self.process_on(entry, message, Some(advance), handler))
-    }
+    SQLITE_SCHEMA
 );
