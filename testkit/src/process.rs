@@ -92,8 +92,11 @@ pub(crate) fn free_ports<const N: usize>(
     let mut ports = [0; N];
     let mut found = 0;
     for candidate in candidates {
-        let Ok(listener) = TcpListener::bind(("127.0.0.1", candidate)) else {
-            continue;
+        let listener = match TcpListener::bind(("127.0.0.1", candidate)) {
+            Ok(listener) => listener,
+            // The kernel's choice failing would fail again: said, not looped.
+            Err(error) if candidate == 0 => return Err(io(error)),
+            Err(_) => continue,
         };
         let port = listener.local_addr().map_err(io)?.port();
         if also_free(port) {
