@@ -9,18 +9,20 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::net::Ipv4Addr;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use idem_sqs::aws_sdk_sqs::Client;
 use idem_sqs::aws_sdk_sqs::types::QueueAttributeName;
 use idem_sqs::{
-    Attempt, Backoff, ClientConfig, Consumer, ConsumerPolicy, Deduplication, Handler, HandlerError,
-    HandlerFuture, MemoryInbox, Outgoing, Publisher,
+    Attempt, Backoff, BatchHandler, ClientConfig, Consumer, ConsumerPolicy, Deduplication, Handler,
+    HandlerError, HandlerFuture, MemoryInbox, Outgoing, Publisher,
 };
 use idem_testkit::TestSqs;
+use idem_testkit::fault::{Fault, Proxy};
 use idem_testkit::wait::until;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
@@ -38,6 +40,12 @@ const SCENARIOS: &[(&str, Run)] = &[
         "a_handler_slower_than_the_visibility_timeout_runs_once",
         |c| Box::pin(a_handler_slower_than_the_visibility_timeout_runs_once(c)),
     ),
+    ("a_lease_holds_over_a_link_of_350_ms_each_way", |c| {
+        Box::pin(a_lease_holds_over_a_slow_link(c))
+    }),
+    ("a_batch_lease_holds_over_a_link_of_50_ms_each_way", |c| {
+        Box::pin(a_batch_lease_holds_over_a_slow_link(c))
+    }),
     (
         "a_failing_message_is_dead_lettered_after_exactly_three_receives",
         |c| Box::pin(a_failing_message_is_dead_lettered_after_exactly_three_receives(c)),
@@ -100,6 +108,7 @@ fn main() -> ExitCode {
                 let case = Case {
                     client,
                     name: sqs.fresh_name(&name[..name.len().min(40)]),
+                    port: sqs.port(),
                 };
                 runtime
                     .block_on(run(case))
@@ -158,10 +167,11 @@ fn failed(error: impl std::fmt::Display) -> Failed {
     Failed::from(error.to_string())
 }
 
-/// A case: the client, and a queue name of its own.
+/// A case: the client, a queue name of its own, and moto's port.
 struct Case {
     client: Client,
     name: String,
+    port: u16,
 }
 
 impl Case {
@@ -201,15 +211,47 @@ impl Case {
         policy: ConsumerPolicy,
         concurrency: usize,
     ) -> Result<Running, Failed> {
-        let consumer = Consumer::builder(self.client.clone(), url)
+        Self::start_on(
+            self.client.clone(),
+            url,
+            inbox,
+            apply,
+            policy,
+            concurrency,
+            None,
+        )
+    }
+
+    /// [`start`](Self::start), the consumer on `client`; with `batch`, it
+    /// applies the messages of a receive (up to `batch`) together.
+    fn start_on(
+        client: Client,
+        url: &str,
+        inbox: MemoryInbox,
+        apply: Apply,
+        policy: ConsumerPolicy,
+        concurrency: usize,
+        batch: Option<usize>,
+    ) -> Result<Running, Failed> {
+        let builder = Consumer::builder(client, url)
             .inbox(inbox)
-            .handler(apply)
             .policy(policy)
             .concurrency(concurrency)
             .wait_time(Duration::from_secs(1))
-            .shutdown_timeout(Duration::from_secs(10))
-            .build()
-            .map_err(failed)?;
+            .shutdown_timeout(Duration::from_secs(10));
+        match batch {
+            None => builder.handler(apply).build().map(Self::running),
+            Some(size) => builder
+                .batch_size(size)
+                .batch_handler(apply, size)
+                .build()
+                .map(Self::running),
+        }
+        .map_err(failed)
+    }
+
+    /// Runs `consumer` in a task of its own.
+    fn running<H: Handler<()> + 'static>(consumer: Consumer<MemoryInbox, H>) -> Running {
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             consumer
@@ -222,7 +264,7 @@ impl Case {
                 .await
                 .map_err(|e| e.to_string())
         });
-        Ok(Running { stop, task })
+        Running { stop, task }
     }
 
     /// Sends `(message_id, payment)` pairs to the standard queue `url`.
@@ -386,32 +428,55 @@ impl Apply {
     }
 }
 
+impl Apply {
+    /// Records `attempt`'s run, and applies it unless its account fails.
+    fn record(&self, attempt: &Attempt<'_>) -> Result<(), HandlerError> {
+        let payment: Payment = attempt.json().map_err(HandlerError::permanent)?;
+        let failing = self.failing.lock().unwrap().clone();
+        let applied = failing.as_deref() != Some(payment.account_id.as_str());
+        let mut ledger = self.ledger.lock().unwrap();
+        ledger.runs.push(Run_ {
+            key: attempt.key().to_owned(),
+            account: payment.account_id.clone(),
+            amount: payment.amount,
+            attempt: attempt.number(),
+            receive_count: attempt.broker_delivery_count(),
+            applied,
+            at: Instant::now(),
+        });
+        if !applied {
+            return Err(HandlerError::transient("the account's ledger is down"));
+        }
+        *ledger.balances.entry(payment.account_id).or_insert(0) += payment.amount;
+        Ok(())
+    }
+
+    /// Waits the handler's latency, counted in `running` meanwhile.
+    async fn wait(&self) {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        if !self.latency.is_zero() {
+            tokio::time::sleep(self.latency).await;
+        }
+        self.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl Handler<()> for Apply {
     fn handle<'a>(&'a self, attempt: Attempt<'a>, _tx: &'a mut ()) -> HandlerFuture<'a> {
         Box::pin(async move {
-            let payment: Payment = attempt.json().map_err(HandlerError::permanent)?;
-            self.running.fetch_add(1, Ordering::SeqCst);
-            if !self.latency.is_zero() {
-                tokio::time::sleep(self.latency).await;
-            }
-            self.running.fetch_sub(1, Ordering::SeqCst);
-            let failing = self.failing.lock().unwrap().clone();
-            let applied = failing.as_deref() != Some(payment.account_id.as_str());
-            let mut ledger = self.ledger.lock().unwrap();
-            ledger.runs.push(Run_ {
-                key: attempt.key().to_owned(),
-                account: payment.account_id.clone(),
-                amount: payment.amount,
-                attempt: attempt.number(),
-                receive_count: attempt.broker_delivery_count(),
-                applied,
-                at: Instant::now(),
-            });
-            if !applied {
-                return Err(HandlerError::transient("the account's ledger is down"));
-            }
-            *ledger.balances.entry(payment.account_id).or_insert(0) += payment.amount;
-            Ok(())
+            attempt.json::<Payment>().map_err(HandlerError::permanent)?;
+            self.wait().await;
+            self.record(&attempt)
+        })
+    }
+}
+
+/// A batch waits the latency once, then each message is recorded.
+impl BatchHandler<()> for Apply {
+    fn handle<'a>(&'a self, batch: &'a [Attempt<'a>], _tx: &'a mut ()) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            self.wait().await;
+            batch.iter().try_for_each(|attempt| self.record(attempt))
         })
     }
 }
@@ -502,21 +567,85 @@ async fn each_message_is_applied_once_with_duplicates(case: Case) -> Outcome {
 /// while it runs, another receiver sees nothing; it runs once and the
 /// message is deleted.
 async fn a_handler_slower_than_the_visibility_timeout_runs_once(case: Case) -> Outcome {
+    let client = case.client.clone();
+    a_slow_handler_runs_once(&case, client, 1, None, Duration::from_secs(3)).await
+}
+
+/// The same, the consumer's every call to SQS and its answer each held
+/// 350 ms by a proxy (a round trip of 700 ms, most of the 1 s lease): the
+/// extensions keep one reaching SQS every round trip, and the delete goes
+/// under the lease, so the message is never visible to another receiver.
+async fn a_lease_holds_over_a_slow_link(case: Case) -> Outcome {
+    let (_proxy, slow) = slow_link(&case, Duration::from_millis(350))?;
+    let ran = a_slow_handler_runs_once(&case, slow, 1, None, Duration::from_secs(3)).await?;
+    Ok(format!("over a link of 350 ms each way: {ran}"))
+}
+
+/// Ten messages taken by one receive for a batch handler, on a 1 s
+/// visibility timeout, over a link of 50 ms each way: the batch takes 3 s
+/// (`MemoryInbox` hands a batch's messages to the handler one after the
+/// other, 300 ms each), and the ten leases are extended together, one call
+/// a round, so none is visible to another receiver meanwhile. (Extended
+/// one call a message, ten round trips of 100 ms and the quarter of the
+/// lease between rounds outlast the lease.)
+async fn a_batch_lease_holds_over_a_slow_link(case: Case) -> Outcome {
+    let (_proxy, slow) = slow_link(&case, Duration::from_millis(50))?;
+    let ran =
+        a_slow_handler_runs_once(&case, slow, 10, Some(10), Duration::from_millis(300)).await?;
+    Ok(format!("over a link of 50 ms each way, in batches: {ran}"))
+}
+
+/// A proxy to moto that holds every chunk `latency` each way, and a client
+/// through it.
+fn slow_link(case: &Case, latency: Duration) -> Result<(Proxy, Client), Failed> {
+    let proxy = Proxy::tcp((Ipv4Addr::LOCALHOST, case.port).into()).map_err(failed)?;
+    proxy.set(Fault::Latency(latency));
+    let client = ClientConfig::from_env()
+        .endpoint(format!("http://127.0.0.1:{}", proxy.port()))
+        .region("us-east-1")
+        .credentials("test", "test")
+        .build()
+        .map_err(failed)?;
+    Ok((proxy, client))
+}
+
+/// [`a_handler_slower_than_the_visibility_timeout_runs_once`] for
+/// `messages` payments, its consumer on `consumer_client`, in batches of
+/// `batch` if given, each call of the handler taking `latency`.
+async fn a_slow_handler_runs_once(
+    case: &Case,
+    consumer_client: Client,
+    messages: usize,
+    batch: Option<usize>,
+    latency: Duration,
+) -> Outcome {
     let url = case.standard("1").await?;
-    case.send(
-        &url,
-        &[(format!("slow-{}", case.name), Payment::new("acc-slow", 7))],
-    )
-    .await?;
+    let payments: Vec<(String, Payment)> = (0..messages)
+        .map(|i| {
+            (
+                format!("slow-{i}-{}", case.name),
+                Payment::new("acc-slow", 7),
+            )
+        })
+        .collect();
+    case.send(&url, &payments).await?;
     let mut apply = Apply::new();
-    apply.latency = Duration::from_secs(3);
+    apply.latency = latency;
     let started = Instant::now();
-    let running = case.start(&url, MemoryInbox::new(), apply.clone(), policy(3), 2)?;
+    let running = Case::start_on(
+        consumer_client,
+        &url,
+        MemoryInbox::new(),
+        apply.clone(),
+        policy(3),
+        2,
+        batch,
+    )?;
     until(
         "the slow handler started".to_owned(),
         Duration::from_secs(30),
         || async {
-            if apply.running.load(Ordering::SeqCst) == 1 {
+            if apply.running.load(Ordering::SeqCst) > 0 {
                 Ok(())
             } else {
                 Err("not yet".to_owned())
@@ -524,50 +653,45 @@ async fn a_handler_slower_than_the_visibility_timeout_runs_once(case: Case) -> O
         },
     )
     .await?;
-    // Another receiver polls while the handler runs, past three visibility
-    // timeouts; a message it got would prove the lease lapsed.
-    let spy = Arc::new(AtomicBool::new(false));
+    // Another receiver polls until the messages are deleted, past three
+    // visibility timeouts; a message it got would prove its lease lapsed.
     let mut spied = 0u32;
-    while apply.running.load(Ordering::SeqCst) == 1 {
+    let mut seen = 0usize;
+    while case.depth(&url).await.map_err(failed)? > 0 {
+        check(started.elapsed() < Duration::from_secs(60), || {
+            "the messages were not deleted within 60 s".to_owned()
+        })?;
         let answer = case
             .client
             .receive_message()
             .queue_url(&url)
+            .max_number_of_messages(10)
             .wait_time_seconds(1)
             .visibility_timeout(0)
             .send()
             .await
             .map_err(|e| failed(format!("{e:?}")))?;
         spied += 1;
-        if !answer.messages().is_empty() {
-            spy.store(true, Ordering::SeqCst);
-        }
+        seen += answer.messages().len();
     }
-    until(
-        "the queue is empty".to_owned(),
-        Duration::from_secs(30),
-        || async {
-            match case.depth(&url).await? {
-                0 => Ok(()),
-                depth => Err(format!("{depth} messages")),
-            }
-        },
-    )
-    .await?;
     let took = started.elapsed();
     // Two more visibility timeouts with the consumer polling: nothing comes back.
     tokio::time::sleep(Duration::from_secs(2)).await;
     running.stop().await?;
     let runs = apply.runs();
-    check(!spy.load(Ordering::SeqCst), || {
-        "another receiver got the message while its handler ran".to_owned()
+    check(seen == 0, || {
+        format!("another receiver got {seen} messages while they were leased")
     })?;
-    check(runs.len() == 1 && runs[0].receive_count == Some(1), || {
-        format!("the handler ran {} times: {runs:?}", runs.len())
+    check(
+        runs.len() == messages && runs.iter().all(|run| run.receive_count == Some(1)),
+        || format!("{} runs of {messages} messages: {runs:?}", runs.len()),
+    )?;
+    let balance = apply.balance("acc-slow");
+    check(balance == 7 * messages as i64, || {
+        format!("balance {balance}")
     })?;
-    check(apply.balance("acc-slow") == 7, || "balance".to_owned())?;
     Ok(format!(
-        "a 3 s handler on a 1 s visibility timeout ran once (receive count 1), {spied} receives by another receiver got nothing, deleted after {:.1} s",
+        "{messages} message(s) on a 1 s visibility timeout, the handler {latency:?} a call: each ran once (receive count 1), {spied} receives by another receiver got nothing, deleted after {:.1} s",
         took.as_secs_f64()
     ))
 }

@@ -109,6 +109,12 @@ pub enum Fault {
     /// done the request's work, and its client sees the connection end
     /// without an answer: the lost answer a retry with the same key mends.
     LoseAnswers,
+    /// Any protocol: each chunk read, either way, is held this long before
+    /// it is forwarded, as over a link with that much latency each way (a
+    /// request and its answer take twice as long). A chunk that comes while
+    /// one is held waits behind it: meant for traffic that waits for its
+    /// answers, such as HTTP requests one at a time on a connection.
+    Latency(Duration),
 }
 
 /// A TCP proxy on 127.0.0.1 to one target, injecting the [`Fault`] set.
@@ -497,6 +503,7 @@ fn pump(shared: &Shared, link: &Link, side: Side, mut framer: Option<Framer>) {
                 shared.lost_answers.fetch_add(1, Ordering::SeqCst);
                 return link.close();
             }
+            Some(Fault::Latency(latency)) => thread::sleep(latency),
             Some(_) => {}
         }
         if let Some(start) = commits.into_iter().find(|_| shared.loses(side)) {
@@ -1043,6 +1050,33 @@ mod tests {
             TcpStream::connect(addr).is_err(),
             "listening after the drop"
         );
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn latency_holds_each_chunk_both_ways() {
+        let (target, server) = echo();
+        let proxy = Proxy::tcp(target).unwrap();
+        let mut stream = TcpStream::connect(proxy.addr()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut answer = [0; 4];
+        let round_trip = |stream: &mut TcpStream, answer: &mut [u8; 4]| {
+            let sent = Instant::now();
+            stream.write_all(b"ping").unwrap();
+            stream.read_exact(answer).unwrap();
+            assert_eq!(answer, b"ping");
+            sent.elapsed()
+        };
+        round_trip(&mut stream, &mut answer);
+        proxy.set(Fault::Latency(Duration::from_millis(150)));
+        let slow = round_trip(&mut stream, &mut answer);
+        // 150 ms up, 150 ms down.
+        assert!(slow >= Duration::from_millis(300), "{slow:?}");
+        proxy.set(Fault::None);
+        round_trip(&mut stream, &mut answer);
+        drop(proxy);
         server.join().unwrap();
     }
 

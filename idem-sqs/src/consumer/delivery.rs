@@ -31,20 +31,32 @@ pub(super) async fn settle<I: Inbox, H: Handler<I::Tx> + 'static>(
         let receipts: Vec<&str> = std::iter::once(received.receipt.as_str())
             .chain(after.iter().map(|m| m.receipt.as_str()))
             .collect();
-        let decision = target
+        // An applied message is deleted under its lease, so that it cannot
+        // lapse between the commit and the delete; the other decisions set
+        // the message's visibility themselves, after the lease.
+        let settled = target
             .lease
-            .hold(
-                &receipts,
-                received_at,
-                shared.protocol.decide_holding(
-                    &received.message,
-                    &shared.handler,
-                    &shared.outage,
-                    shared.stop.stopped(),
-                ),
-            )
+            .hold(&receipts, received_at, async {
+                let decision = shared
+                    .protocol
+                    .decide_holding(
+                        &received.message,
+                        &shared.handler,
+                        &shared.outage,
+                        shared.stop.stopped(),
+                    )
+                    .await;
+                match decision {
+                    Decision::Ack(_) => Ok(delete(&target, received).await.map(|()| true)),
+                    other => Err(other),
+                }
+            })
             .await;
-        let done = match carry_out(&shared, &target, received, decision).await {
+        let done = match settled {
+            Ok(deleted) => deleted,
+            Err(decision) => carry_out(&shared, &target, received, decision).await,
+        };
+        let done = match done {
             Ok(done) => done,
             Err(error) => {
                 tracing::warn!(message_id = %redacted(received), error = %error_chain(&error), "a decision could not be carried out on SQS: the message comes back after its lease");
@@ -73,32 +85,40 @@ pub(super) async fn settle_batch<I: Inbox, H: Handler<I::Tx> + 'static>(
     let receipts: Vec<&str> = batch.iter().map(|m| m.receipt.as_str()).collect();
     let messages: Vec<idem_core::consume::Message> =
         batch.iter().map(|m| m.message.clone()).collect();
-    let decisions = target
+    // The applied messages are deleted under their leases (see `settle`);
+    // the others are carried out after, one by one.
+    let rest = target
         .lease
-        .hold(
-            &receipts,
-            received_at,
-            shared.protocol.decide_all_holding(
-                &messages,
-                &shared.handler,
-                &shared.outage,
-                shared.stop.stopped(),
-            ),
-        )
+        .hold(&receipts, received_at, async {
+            let decisions = shared
+                .protocol
+                .decide_all_holding(
+                    &messages,
+                    &shared.handler,
+                    &shared.outage,
+                    shared.stop.stopped(),
+                )
+                .await;
+            let mut acknowledged = Vec::with_capacity(batch.len());
+            let mut rest = Vec::new();
+            for (received, decision) in batch.iter().zip(decisions) {
+                if matches!(decision, Decision::Ack(_)) {
+                    acknowledged.push(received);
+                } else {
+                    rest.push((received, decision));
+                }
+            }
+            for chunk in acknowledged.chunks(crate::consumer::MAX_BATCH) {
+                if let Err(error) = delete_batch(&target, chunk).await {
+                    tracing::warn!(messages = chunk.len(), error = %error_chain(&error), "applied messages could not be deleted: they come back after their lease, as duplicates");
+                }
+            }
+            rest
+        })
         .await;
-    let mut acknowledged = Vec::with_capacity(batch.len());
-    for (received, decision) in batch.iter().zip(decisions) {
-        if matches!(decision, Decision::Ack(_)) {
-            acknowledged.push(received);
-            continue;
-        }
+    for (received, decision) in rest {
         if let Err(error) = carry_out(&shared, &target, received, decision).await {
             tracing::warn!(message_id = %redacted(received), error = %error_chain(&error), "a decision could not be carried out on SQS: the message comes back after its lease");
-        }
-    }
-    for chunk in acknowledged.chunks(crate::consumer::MAX_BATCH) {
-        if let Err(error) = delete_batch(&target, chunk).await {
-            tracing::warn!(messages = chunk.len(), error = %error_chain(&error), "applied messages could not be deleted: they come back after their lease, as duplicates");
         }
     }
 }
