@@ -40,9 +40,6 @@ const SCENARIOS: &[(&str, Run)] = &[
         "a_handler_slower_than_the_visibility_timeout_runs_once",
         |c| Box::pin(a_handler_slower_than_the_visibility_timeout_runs_once(c)),
     ),
-    ("a_lease_holds_over_a_link_of_350_ms_each_way", |c| {
-        Box::pin(a_lease_holds_over_a_slow_link(c))
-    }),
     ("a_batch_lease_holds_over_a_link_of_50_ms_each_way", |c| {
         Box::pin(a_batch_lease_holds_over_a_slow_link(c))
     }),
@@ -569,16 +566,6 @@ async fn each_message_is_applied_once_with_duplicates(case: Case) -> Outcome {
 async fn a_handler_slower_than_the_visibility_timeout_runs_once(case: Case) -> Outcome {
     let client = case.client.clone();
     a_slow_handler_runs_once(&case, client, 1, None, Duration::from_secs(3)).await
-}
-
-/// The same, the consumer's every call to SQS and its answer each held
-/// 350 ms by a proxy (a round trip of 700 ms, most of the 1 s lease): the
-/// extensions keep one reaching SQS every round trip, and the delete goes
-/// under the lease, so the message is never visible to another receiver.
-async fn a_lease_holds_over_a_slow_link(case: Case) -> Outcome {
-    let (_proxy, slow) = slow_link(&case, Duration::from_millis(350))?;
-    let ran = a_slow_handler_runs_once(&case, slow, 1, None, Duration::from_secs(3)).await?;
-    Ok(format!("over a link of 350 ms each way: {ran}"))
 }
 
 /// Ten messages taken by one receive for a batch handler, on a 1 s
