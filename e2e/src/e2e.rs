@@ -261,11 +261,13 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     }
     // Two passes on one set of slots. First each deployment's probe, with
     // the broker and the consumer's other servers starting, then the rows
-    // that need the machine (or the broker) to themselves, one after
-    // another: the storms, the broker's restart, the chain (its SIGKILLs
-    // under load). Queued among the others, each would wait for the longest
-    // one running to end, every other slot idle meanwhile. Then every other
-    // row, HTTP and consumer, side by side.
+    // that need the machine to themselves, one after another: the storms,
+    // the chain (its SIGKILLs under load). Queued among the others, each
+    // would wait for the longest one running to end, every other slot idle
+    // meanwhile. Then every other row, HTTP and consumer, side by side; the
+    // consumer's rows that restart the broker first, while no other row on
+    // it runs (they ran alone in the first pass, 28 s of a run with the
+    // machine mostly idle).
     let slots = Slots::new();
     let phase = Instant::now();
     let wants_broker = consumer.is_some() || chain.is_some();
@@ -294,7 +296,7 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     );
     let probed: Vec<(Arc<Deployment>, Result<(), Failure>)> =
         deployments.into_iter().zip(probes).collect();
-    let consumer_rows = |alone: bool| {
+    let consumer_rows = || {
         let (consumer, broker, cluster, slots) = (&consumer, &broker, &cluster, &slots);
         let (scenarios, servers) = (&scenarios, &servers);
         async move {
@@ -310,7 +312,6 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
                 &options.stores,
                 servers,
                 slots.clone(),
-                alone,
             )
             .await
         }
@@ -319,7 +320,6 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
     // together, each pair would wait behind the storm queued between them.
     rows.extend(run_all(&probed, options, &slots, |s| s.room == Room::Alone).await);
     rows.extend(run_all(&probed, options, &slots, |s| s.room == Room::Half).await);
-    rows.extend(consumer_rows(true).await);
     if let (Some((api, consumer)), Some(broker)) = (chain, &broker) {
         let setup = chain::Setup {
             api,
@@ -349,7 +349,7 @@ async fn everything(options: &Options, root: &Path) -> (Vec<Row>, Duration) {
         rows
     };
     let consumer_shared = async {
-        let rows = consumer_rows(false).await;
+        let rows = consumer_rows().await;
         eprintln!(
             "e2e: the consumer's rows done after {:.0} s",
             phase.elapsed().as_secs_f64()

@@ -28,7 +28,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_lost_commit_answers",
         check: "consumer on Kafka: every 5th COMMIT answer lost, 240 records over 3 partitions, none halted, balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: true,
         run: |case| lost_commit_answers(case).boxed(),
@@ -36,7 +36,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_db_outage",
         check: "consumer on Kafka: a 25 s database outage mid-stream, nothing dead-lettered, balances exact",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: true,
         run: |case| a_database_outage(case).boxed(),
@@ -44,7 +44,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_broker_restart",
         check: "consumer on Kafka: the broker (durable storage) stopped 10 s and restarted mid-stream, balances exact",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: true,
         run: |case| a_broker_restart(case).boxed(),
@@ -52,7 +52,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_backlog_memory",
         check: "consumer on Kafka: 100,000 records (100 MB) behind a slow handler, memory bounded",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: true,
         run: |case| a_backlog_stays_in_the_broker(case).boxed(),
@@ -60,7 +60,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_oversized_dead_letter",
         check: "consumer on Kafka: a 1,010,000-byte dead letter cut to fit, marked; the partition goes on",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| an_oversized_dead_letter(case).boxed(),
@@ -68,7 +68,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_sigkill",
         check: "consumer on Kafka: SIGKILL x5 after commits, 500 records (100 duplicates), balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| sigkill_after_commits(case, &[]).boxed(),
@@ -76,7 +76,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_batch_sigkill",
         check: "consumer on Kafka: --batch 32, SIGKILL x5 after commits, 500 records (100 duplicates), balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| sigkill_after_commits(case, &["--batch", "32"]).boxed(),
@@ -84,7 +84,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_batch_dead_letter",
         check: "consumer on Kafka: --batch 32, a failing record dead-lettered alone after exactly 3 attempts, in order",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| dead_letter_then(case, false, &["--batch", "32"]).boxed(),
@@ -92,7 +92,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_join_leave",
         check: "consumer on Kafka: a member joins, the first leaves, mid-stream; balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_member_joins_and_one_leaves(case).boxed(),
@@ -100,7 +100,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_dead_letter",
         check: "consumer on Kafka: failing record in <topic>.dlq after 3 attempts, the partition goes on",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_failing_record_is_dead_lettered_in_order(case).boxed(),
@@ -108,7 +108,7 @@ pub(crate) const KAFKA_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "kafka_redrive",
         check: "consumer on Kafka: redrive after the fix, applied once; a second redrive moves nothing",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_redrive_is_applied_once(case).boxed(),

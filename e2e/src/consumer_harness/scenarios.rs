@@ -17,7 +17,7 @@ use payments_consumer::ledger::Account;
 use payments_consumer::payment::MAX_ACCOUNT_ID_LEN;
 
 /// A scenario: its name (a queue and a database are named after it), the
-/// check it proves (its row in `cargo xtask e2e`), whether it must run alone,
+/// check it proves (its row in `cargo xtask e2e`), whether it stops the broker,
 /// and how to run it: the figure behind a pass, or what failed.
 pub(crate) struct Scenario {
     /// A plain name (ASCII letters, digits, `_`).
@@ -26,7 +26,7 @@ pub(crate) struct Scenario {
     pub(crate) check: &'static str,
     /// It stops the broker: no other scenario may use the node meanwhile,
     /// and its [`Case`] needs the node ([`Case::with_broker`]).
-    pub(crate) alone: bool,
+    pub(crate) stops_broker: bool,
     /// It takes tens of seconds (five kills, an outage waited out, a broker
     /// restart): a runner starts it before the others, so that it does not
     /// end the run alone.
@@ -44,7 +44,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_lost_commit_answers",
         check: "consumer: every 5th COMMIT answer lost (the commit landed), 240 messages, balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: true,
         run: |case| lost_commit_answers(case, &["--concurrency", "4"], 10).boxed(),
@@ -52,7 +52,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_batch_lost_commit_answers",
         check: "consumer: --batch 8, every 5th COMMIT answer lost (a batch's commit landed), 240 messages, balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: true,
         run: |case| lost_commit_answers(case, &["--batch", "8", "--concurrency", "2"], 4).boxed(),
@@ -60,7 +60,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_db_outage",
         check: "consumer: a 25 s database outage mid-stream, nothing dead-lettered, balances exact",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: true,
         run: |case| a_database_outage(case, &["--handler-latency-ms", "20"]).boxed(),
@@ -68,7 +68,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_batch_db_outage",
         check: "consumer: --batch 16, a 25 s database outage mid-stream, nothing dead-lettered, balances exact",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: true,
         run: |case| {
@@ -78,7 +78,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_duplicates",
         check: "consumer: 10 deliveries of one message_id, one effect",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| ten_identical_deliveries_take_effect_once(case).boxed(),
@@ -86,7 +86,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_reused_id",
         check: "consumer: another body under an applied message_id, dead-lettered",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| another_body_under_an_applied_id_is_dead_lettered(case).boxed(),
@@ -94,7 +94,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_invalid",
         check: "consumer: invalid payments dead-lettered at once",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| invalid_payments_are_dead_lettered_at_once(case).boxed(),
@@ -102,7 +102,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_sigkill",
         check: "consumer: SIGKILL x5 over 500 messages, every balance exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| sigkill_and_restarts_leave_every_balance_exact(case, &[]).boxed(),
@@ -110,7 +110,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_batch_sigkill",
         check: "consumer: --batch 32, SIGKILL x5 over 500 messages, every balance exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| {
@@ -124,7 +124,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_batch_poison",
         check: "consumer: --batch 64, 3 failing among 300 messages: each dead-lettered alone after exactly 3 attempts, the rest applied once",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_failing_message_fails_no_batch_but_its_own(case).boxed(),
@@ -132,7 +132,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_sigterm",
         check: "consumer: SIGTERM under load exits 0, nothing lost",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| sigterm_under_load_loses_nothing(case).boxed(),
@@ -140,7 +140,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_concurrency",
         check: "consumer: --concurrency 8 over 450 messages, every balance exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| eight_at_once_leave_every_balance_exact(case).boxed(),
@@ -148,7 +148,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_broker_restart",
         check: "consumer: broker restarted mid-stream, resumed by itself",
-        alone: true,
+        stops_broker: true,
         long: false,
         postgres_only: false,
         run: |case| {
@@ -158,7 +158,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_batch_broker_restart",
         check: "consumer: --batch 32, broker restarted mid-stream, resumed by itself",
-        alone: true,
+        stops_broker: true,
         long: false,
         postgres_only: false,
         run: |case| {
@@ -172,7 +172,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_dead_letter",
         check: "consumer: failing message dead-lettered after 3 attempts",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_failing_message_is_dead_lettered_after_its_last_attempt(case).boxed(),
@@ -180,7 +180,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_alert",
         check: "consumer: 11 dead letters, one alert",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| eleven_dead_letters_raise_one_alert(case).boxed(),
@@ -188,7 +188,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_redrive",
         check: "consumer: redrive after the fix, applied once",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_redriven_dead_letter_is_applied_once(case).boxed(),
@@ -196,7 +196,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "consumer_trace_logs",
         check: "consumer: RUST_LOG=trace, no message_id or body logged",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| trace_logs_hold_no_message_id_and_no_body(case).boxed(),

@@ -30,7 +30,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_lost_commit_answers",
         check: "consumer on SQS: every 5th COMMIT answer lost, 240 messages, balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: true,
         run: |case| lost_commit_answers(case).boxed(),
@@ -38,7 +38,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_endpoint_outage",
         check: "consumer on SQS: SQS unreachable for 25 s mid-stream, resumed by itself, balances exact",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: true,
         run: |case| an_endpoint_outage(case).boxed(),
@@ -46,7 +46,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_binary_id",
         check: "consumer on SQS: a Binary message_id keys its message; a resend is a duplicate; one not UTF-8 dead-lettered",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: true,
         run: |case| a_binary_id_keys_its_message(case).boxed(),
@@ -54,7 +54,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_trace_logs",
         check: "consumer on SQS: at RUST_LOG=trace no line holds a body, a message id or the access key id",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: true,
         run: |case| trace_logs_hold_no_payload_and_no_credential(case).boxed(),
@@ -62,7 +62,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_db_outage",
         check: "consumer on SQS: a 25 s database outage, maxReceiveCount 3: nothing dead-lettered, balances exact",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: true,
         run: |case| a_database_outage_spends_no_receive(case).boxed(),
@@ -70,7 +70,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_sigkill",
         check: "consumer on SQS: SIGKILL x5 over 300 messages (50 duplicates), balances exact",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: false,
         // 300 messages: moto's CPU, beside the other rows, made 500 the
@@ -80,7 +80,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_batch_sigkill",
         check: "consumer on SQS: --batch 10, SIGKILL x5 over 180 messages (30 duplicates), balances exact",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| sigkill_mid_stream(case, &["--batch", "10"], (150, 30)).boxed(),
@@ -88,7 +88,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_batch_dead_letter",
         check: "consumer on SQS: --batch 10, a failing message among others dead-lettered alone after exactly 3 receives, the others applied once",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| dead_letter_then(case, false, &["--batch", "10"]).boxed(),
@@ -96,7 +96,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_slow_handler",
         check: "consumer on SQS: a 3 s handler on a 1 s visibility timeout runs once",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_handler_slower_than_the_visibility_timeout_runs_once(case).boxed(),
@@ -104,7 +104,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_dead_letter",
         check: "consumer on SQS: failing message in <queue>-dlq after exactly 3 receives",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| a_failing_message_is_dead_lettered_after_three_receives(case).boxed(),
@@ -112,7 +112,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_redrive",
         check: "consumer on SQS: redrive after the fix, applied once; a second moves nothing",
-        alone: false,
+        stops_broker: false,
         long: true,
         postgres_only: false,
         run: |case| a_redrive_is_applied_once(case).boxed(),
@@ -120,7 +120,7 @@ pub(crate) const SQS_SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "sqs_fifo_dedup",
         check: "consumer on SQS FIFO: content dedup narrows duplicates, the inbox removes them",
-        alone: false,
+        stops_broker: false,
         long: false,
         postgres_only: false,
         run: |case| the_fifo_content_deduplication_exercise(case).boxed(),

@@ -84,12 +84,12 @@ pub(crate) async fn broker() -> Result<Arc<TestRabbitMq>, String> {
     }
 }
 
-/// Runs the selected scenarios that run alone (`alone`: they stop the
-/// broker, and take every slot), or the others, on each of the consumer's
-/// databases among `stores`, each on a queue and a database of its own, as
-/// many at once as `slots` allows, and answers their rows; `binary` is the
-/// built consumer, or why it is not there; `broker` the node ([`broker`]),
-/// or why there is none.
+/// Runs the selected scenarios on each of the consumer's databases among
+/// `stores`, each on a queue and a database of its own, as many at once as
+/// `slots` allows, and answers their rows; `binary` is the built consumer,
+/// or why it is not there; `broker` the node ([`broker`]), or why there is
+/// none. A scenario that stops the node (`stops_broker`) runs while no other
+/// scenario on RabbitMQ does, first, beside those on Kafka and SQS.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn rows(
     binary: Result<PathBuf, String>,
@@ -100,7 +100,6 @@ pub(crate) async fn rows(
     stores: &[StoreKind],
     servers: &Servers,
     slots: Slots,
-    alone: bool,
 ) -> Vec<Row> {
     let mut chosen: Vec<(usize, &'static Scenario, StoreKind)> = backends(stores)
         .into_iter()
@@ -110,8 +109,7 @@ pub(crate) async fn rows(
                 .map(move |(i, scenario)| (i, scenario, store))
         })
         .filter(|(_, scenario, store)| {
-            scenario.alone == alone
-                && (!scenario.postgres_only || *store == StoreKind::Postgres)
+            (!scenario.postgres_only || *store == StoreKind::Postgres)
                 && (selected.is_empty() || selected.iter().any(|n| n == scenario.name))
         })
         .collect();
@@ -133,13 +131,24 @@ pub(crate) async fn rows(
         }
     };
     let logs = root.join("consumer");
-    // The slowest first, so that they do not end the run alone: the long
-    // ones on SQS (moto serves a few hundred calls a second: its SIGKILL
-    // rows take 50–80 s), the other long ones, then the rest on SQS and on
+    // Those that stop the node first, so that they have it before any
+    // other scenario on it queues; then the slowest, so that they do not
+    // end the run alone: the long ones on SQS (moto serves a few hundred
+    // calls a second), the other long ones, then the rest on SQS and on
     // Kafka.
     chosen.sort_by_key(|(_, scenario, _)| {
-        std::cmp::Reverse((scenario.long, on_sqs(scenario), on_kafka(scenario)))
+        std::cmp::Reverse((
+            scenario.stops_broker,
+            scenario.long,
+            on_sqs(scenario),
+            on_kafka(scenario),
+        ))
     });
+    // The node's restarts exclude the other scenarios on it, not the
+    // machine: a restart waits for none but those, and they for it (the
+    // lock is fair, so the restarts, queued first, go first; those on it
+    // that take a slot meanwhile wait in it).
+    let node = Arc::new(tokio::sync::RwLock::new(()));
     let (kafka_broker, sqs_server) = (&servers.kafka, &servers.sqs);
     let runs = chosen.into_iter().map(|(i, scenario, store)| {
         let (binary, broker, cluster, logs, slots) = (
@@ -159,12 +168,21 @@ pub(crate) async fn rows(
                 .clone()
                 .unwrap_or_else(|| Err("no SQS server was started".to_owned()))
         });
+        let node = Arc::clone(&node);
         async move {
-            let room = match scenario.alone {
-                true => Room::Alone,
-                false => Room::Shared,
+            // The slot first, then the node: a scenario that holds the node
+            // always has its slot, so none waits for a slot held by one
+            // that waits for the node.
+            let _slots = slots.take(Room::Shared).await;
+            let on_node = !on_kafka(scenario) && !on_sqs(scenario);
+            let _stopping = match scenario.stops_broker {
+                true => Some(node.write().await),
+                false => None,
             };
-            let _slots = slots.take(room).await;
+            let _running = match on_node && !scenario.stops_broker {
+                true => Some(node.read().await),
+                false => None,
+            };
             let started = std::time::Instant::now();
             let outcome =
                 run_one(scenario, store, binary, broker, &cluster, &logs, kafka, sqs).await;
