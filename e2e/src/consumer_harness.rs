@@ -8,7 +8,8 @@
 //! A scenario gets a [`Case`]: the binary, the broker's URL, a fresh database
 //! (`postgres://…` or `sqlite://PATH`) and a queue name of its own, and a
 //! directory for the consumers' logs. A scenario that stops the broker
-//! ([`Scenario::alone`]) runs alone, with the node ([`Case::with_broker`]). It
+//! ([`Scenario::stops_broker`]) runs while no other scenario on the node
+//! does, with the node ([`Case::with_broker`]). It
 //! starts consumers as processes (`run`, their stderr in the directory), drives
 //! them through the broker, reads the outcome with the binary's other commands
 //! (`balance`, `dead-letters`, `redrive`) and the database, and answers the

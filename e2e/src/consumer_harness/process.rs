@@ -139,9 +139,9 @@ impl Case {
     }
 
     /// The case with the broker's node, which the scenarios that restart the
-    /// broker need (the others do without). Such a scenario runs alone
-    /// ([`Scenario::alone`](super::Scenario::alone)): every client of the
-    /// node loses its connection.
+    /// broker need (the others do without). Such a scenario runs while no
+    /// other on the node does ([`Scenario::stops_broker`](super::Scenario::stops_broker)):
+    /// every client of the node loses its connection.
     #[must_use]
     pub(crate) fn with_broker(mut self, broker: Arc<TestRabbitMq>) -> Self {
         self.broker = Some(broker);
