@@ -1010,14 +1010,21 @@ mod tests {
         (addr, server)
     }
 
-    #[test]
-    fn tcp_stall_holds_bytes_and_drop_closes_everything() {
+    /// A TCP proxy to an echo server, a connection through it (reads give
+    /// up after 5 s), and the server's thread.
+    fn echo_through() -> (Proxy, TcpStream, JoinHandle<()>) {
         let (target, server) = echo();
         let proxy = Proxy::tcp(target).unwrap();
-        let mut stream = TcpStream::connect(proxy.addr()).unwrap();
+        let stream = TcpStream::connect(proxy.addr()).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
+        (proxy, stream, server)
+    }
+
+    #[test]
+    fn tcp_stall_holds_bytes_and_drop_closes_everything() {
+        let (proxy, mut stream, server) = echo_through();
         let mut answer = [0; 4];
         stream.write_all(b"ping").unwrap();
         stream.read_exact(&mut answer).unwrap();
@@ -1055,12 +1062,7 @@ mod tests {
 
     #[test]
     fn latency_holds_each_chunk_both_ways() {
-        let (target, server) = echo();
-        let proxy = Proxy::tcp(target).unwrap();
-        let mut stream = TcpStream::connect(proxy.addr()).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
+        let (proxy, mut stream, server) = echo_through();
         let mut answer = [0; 4];
         let round_trip = |stream: &mut TcpStream, answer: &mut [u8; 4]| {
             let sent = Instant::now();
