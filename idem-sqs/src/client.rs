@@ -1,5 +1,8 @@
 //! The SDK's client, built from the environment without aws-config.
 
+use std::time::Duration;
+
+use aws_sdk_sqs::config::timeout::TimeoutConfig;
 use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
 use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode};
 
@@ -7,6 +10,13 @@ use crate::Error;
 
 /// The region used when `AWS_REGION` is not set.
 pub const DEFAULT_REGION: &str = "us-east-1";
+
+/// How long one attempt of a call may take by default
+/// ([`ClientConfig::attempt_timeout`]): longer than a long poll's 20 s.
+pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a connection to SQS may take to open.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How to reach SQS: the region, the credentials and the endpoint, read from
 /// the environment as the AWS SDK reads them, each replaceable.
@@ -37,6 +47,7 @@ pub struct ClientConfig {
     region: String,
     endpoint: Option<String>,
     credentials: Option<Credentials>,
+    attempt_timeout: Duration,
 }
 
 impl ClientConfig {
@@ -59,7 +70,21 @@ impl ClientConfig {
                 .unwrap_or_else(|| DEFAULT_REGION.to_owned()),
             endpoint: var("AWS_ENDPOINT_URL_SQS").or_else(|| var("AWS_ENDPOINT_URL")),
             credentials,
+            attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
         }
+    }
+
+    /// How long one attempt of a call may take (default
+    /// [`DEFAULT_ATTEMPT_TIMEOUT`]) before it is given up and retried, on
+    /// another connection, as the SDK's standard retries go: a connection
+    /// that stopped answering without closing (a network that drops the
+    /// packets) never holds a call, a lease's extension or a receive for
+    /// good. Keep it above the consumer's long poll
+    /// ([`ConsumerBuilder::wait_time`](crate::ConsumerBuilder::wait_time)),
+    /// or an empty queue's receives time out and are retried.
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
+        self
     }
 
     /// Another endpoint (a local SQS such as moto's server, or a VPC
@@ -88,7 +113,9 @@ impl ClientConfig {
     }
 
     /// The client: HTTPS with rustls (on ring) and the system's root
-    /// certificates, the SDK's standard retries. Fails without credentials.
+    /// certificates, the SDK's standard retries, each attempt bounded
+    /// ([`attempt_timeout`](Self::attempt_timeout); a connection opens
+    /// within 5 s). Fails without credentials.
     pub fn build(self) -> Result<aws_sdk_sqs::Client, Error> {
         let credentials = self.credentials.ok_or(Error::NoCredentials)?;
         let http = aws_smithy_http_client::Builder::new()
@@ -98,6 +125,12 @@ impl ClientConfig {
             .behavior_version(BehaviorVersion::latest())
             .region(Region::new(self.region))
             .credentials_provider(credentials)
+            .timeout_config(
+                TimeoutConfig::builder()
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .operation_attempt_timeout(self.attempt_timeout)
+                    .build(),
+            )
             .http_client(http);
         if let Some(endpoint) = self.endpoint {
             config = config.endpoint_url(endpoint);
@@ -113,6 +146,7 @@ impl std::fmt::Debug for ClientConfig {
             .field("region", &self.region)
             .field("endpoint", &self.endpoint)
             .field("credentials", &self.credentials.as_ref().map(|_| "set"))
+            .field("attempt_timeout", &self.attempt_timeout)
             .finish()
     }
 }

@@ -62,7 +62,7 @@ mod message;
 mod publisher;
 mod queue;
 
-pub use client::{ClientConfig, DEFAULT_REGION};
+pub use client::{ClientConfig, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_REGION};
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_WAIT_TIME, MAX_BATCH, Polling,
     Unset,

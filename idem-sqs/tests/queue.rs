@@ -40,6 +40,9 @@ const SCENARIOS: &[(&str, Run)] = &[
         "a_handler_slower_than_the_visibility_timeout_runs_once",
         |c| Box::pin(a_handler_slower_than_the_visibility_timeout_runs_once(c)),
     ),
+    ("a_silent_link_holds_no_call_for_good", |c| {
+        Box::pin(a_silent_link_holds_no_call_for_good(c))
+    }),
     ("a_batch_lease_holds_over_a_link_of_50_ms_each_way", |c| {
         Box::pin(a_batch_lease_holds_over_a_slow_link(c))
     }),
@@ -580,6 +583,82 @@ async fn a_batch_lease_holds_over_a_slow_link(case: Case) -> Outcome {
     let ran =
         a_slow_handler_runs_once(&case, slow, 10, Some(10), Duration::from_millis(300)).await?;
     Ok(format!("over a link of 50 ms each way, in batches: {ran}"))
+}
+
+/// The consumer's link to SQS drops every byte for 4 s (connections stay
+/// open, nothing is answered) while messages wait: each call then in flight
+/// is given up after its attempt timeout (3 s here) and tried again on
+/// another connection, so once the link is back the consumer goes on by
+/// itself, and every message is applied once. (Without the timeout, the
+/// receive in flight waits for good.)
+async fn a_silent_link_holds_no_call_for_good(case: Case) -> Outcome {
+    // A receive whose answer the link dropped leaves its messages in flight
+    // for the visibility timeout: 5 s.
+    let url = case.standard("5").await?;
+    let proxy = Proxy::tcp((Ipv4Addr::LOCALHOST, case.port).into()).map_err(failed)?;
+    let client = ClientConfig::from_env()
+        .endpoint(format!("http://127.0.0.1:{}", proxy.port()))
+        .region("us-east-1")
+        .credentials("test", "test")
+        .attempt_timeout(Duration::from_secs(3))
+        .build()
+        .map_err(failed)?;
+    let apply = Apply::new();
+    let running = Case::start_on(
+        client,
+        &url,
+        MemoryInbox::new(),
+        apply.clone(),
+        policy(3),
+        2,
+        None,
+    )?;
+    let payments = |from: usize| -> Vec<(String, Payment)> {
+        (from..from + 3)
+            .map(|i| {
+                (
+                    format!("silent-{i}-{}", case.name),
+                    Payment::new("acc-silent", 5),
+                )
+            })
+            .collect()
+    };
+    let applied = |count: usize| {
+        let apply = apply.clone();
+        until(
+            format!("{count} messages applied"),
+            Duration::from_secs(60),
+            move || {
+                let applied = apply.applied().len();
+                async move {
+                    match applied >= count {
+                        true => Ok(()),
+                        false => Err(format!("{applied} applied")),
+                    }
+                }
+            },
+        )
+    };
+    case.send(&url, &payments(0)).await?;
+    applied(3).await?;
+    proxy.set(Fault::Blackhole);
+    case.send(&url, &payments(3)).await?;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    proxy.set(Fault::None);
+    let back = Instant::now();
+    applied(6).await?;
+    let took = back.elapsed();
+    running.stop().await?;
+    let runs = apply.applied();
+    let keys: std::collections::HashSet<&str> = runs.iter().map(|run| run.key.as_str()).collect();
+    check(runs.len() == 6 && keys.len() == 6, || {
+        format!("{} applied runs of 6 messages: {runs:?}", runs.len())
+    })?;
+    check(apply.balance("acc-silent") == 30, || "balance".to_owned())?;
+    Ok(format!(
+        "6 messages, the link silent for 4 s: each applied once, the last 3 within {:.1} s of the link's return",
+        took.as_secs_f64()
+    ))
 }
 
 /// A proxy to moto that holds every chunk `latency` each way, and a client
