@@ -99,12 +99,7 @@ fn main() -> ExitCode {
                     .get_or_init(|| TestSqs::start().map_err(|e| format!("moto: {e}")))
                     .as_ref()
                     .map_err(|why| Failed::from(why.as_str()))?;
-                let client = ClientConfig::from_env()
-                    .endpoint(sqs.endpoint())
-                    .region("us-east-1")
-                    .credentials("test", "test")
-                    .build()
-                    .map_err(failed)?;
+                let client = local(sqs.port()).build().map_err(failed)?;
                 let case = Case {
                     client,
                     name: sqs.fresh_name(&name[..name.len().min(40)]),
@@ -128,6 +123,15 @@ fn main() -> ExitCode {
     // The server is stopped here, whatever the trials did.
     drop(server);
     conclusion.exit_code()
+}
+
+/// A client's settings for the SQS on 127.0.0.1's `port` (moto, or a proxy
+/// to it), which takes any credentials.
+fn local(port: u16) -> ClientConfig {
+    ClientConfig::from_env()
+        .endpoint(format!("http://127.0.0.1:{port}"))
+        .region("us-east-1")
+        .credentials("test", "test")
 }
 
 /// What the log events wrote.
@@ -596,10 +600,7 @@ async fn a_silent_link_holds_no_call_for_good(case: Case) -> Outcome {
     // for the visibility timeout: 5 s.
     let url = case.standard("5").await?;
     let proxy = Proxy::tcp((Ipv4Addr::LOCALHOST, case.port).into()).map_err(failed)?;
-    let client = ClientConfig::from_env()
-        .endpoint(format!("http://127.0.0.1:{}", proxy.port()))
-        .region("us-east-1")
-        .credentials("test", "test")
+    let client = local(proxy.port())
         .attempt_timeout(Duration::from_secs(3))
         .build()
         .map_err(failed)?;
@@ -666,12 +667,7 @@ async fn a_silent_link_holds_no_call_for_good(case: Case) -> Outcome {
 fn slow_link(case: &Case, latency: Duration) -> Result<(Proxy, Client), Failed> {
     let proxy = Proxy::tcp((Ipv4Addr::LOCALHOST, case.port).into()).map_err(failed)?;
     proxy.set(Fault::Latency(latency));
-    let client = ClientConfig::from_env()
-        .endpoint(format!("http://127.0.0.1:{}", proxy.port()))
-        .region("us-east-1")
-        .credentials("test", "test")
-        .build()
-        .map_err(failed)?;
+    let client = local(proxy.port()).build().map_err(failed)?;
     Ok((proxy, client))
 }
 

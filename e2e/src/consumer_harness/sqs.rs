@@ -458,11 +458,7 @@ async fn a_database_outage_spends_no_receive(mut case: Case) -> Result<String, S
     loop {
         let done = processed(&database, &case.inbox_consumer()).await?;
         // The queue is counted once the inbox is complete (see `drained`).
-        let left = match done == stream.unique as i64 {
-            true => depth(&client, &url).await?,
-            false => u64::MAX,
-        };
-        if left == 0 {
+        if done == stream.unique as i64 && depth(&client, &url).await? == 0 {
             break;
         }
         ensure!(
@@ -1026,11 +1022,7 @@ pub(crate) async fn fifo_exercise(case: Case) -> Result<Exercise, String> {
                 let logs = std::slice::from_ref(log);
                 let decided = outcomes(logs, "processed").len() + outcomes(logs, "duplicate").len();
                 // Counted once every delivery is decided (see `drained`).
-                let left = match decided >= deliveries {
-                    true => depth(client, url).await?,
-                    false => u64::MAX,
-                };
-                if left == 0 {
+                if decided >= deliveries && depth(client, url).await? == 0 {
                     let effects = case.balance(account).await?.operations;
                     return Ok::<_, String>((decided, effects));
                 }
